@@ -1,0 +1,122 @@
+"""Official-format checkpoint files: loading with key/shape checks, and hash-v1 tiny files.
+
+Models are built on the meta device and their tensors assigned from the file, so the 17 GB
+real checkpoint is never preceded by a random initialisation (spec §A).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..errors import CheckpointError
+from .config import LMConfig, MimiConfig
+from .hashinit import make_tensor
+
+log = logging.getLogger(__name__)
+
+_MAX_LISTED = 12
+
+
+def _listing(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_MAX_LISTED])
+    return shown + (f" … (+{len(keys) - _MAX_LISTED} more)" if len(keys) > _MAX_LISTED else "")
+
+
+def expected_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+
+
+def check_keys(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], path: Path | str) -> None:
+    """Raise a CheckpointError naming every missing, unexpected and mis-shaped key."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    misshaped = sorted(k for k in set(found) & set(expected) if tuple(found[k]) != tuple(expected[k]))
+    if not (missing or unexpected or misshaped):
+        return
+    parts = [f"checkpoint {path} does not match the model:"]
+    if missing:
+        parts.append(f"{len(missing)} missing key(s): {_listing(missing)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected key(s): {_listing(unexpected)}")
+    if misshaped:
+        parts.append(f"{len(misshaped)} key(s) with the wrong shape: " + _listing(
+            [f"{k} is {list(found[k])}, expected {list(expected[k])}" for k in misshaped]))
+    raise CheckpointError("; ".join(parts))
+
+
+def load_checkpoint(module: nn.Module, path: Path | str, dtype: torch.dtype | None,
+                    device: torch.device | str = "cpu", keep_fp32: Callable[[str], bool] | None = None) -> nn.Module:
+    """Assign the tensors of `path` to `module` (usually built on the meta device).
+
+    Floating tensors are cast to `dtype` (None keeps the file's), except keys for which
+    `keep_fp32(key)` is true. Integer buffers keep their type.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} does not exist")
+    expected = expected_shapes(module)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            check_keys(found, expected, path)
+            state = {}
+            for key in expected:
+                t = f.get_tensor(key)
+                if t.is_floating_point():
+                    want = torch.float32 if (keep_fp32 and keep_fp32(key)) else (dtype or t.dtype)
+                    t = t.to(want)
+                state[key] = t.to(device)
+    except CheckpointError:
+        raise
+    except Exception as e:  # safetensors raises plain errors on truncated or foreign files
+        raise CheckpointError(f"checkpoint file {path} could not be read ({type(e).__name__}: {e}); "
+                              "it may be truncated or not a safetensors file: delete it and download it again") from e
+    module.load_state_dict(state, strict=True, assign=True)
+    log.info("loaded %d tensors from %s", len(state), path.name)
+    return module
+
+
+def write_hash_checkpoint(module: nn.Module, path: Path | str, kind: str, seed: int,
+                          dtype: torch.dtype = torch.float32) -> Path:
+    """Write hash-v1 weights for every key of `module` (shapes only; meta is fine)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: torch.from_numpy(make_tensor(kind, k, shape, seed)).to(dtype)
+               for k, shape in expected_shapes(module).items()}
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt", "recipe": "hash-v1", "seed": str(seed)})
+    tmp.replace(path)
+    return path
+
+
+def meta_lm(cfg: LMConfig) -> nn.Module:
+    from .lm import PersonaPlexLM
+
+    with torch.device("meta"):
+        return PersonaPlexLM(cfg)
+
+
+def meta_mimi(cfg: MimiConfig) -> nn.Module:
+    from .mimi import Mimi
+
+    with torch.device("meta"):
+        return Mimi(cfg)
+
+
+def load_lm(cfg: LMConfig, path: Path | str, dtype: torch.dtype = torch.float32,
+            device: torch.device | str = "cpu") -> nn.Module:
+    lm = load_checkpoint(meta_lm(cfg), path, dtype, device)
+    return lm.eval().requires_grad_(False)
+
+
+def load_mimi(cfg: MimiConfig, path: Path | str, device: torch.device | str = "cpu") -> nn.Module:
+    # Mimi stays fp32 everywhere: it is small, and its codes decide which tokens the LM sees.
+    mimi = load_checkpoint(meta_mimi(cfg), path, torch.float32, device)
+    return mimi.eval().requires_grad_(False)

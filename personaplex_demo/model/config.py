@@ -1,0 +1,178 @@
+"""Model configurations: the full PersonaPlex-7B and the tiny hash-v1 test models.
+
+Field names follow NVIDIA's `LMModel` / `MimiModel` keyword arguments where one exists, so a
+config can be built from the kwargs stored next to a checkpoint (`from_kwargs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+# Row layout of one lockstep frame (spec §E): text, agent cb0..7, user cb0..7.
+PERSONAPLEX_DELAYS = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
+
+
+def _feedforward_hidden(dim: int, dim_feedforward: int) -> int:
+    # NVIDIA's ActivationGating: 21/8 when the FFN is exactly 4x, else 2/3 of it (spec §J.4).
+    if dim_feedforward == 4 * dim:
+        return (21 * dim) // 8
+    return (2 * dim_feedforward) // 3
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    dim: int = 4096
+    num_heads: int = 32
+    num_layers: int = 32
+    hidden_scale: float = 4.125
+    context: int = 3000
+    max_period: float = 10000.0
+    text_card: int = 32000
+    card: int = 2048
+    n_q: int = 16
+    dep_q: int = 16
+    depformer_dim: int = 1024
+    depformer_num_heads: int = 16
+    depformer_num_layers: int = 6
+    depformer_dim_feedforward: int = int(4.125 * 1024)
+    delays: tuple[int, ...] = PERSONAPLEX_DELAYS
+    norm_eps: float = 1e-8
+
+    @property
+    def num_rows(self) -> int:
+        """Token rows per frame: text + n_q audio rows (17)."""
+        return 1 + self.n_q
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def hidden(self) -> int:
+        return _feedforward_hidden(self.dim, int(self.hidden_scale * self.dim))
+
+    @property
+    def depformer_hidden(self) -> int:
+        return _feedforward_hidden(self.depformer_dim, self.depformer_dim_feedforward)
+
+    @property
+    def max_delay(self) -> int:
+        return max(self.delays)
+
+    @property
+    def ring_columns(self) -> int:
+        """Staging ring width CT = max_delay + 3 (spec §E)."""
+        return self.max_delay + 3
+
+    @classmethod
+    def personaplex_7b(cls) -> "LMConfig":
+        return cls()
+
+    @classmethod
+    def tiny(cls) -> "LMConfig":
+        """The golden fixtures' tiny LM (tests/golden/lm-tiny.config.json)."""
+        return cls(dim=64, num_heads=4, num_layers=2, depformer_dim=32, depformer_num_heads=4,
+                   depformer_num_layers=2, depformer_dim_feedforward=int(4.125 * 32))
+
+    @classmethod
+    def mid(cls) -> "LMConfig":
+        """A mid-size config for CPU benchmarks (about 1/8 of the real width)."""
+        return cls(dim=512, num_heads=8, num_layers=8, depformer_dim=256, depformer_num_heads=4,
+                   depformer_num_layers=4, depformer_dim_feedforward=int(4.125 * 256))
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> "LMConfig":
+        """Build from NVIDIA `LMModel` kwargs; unknown keys are architecture constants here."""
+        names = {f.name for f in fields(cls)}
+        picked = {k: v for k, v in kwargs.items() if k in names}
+        if "delays" in picked:
+            picked["delays"] = tuple(picked["delays"])
+        return cls(**picked)
+
+    def with_context(self, context: int) -> "LMConfig":
+        return replace(self, context=context)
+
+
+@dataclass(frozen=True)
+class MimiConfig:
+    sample_rate: int = 24000
+    frame_rate: float = 12.5
+    channels: int = 1
+    # SEANet
+    n_filters: int = 64
+    dimension: int = 512
+    ratios: tuple[int, ...] = (8, 6, 5, 4)
+    kernel_size: int = 7
+    residual_kernel_size: int = 3
+    last_kernel_size: int = 3
+    dilation_base: int = 2
+    compress: int = 2
+    # Transformers (encoder and decoder side)
+    transformer_d_model: int = 512
+    transformer_num_heads: int = 8
+    transformer_num_layers: int = 8
+    transformer_dim_feedforward: int = 2048
+    transformer_context: int = 250
+    transformer_max_period: float = 10000.0
+    # Split RVQ
+    quantizer_dimension: int = 256
+    quantizer_n_q: int = 32
+    quantizer_bins: int = 2048
+    num_codebooks: int = 8
+
+    @property
+    def frame_size(self) -> int:
+        """PCM samples per 80 ms frame (1920)."""
+        return int(self.sample_rate / self.frame_rate)
+
+    @property
+    def hop_length(self) -> int:
+        n = 1
+        for r in self.ratios:
+            n *= r
+        return n
+
+    @classmethod
+    def personaplex(cls) -> "MimiConfig":
+        return cls()
+
+    @classmethod
+    def tiny(cls) -> "MimiConfig":
+        """The golden fixtures' tiny Mimi (tests/golden/mimi-tiny.config.json)."""
+        return cls(n_filters=8, dimension=32, transformer_d_model=32, transformer_num_heads=4,
+                   transformer_num_layers=2, transformer_dim_feedforward=128, transformer_context=64,
+                   quantizer_dimension=16, quantizer_n_q=8)
+
+    @classmethod
+    def from_kwargs(cls, kw: dict[str, Any]) -> "MimiConfig":
+        """Build from the reference `{seanet, quantizer, transformer, model}` kwargs."""
+        s, q, t, m = kw["seanet"], kw["quantizer"], kw["transformer"], kw["model"]
+        return cls(
+            sample_rate=m["sample_rate"], frame_rate=m["frame_rate"], channels=s["channels"],
+            n_filters=s["n_filters"], dimension=s["dimension"], ratios=tuple(s["ratios"]),
+            kernel_size=s["kernel_size"], residual_kernel_size=s["residual_kernel_size"],
+            last_kernel_size=s["last_kernel_size"], dilation_base=s["dilation_base"],
+            compress=s["compress"], transformer_d_model=t["d_model"],
+            transformer_num_heads=t["num_heads"], transformer_num_layers=t["num_layers"],
+            transformer_dim_feedforward=t["dim_feedforward"], transformer_context=t["context"],
+            transformer_max_period=t["max_period"], quantizer_dimension=q["dimension"],
+            quantizer_n_q=q["n_q"], quantizer_bins=q["bins"], num_codebooks=m["num_codebooks"],
+        )
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """File names of a PersonaPlex model repository (spec §A)."""
+
+    lm: str = "model.safetensors"
+    mimi: str = "tokenizer-e351c8d8-checkpoint125.safetensors"
+    tokenizer: str = "tokenizer_spm_32k_3.model"
+    voices: str = "voices.tgz"
+
+
+def config_dict(cfg: Any) -> dict[str, Any]:
+    return asdict(cfg)
+
+
+__all__ = ["LMConfig", "MimiConfig", "ModelFiles", "PERSONAPLEX_DELAYS", "config_dict"]

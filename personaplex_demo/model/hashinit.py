@@ -1,0 +1,101 @@
+"""hash-v1: deterministic test weights from (key, seed, shape), bit-identical everywhere.
+
+This is the recipe of the golden fixtures (tests/golden/README.md §1): integer hashing in
+numpy, one float64 multiply and add, one round-to-nearest cast to float32. Tiny checkpoints
+and voice prompts made with it are written in the official file layout, so that the tests
+and the offline demo exercise the same loader as the real weights.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+
+M32 = np.uint64(0xFFFFFFFF)
+
+RULE_PARAMS = {
+    "weight_var": 3.0, "embedding_scale": 1.0, "norm_offset": 1.0, "norm_scale": 0.5,
+    "ln_bias_scale": 0.1, "layer_scale_offset": 0.1, "layer_scale_scale": 0.05,
+    "conv_bias_scale": 0.1, "codebook_scale": 0.5,
+    "cluster_usage_offset": 1.0, "cluster_usage_scale": 0.5,
+}
+_LM_EMB = re.compile(r"^(emb\.\d+|text_emb|depformer_emb\.\d+|depformer_text_emb)\.weight$")
+
+
+def fmix32(h: np.ndarray | np.uint64) -> np.ndarray:
+    """MurmurHash3's 32-bit finalizer, exact in uint64."""
+    h = np.asarray(h, dtype=np.uint64)
+    h = h ^ (h >> np.uint64(16))
+    h = (h * np.uint64(0x85EBCA6B)) & M32
+    h = h ^ (h >> np.uint64(13))
+    h = (h * np.uint64(0xC2B2AE35)) & M32
+    return h ^ (h >> np.uint64(16))
+
+
+def hash_u32(key: str, seed: int, n: int) -> np.ndarray:
+    """Hashes of element indices 0..n-1 for one tensor key."""
+    c = fmix32(np.uint64(zlib.crc32(key.encode("utf-8"))) ^ fmix32(np.uint64(seed)))
+    i = np.arange(n, dtype=np.uint64)
+    return fmix32(((i * np.uint64(0x9E3779B1)) & M32) ^ c)
+
+
+def hash_tensor(key: str, seed: int, shape: Sequence[int], offset: float, scale: float) -> np.ndarray:
+    """float32(offset + (2u - 1) * scale), u uniform in [0, 1)."""
+    shape = tuple(int(s) for s in shape)
+    if scale == 0.0:
+        return np.full(shape, offset, dtype=np.float32)
+    u = hash_u32(key, seed, int(np.prod(shape))).astype(np.float64) / 4294967296.0
+    v = (2.0 * u - 1.0) * scale
+    if offset != 0.0:
+        v = v + offset
+    return v.astype(np.float32).reshape(shape)
+
+
+def hash_ints(key: str, seed: int, shape: Sequence[int], high: int) -> np.ndarray:
+    """Integers h mod high (used for the tiny voices' saved staging rings)."""
+    return (hash_u32(key, seed, int(np.prod(shape))) % np.uint64(high)).astype(np.int64).reshape(shape)
+
+
+def rule(kind: str, key: str, shape: Sequence[int], p: dict[str, float] = RULE_PARAMS) -> tuple[float, float]:
+    """(offset, scale) of a tensor; kind is "lm" or "mimi". First match wins."""
+    if key.endswith("._initialized"):
+        return 1.0, 0.0
+    if key.endswith(".cluster_usage"):
+        return p["cluster_usage_offset"], p["cluster_usage_scale"]
+    if key.endswith(".embedding_sum"):
+        return 0.0, p["codebook_scale"]
+    if key.endswith(".alpha"):
+        return p["norm_offset"], p["norm_scale"]
+    if kind == "mimi" and re.search(r"\.norm\d\.weight$", key):
+        return p["norm_offset"], p["norm_scale"]
+    if kind == "mimi" and re.search(r"\.norm\d\.bias$", key):
+        return 0.0, p["ln_bias_scale"]
+    if "layer_scale" in key and key.endswith(".scale"):
+        return p["layer_scale_offset"], p["layer_scale_scale"]
+    if key.endswith(".bias"):
+        return 0.0, p["conv_bias_scale"]
+    if kind == "lm" and _LM_EMB.match(key):
+        return 0.0, p["embedding_scale"]
+    fan_in = int(np.prod(shape[1:]))
+    return 0.0, math.sqrt(p["weight_var"] / fan_in)
+
+
+def make_tensor(kind: str, key: str, shape: Sequence[int], seed: int,
+                p: dict[str, float] = RULE_PARAMS) -> np.ndarray:
+    return hash_tensor(key, seed, shape, *rule(kind, key, shape, p))
+
+
+def mimi_input(n_frames: int, seed: int) -> np.ndarray:
+    """Test signal "mimi-input-v1": a chirp with an envelope plus hashed noise, [n_frames, 1920]."""
+    n = n_frames * 1920
+    t = np.arange(n, dtype=np.float64) / 24000
+    total = n / 24000
+    phase = 2.0 * math.pi * (100.0 * t + (3000.0 - 100.0) * t * t / (2.0 * total))
+    env = 0.6 + 0.4 * np.sin(2.0 * math.pi * 0.5 * t)
+    noise = 2.0 * (hash_u32("mimi-input-noise", seed, n).astype(np.float64) / 4294967296.0) - 1.0
+    s = 0.4 * env * np.sin(phase) + 0.1 * noise
+    return (np.clip(np.round(s * 32768.0), -32768, 32767) / 32768.0).astype(np.float32).reshape(n_frames, 1920)

@@ -1,0 +1,22 @@
+"""Shared fixtures: the golden files and hash-v1 tiny checkpoints built once per session."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def golden(name: str) -> dict:
+    return json.loads((GOLDEN / name).read_text())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _deterministic_torch():
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
