@@ -376,3 +376,127 @@ class LockstepCore:
             del self.prompts[slot]
             self.live[slot] = True
         return CoreStep(frame, emitted & active, live)
+
+
+_CONTROL = {c for c in range(32) if chr(c) not in "\n\t"} | set(range(127, 160))
+MAX_PERSONA_CHARS = 4000
+
+
+@dataclass
+class EngineStats:
+    sanitized_frames: int = 0  # frames with NaN/inf or out-of-range samples that were cleaned
+
+
+class LockstepEngine:
+    """B conversations of PCM in, PCM and transcript out, one 80 ms frame per `step`.
+
+    Only the engine thread may call `start_session`, `end_session` and `step`;
+    `validate_request` and `persona_tokens` are safe from any thread.
+    """
+
+    frame_size = 1920
+    sample_rate = 24000
+
+    def __init__(self, lm: PersonaPlexLM, mimi, tokenizer, voices, batch_size: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 max_persona_tokens: int = MAX_PERSONA_TOKENS, prefix_cache_size: int = 8,
+                 context: int | None = None, stepwise_prefill: bool = False):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.batch_size = batch_size
+        self.core = LockstepCore(lm, batch_size, self.device, dtype, prefix_cache_size=prefix_cache_size,
+                                 context=context)
+        self.mimi = mimi
+        self.mimi_state = mimi.init_state(batch_size, device=self.device)
+        self.tokenizer = tokenizer
+        self.voices = voices
+        self.max_persona_tokens = max_persona_tokens
+        self.stepwise_prefill = stepwise_prefill
+        self.stats = EngineStats()
+        self._transcripts = [tokenizer.transcript_decoder(lm.cfg.text_card) for _ in range(batch_size)]
+        self._was_live = torch.zeros(batch_size, dtype=torch.bool, device=self.device)
+        self._silence = torch.tensor(SILENCE_CODES, dtype=torch.long, device=self.device)
+
+    @property
+    def voice_names(self) -> list[str]:
+        return list(self.voices.names)
+
+    # ---- requests (any thread) ------------------------------------------------------------------
+
+    def persona_tokens(self, persona: str) -> list[int]:
+        """Token ids of the persona's system prompt; raises a CallerError when it is unusable."""
+        if not isinstance(persona, str):
+            raise CallerError("the persona must be text")
+        if len(persona) > MAX_PERSONA_CHARS:
+            raise PersonaTooLongError(f"the persona is {len(persona)} characters long; the limit is "
+                                      f"{MAX_PERSONA_CHARS} characters ({self.max_persona_tokens} tokens)")
+        persona = persona.replace("\r\n", "\n").replace("\r", "\n")
+        bad = sorted({f"U+{ord(c):04X}" for c in persona if ord(c) in _CONTROL})
+        if bad:
+            raise CallerError(f"the persona contains control characters ({', '.join(bad[:5])}); "
+                              "use plain text, newlines and tabs only")
+        ids = self.tokenizer.encode_persona(persona)
+        if len(ids) > self.max_persona_tokens:
+            raise PersonaTooLongError(f"the persona is {len(ids)} tokens long with its <system> tags; the limit "
+                                      f"is {self.max_persona_tokens} tokens")
+        return ids
+
+    def validate_request(self, voice: str, persona: str, sampling: SamplingParams) -> None:
+        self.voices.check_name(voice)
+        self.persona_tokens(persona)
+        sampling.validate()
+
+    # ---- engine thread --------------------------------------------------------------------------
+
+    def start_session(self, slot: int, voice: str, persona: str, sampling: SamplingParams) -> None:
+        ids = self.persona_tokens(persona)
+        sampling.validate()
+        prompt = self.voices.load(voice, self.dtype, self.device, dim=self.core.cfg.dim)
+        tokens = VoiceTokens(prompt.name, prompt.embeddings.reshape(prompt.length, -1), prompt.cache[0])
+        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
+        self.core.start(slot, tokens, ids, sampling, seed, stepwise=self.stepwise_prefill)
+        self._transcripts[slot].reset()
+        log.debug("slot %d: session started (voice %s, %d persona tokens)", slot, voice, len(ids))
+
+    def end_session(self, slot: int) -> str:
+        """Stop `slot`; returns any transcript text still held back."""
+        self.core.end(slot)
+        return self._transcripts[slot].flush()
+
+    def sanitize(self, pcm: np.ndarray) -> np.ndarray:
+        """float32 [B, 1920]; NaN/inf become 0 and samples are clipped to [-1, 1] (counted)."""
+        pcm = np.asarray(pcm)
+        if pcm.shape != (self.batch_size, self.frame_size):
+            raise AudioFormatError(f"expected PCM of shape ({self.batch_size}, {self.frame_size}) at "
+                                   f"{self.sample_rate} Hz, got {tuple(pcm.shape)}")
+        if pcm.dtype == np.int16:
+            pcm = pcm.astype(np.float32) / 32768.0
+        pcm = pcm.astype(np.float32, copy=False)
+        bad = ~np.isfinite(pcm) | (np.abs(pcm) > 1.0)
+        if bad.any():
+            self.stats.sanitized_frames += int(bad.any(axis=1).sum())
+            pcm = np.clip(np.nan_to_num(pcm, nan=0.0, posinf=0.0, neginf=0.0), -1.0, 1.0)
+        return pcm
+
+    @torch.no_grad()
+    def step(self, pcm: np.ndarray) -> TickOutput:
+        pcm_t = torch.from_numpy(self.sanitize(pcm)).to(self.device)
+        live = self.core.live
+        newly_live = live & ~self._was_live
+        # A new caller's codec starts fresh, as the reference resets Mimi after the prompt.
+        self.mimi.reset_rows(self.mimi_state, newly_live)
+        codes = self.mimi.encode_step(pcm_t, self.mimi_state)
+        res = self.core.step(codes)
+        audio = res.frame[:, 1:9]
+        speak = res.live & res.emitted
+        # Mimi has no code 2048 (the initial token): silence for warm-up and hidden rows.
+        audio = torch.where(speak.view(-1, 1) & (audio < AUDIO_INITIAL), audio, self._silence.view(1, -1))
+        out = self.mimi.decode_step(audio, self.mimi_state)
+        out = torch.where(res.live.view(-1, 1), out.float(), torch.zeros((), device=out.device))
+        self._was_live = self.core.live.clone()
+        # One host transfer per tick: the PCM, the text ids and the masks together.
+        text_ids = torch.where(speak, res.frame[:, 0], torch.full_like(res.frame[:, 0], TEXT_PAD))
+        out_np = out.cpu().numpy()
+        ids = text_ids.tolist()
+        texts = [self._transcripts[b].push(i) if i != TEXT_PAD else "" for b, i in enumerate(ids)]
+        return TickOutput(out_np, texts)

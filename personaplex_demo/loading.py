@@ -1,0 +1,101 @@
+"""From options to a running engine: resolve the model files, load them, build the engine."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .engine import LockstepEngine
+from .hub import ModelSource, resolve_model
+from .model.checkpoint import load_lm, load_mimi
+from .model.config import LMConfig, MimiConfig
+from .tokenizer import TextTokenizer
+from .voices import VoiceCatalog
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[str, float], None]
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    model: str = "auto"  # auto | personaplex-7b-v1 | tiny
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    slots: int = 4
+    hf_repo: str = "nvidia/personaplex-7b-v1"
+    cache_dir: Path | None = None
+    context: int | None = None  # temporal context override (tests; default the model's)
+    prefix_cache_size: int = 8
+
+
+@dataclass
+class Runtime:
+    engine: LockstepEngine
+    model_name: str
+    is_tiny: bool
+    banner: str | None
+    tokenizer: TextTokenizer
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {device} was asked for, but torch sees no CUDA GPU; use --device cpu")
+    return d
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}: choose auto, float32, bfloat16 or float16")
+    return table[dtype]
+
+
+def build_runtime(options: RuntimeOptions, progress: ProgressFn | None = None) -> Runtime:
+    device = pick_device(options.device)
+    dtype = pick_dtype(options.dtype, device)
+    model = options.model
+    banner = None
+    if model == "auto" and device.type != "cuda":
+        model = "tiny"
+        banner = ("No CUDA GPU found: PersonaPlex-7B needs one, so this demo runs the tiny offline model. "
+                  "It babbles; every other part of the app is real.")
+    report = progress or (lambda msg, frac: None)
+    report("finding the model files", 0.0)
+    source = resolve_model(model, options.hf_repo, options.cache_dir, progress=report)
+    if source.is_tiny and banner is None:
+        banner = (f"{source.fallback_reason[0].upper()}{source.fallback_reason[1:]}. "
+                  "It babbles; every other part of the app is real." if source.fallback_reason else
+                  "Running the tiny offline model (hash-v1 weights): it babbles; every other part of the app is real.")
+    lm_cfg = LMConfig.tiny() if source.is_tiny else LMConfig.personaplex_7b()
+    mimi_cfg = MimiConfig.tiny() if source.is_tiny else MimiConfig.personaplex()
+    report("loading the language model", 0.6)
+    lm = load_lm(lm_cfg, source.lm_path, dtype, device)
+    report("loading the Mimi codec", 0.85)
+    mimi = load_mimi(mimi_cfg, source.mimi_path, device)
+    tokenizer = TextTokenizer(source.tokenizer_path)
+    voices = VoiceCatalog.from_archive(source.voices_path, source.directory / "voices")
+    engine = LockstepEngine(lm, mimi, tokenizer, voices, options.slots, device, dtype,
+                            prefix_cache_size=options.prefix_cache_size, context=options.context)
+    report("ready", 1.0)
+    log.info("engine ready: %s on %s (%s), %d slots", source.name, device, str(dtype).removeprefix("torch."),
+             options.slots)
+    return Runtime(engine, source.name, source.is_tiny, banner, tokenizer, source, device, dtype)
+
+
+def build_engine(model: str = "tiny", slots: int = 4, **kwargs) -> LockstepEngine:
+    """Shortcut for benchmarks and scripts."""
+    return build_runtime(RuntimeOptions(model=model, slots=slots, **kwargs)).engine

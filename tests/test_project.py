@@ -1,0 +1,121 @@
+"""Project files stay consistent: README and CI run the same tests; dependencies are pinned."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+CI_RUN = ROOT / ".ci" / "run"
+
+
+def readme_code_lines() -> list[str]:
+    """Lines inside the README's fenced code blocks."""
+    lines, inside = [], False
+    for line in README.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            inside = not inside
+        elif inside:
+            lines.append(line.strip())
+    return lines
+
+
+def readme_test_command() -> str:
+    found = [line for line in readme_code_lines() if "requirements-dev.txt" in line and "pytest" in line]
+    assert len(found) == 1, f"expected one test command in README.md, found {found}"
+    return found[0]
+
+
+def ci_test_command() -> str:
+    found = re.findall(r"^TEST_COMMAND=(.+)$", CI_RUN.read_text(encoding="utf-8"), flags=re.M)
+    assert len(found) == 1, "expected one TEST_COMMAND=... line in .ci/run"
+    words = shlex.split(found[0])
+    assert len(words) == 1, "TEST_COMMAND must be one quoted string"
+    return words[0]
+
+
+def pins(path: Path) -> dict[str, str]:
+    result: dict[str, str] = {}
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line or line.startswith("-r "):
+            continue
+        assert re.fullmatch(r"[A-Za-z0-9_.\-]+==[A-Za-z0-9_.+\-]+", line), (
+            f"{path.name}: not pinned with ==: {raw!r}"
+        )
+        name, version = line.split("==")
+        result[name.lower().replace("_", "-")] = version
+    return result
+
+
+def test_readme_and_ci_run_the_same_test_command() -> None:
+    assert readme_test_command() == ci_test_command()
+    assert (
+        ci_test_command()
+        == "pip install torch==2.13.0 && pip install -r requirements-dev.txt && python -m pytest"
+    )
+
+
+def test_readme_start_command() -> None:
+    assert (
+        "pip install torch==2.13.0 && pip install -r requirements.txt && python app.py" in readme_code_lines()
+    )
+    assert "http://127.0.0.1:7860" in README.read_text(encoding="utf-8")
+
+
+def test_readme_space_front_matter() -> None:
+    text = README.read_text(encoding="utf-8")
+    assert text.startswith("---\ntitle: PersonaPlex Live\n")
+    front = text.split("---\n", 2)[1]
+    for line in ("sdk: gradio", "sdk_version: 5.50.0", "app_file: app.py", "suggested_hardware: a100-large"):
+        assert line in front.splitlines()
+    for section in (
+        "## Running on your own GPU box",
+        "## Hosting as a Hugging Face Space",
+        "## Offline CLI",
+        "## Architecture",
+    ):
+        assert section in text.splitlines()
+
+
+def test_ci_run_script() -> None:
+    text = CI_RUN.read_text(encoding="utf-8")
+    assert os.access(CI_RUN, os.X_OK), ".ci/run must be executable"
+    assert text.startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in text
+    assert 'bash -c "$TEST_COMMAND"' in text
+    assert '"$rc" -eq 5' in text  # pytest's "no tests collected" must fail CI
+    assert "chromium espeak-ng sox" in text
+
+
+def test_requirements_are_pinned() -> None:
+    runtime = pins(ROOT / "requirements.txt")
+    assert runtime["torch"] == "2.13.0"
+    assert runtime["gradio"] == "5.50.0"
+    assert runtime["fastrtc"] == "0.0.34"
+    for name in (
+        "numpy",
+        "safetensors",
+        "sentencepiece",
+        "huggingface-hub",
+        "pyloudnorm",
+        "soundfile",
+        "tqdm",
+        "av",
+        "protobuf",
+    ):
+        assert name in runtime, name
+    dev_text = (ROOT / "requirements-dev.txt").read_text(encoding="utf-8")
+    assert "-r requirements.txt" in dev_text.splitlines()
+    dev = pins(ROOT / "requirements-dev.txt")
+    for name in ("pytest", "pytest-asyncio", "playwright", "aiohttp", "httpx", "ruff"):
+        assert name in dev, name
+    assert not set(dev) & set(runtime), "requirements-dev.txt repeats a runtime pin"
+
+
+def test_space_sdk_version_matches_the_gradio_pin() -> None:
+    front = README.read_text(encoding="utf-8").split("---\n", 2)[1]
+    sdk = re.search(r"^sdk_version: (\S+)$", front, flags=re.M)
+    assert sdk and sdk.group(1) == pins(ROOT / "requirements.txt")["gradio"]
