@@ -60,6 +60,8 @@ class SamplingParams:
 class TickOutput:
     pcm: np.ndarray  # float32 [B, 1920]: agent audio; zeros for rows that are not live
     text: list[str]  # per row: transcript text that became final this tick ("" if none)
+    tokens: np.ndarray | None = None  # int64 [B, 17]: the emitted frame (text, agent, user codes)
+    live: np.ndarray | None = None  # bool [B]: rows whose output is a real conversation frame
 
 
 @dataclass(frozen=True)
@@ -414,7 +416,8 @@ class LockstepEngine:
         self.stepwise_prefill = stepwise_prefill
         self.stats = EngineStats()
         self._transcripts = [tokenizer.transcript_decoder(lm.cfg.text_card) for _ in range(batch_size)]
-        self._was_live = torch.zeros(batch_size, dtype=torch.bool, device=self.device)
+        # Rows whose codec state must start fresh when their conversation begins.
+        self._codec_reset = torch.zeros(batch_size, dtype=torch.bool, device=self.device)
         self._silence = torch.tensor(SILENCE_CODES, dtype=torch.long, device=self.device)
 
     @property
@@ -456,6 +459,7 @@ class LockstepEngine:
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
         self.core.start(slot, tokens, ids, sampling, seed, stepwise=self.stepwise_prefill)
         self._transcripts[slot].reset()
+        self._codec_reset[slot] = True
         log.debug("slot %d: session started (voice %s, %d persona tokens)", slot, voice, len(ids))
 
     def end_session(self, slot: int) -> str:
@@ -481,10 +485,10 @@ class LockstepEngine:
     @torch.no_grad()
     def step(self, pcm: np.ndarray) -> TickOutput:
         pcm_t = torch.from_numpy(self.sanitize(pcm)).to(self.device)
-        live = self.core.live
-        newly_live = live & ~self._was_live
         # A new caller's codec starts fresh, as the reference resets Mimi after the prompt.
-        self.mimi.reset_rows(self.mimi_state, newly_live)
+        fresh = self._codec_reset & self.core.live
+        self.mimi.reset_rows(self.mimi_state, fresh)
+        self._codec_reset &= ~fresh
         codes = self.mimi.encode_step(pcm_t, self.mimi_state)
         res = self.core.step(codes)
         audio = res.frame[:, 1:9]
@@ -493,10 +497,9 @@ class LockstepEngine:
         audio = torch.where(speak.view(-1, 1) & (audio < AUDIO_INITIAL), audio, self._silence.view(1, -1))
         out = self.mimi.decode_step(audio, self.mimi_state)
         out = torch.where(res.live.view(-1, 1), out.float(), torch.zeros((), device=out.device))
-        self._was_live = self.core.live.clone()
         # One host transfer per tick: the PCM, the text ids and the masks together.
         text_ids = torch.where(speak, res.frame[:, 0], torch.full_like(res.frame[:, 0], TEXT_PAD))
         out_np = out.cpu().numpy()
-        ids = text_ids.tolist()
-        texts = [self._transcripts[b].push(i) if i != TEXT_PAD else "" for b, i in enumerate(ids)]
-        return TickOutput(out_np, texts)
+        frame = torch.cat([text_ids[:, None], res.frame[:, 1:], speak[:, None].long()], dim=1).cpu().numpy()
+        texts = [self._transcripts[b].push(i) if i != TEXT_PAD else "" for b, i in enumerate(frame[:, 0].tolist())]
+        return TickOutput(out_np, texts, frame[:, :17], frame[:, 17].astype(bool))

@@ -31,6 +31,7 @@ class RuntimeOptions:
     cache_dir: Path | None = None
     context: int | None = None  # temporal context override (tests; default the model's)
     prefix_cache_size: int = 8
+    stepwise_prefill: bool = False  # play system prompts tick by tick, as the reference does
 
 
 @dataclass
@@ -89,7 +90,8 @@ def build_runtime(options: RuntimeOptions, progress: ProgressFn | None = None) -
     tokenizer = TextTokenizer(source.tokenizer_path)
     voices = VoiceCatalog.from_archive(source.voices_path, source.directory / "voices")
     engine = LockstepEngine(lm, mimi, tokenizer, voices, options.slots, device, dtype,
-                            prefix_cache_size=options.prefix_cache_size, context=options.context)
+                            prefix_cache_size=options.prefix_cache_size, context=options.context,
+                            stepwise_prefill=options.stepwise_prefill)
     report("ready", 1.0)
     log.info("engine ready: %s on %s (%s), %d slots", source.name, device, str(dtype).removeprefix("torch."),
              options.slots)

@@ -20,3 +20,16 @@ def _deterministic_torch():
     torch.set_num_threads(min(2, torch.get_num_threads()))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.fixture(scope="session")
+def tiny_repo(tmp_path_factory):
+    """The tiny offline model repository, built once per test session."""
+    from personaplex_demo.tiny import ensure_tiny_repo
+
+    return ensure_tiny_repo(tmp_path_factory.mktemp("model-cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_cache_dir(tiny_repo):
+    return tiny_repo.parent

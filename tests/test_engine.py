@@ -1,0 +1,147 @@
+"""The PCM engine: batch isolation, prefill paths, long calls, sampling and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from personaplex_demo.engine import SamplingParams
+from personaplex_demo.errors import AudioFormatError, CallerError, PersonaTooLongError, UnknownVoiceError
+from personaplex_demo.loading import RuntimeOptions, build_runtime
+
+PERSONA = "You enjoy having a good conversation."
+GREEDY = SamplingParams(greedy=True)
+
+
+def make_engine(cache_dir, slots: int, **kw):
+    return build_runtime(RuntimeOptions(model="tiny", slots=slots, cache_dir=cache_dir, **kw)).engine
+
+
+def speech_like(rng: np.random.Generator, n: int) -> np.ndarray:
+    t = np.arange(n * 1920) / 24000
+    f = rng.uniform(100, 400)
+    x = 0.3 * np.sin(2 * np.pi * f * t) * (np.sin(2 * np.pi * 0.7 * t) > 0) + 0.02 * rng.standard_normal(t.size)
+    return x.astype(np.float32).reshape(n, 1920)
+
+
+def run_alone(engine, audio, voice, persona, sampling, slot=0):
+    engine.start_session(slot, voice, persona, sampling)
+    frames = []
+    for x in audio:
+        pcm = np.zeros((engine.batch_size, 1920), np.float32)
+        pcm[slot] = x
+        frames.append(engine.step(pcm).tokens[slot].copy())
+    return np.stack(frames)
+
+
+def test_batch_isolation_with_random_neighbours_and_recycles(tiny_cache_dir):
+    rng = np.random.default_rng(7)
+    audio = speech_like(rng, 60)
+    alone = run_alone(make_engine(tiny_cache_dir, 1), audio, "NATM1", PERSONA, GREEDY)
+
+    engine = make_engine(tiny_cache_dir, 4)
+    voices = engine.voice_names
+    words = ["pirate", "teacher", "astronaut", "chef", "banker", "calm", "loud"]
+
+    def neighbour(slot):
+        persona = " ".join(rng.choice(words, size=int(rng.integers(0, 12))))
+        sampling = SamplingParams(seed=int(rng.integers(0, 2**31))) if rng.random() < 0.5 else GREEDY
+        engine.start_session(slot, str(rng.choice(voices)), persona, sampling)
+
+    for slot in (0, 1, 3):
+        neighbour(slot)
+    engine.start_session(2, "NATM1", PERSONA, GREEDY)
+    frames = []
+    for x in audio:
+        if rng.random() < 0.15:  # a neighbour hangs up or a new caller arrives
+            slot = int(rng.choice([0, 1, 3]))
+            engine.end_session(slot) if rng.random() < 0.3 else neighbour(slot)
+        pcm = rng.uniform(-0.5, 0.5, size=(4, 1920)).astype(np.float32)
+        pcm[2] = x
+        frames.append(engine.step(pcm).tokens[2].copy())
+    np.testing.assert_array_equal(np.stack(frames), alone)
+
+
+def test_fast_prefill_equals_stepwise_and_cache_is_reused(tiny_cache_dir):
+    rng = np.random.default_rng(3)
+    audio = speech_like(rng, 40)
+    stepwise = make_engine(tiny_cache_dir, 1, stepwise_prefill=True)
+    stepwise.start_session(0, "VARF3", PERSONA, GREEDY)
+    warm = 0
+    while not stepwise.core.live[0]:
+        stepwise.step(np.zeros((1, 1920), np.float32))
+        warm += 1
+    assert warm == 1 + stepwise.voices.load("VARF3").length + 12 + len(stepwise.persona_tokens(PERSONA))
+    ref = np.stack([stepwise.step(x[None]).tokens[0].copy() for x in audio])
+
+    fast = make_engine(tiny_cache_dir, 2)
+    got = run_alone(fast, audio, "VARF3", PERSONA, GREEDY, slot=1)
+    np.testing.assert_array_equal(got, ref)
+    assert fast.core.stats.prefix_misses == 1 and fast.core.stats.prefix_hits == 0
+    again = run_alone(fast, audio, "VARF3", PERSONA, GREEDY, slot=0)
+    assert fast.core.stats.prefix_hits == 1 and fast.core.stats.prefills == 1
+    np.testing.assert_array_equal(again, ref)
+
+
+def test_call_longer_than_the_context_keeps_running(tiny_cache_dir):
+    engine = make_engine(tiny_cache_dir, 2, context=16)
+    engine.start_session(0, "NATF2", PERSONA, SamplingParams(seed=5))
+    rng = np.random.default_rng(0)
+    live_frames = 0
+    for x in speech_like(rng, 80):  # 80 ticks through a 16-frame window
+        out = engine.step(np.stack([x, np.zeros(1920, np.float32)]))
+        assert np.isfinite(out.pcm).all()
+        live_frames += int(out.live[0])
+    assert live_frames == 80 and int(engine.core.kv[0].end[0]) > 16 * 4
+
+
+def test_seed_makes_a_call_reproducible_and_knobs_matter(tiny_cache_dir):
+    engine = make_engine(tiny_cache_dir, 1)
+    audio = speech_like(np.random.default_rng(1), 30)
+    a = run_alone(engine, audio, "NATF2", PERSONA, SamplingParams(seed=11))
+    b = run_alone(engine, audio, "NATF2", PERSONA, SamplingParams(seed=11))
+    c = run_alone(engine, audio, "NATF2", PERSONA, SamplingParams(seed=12))
+    d = run_alone(engine, audio, "NATF2", PERSONA, SamplingParams(seed=11, text_top_k=1, audio_top_k=1))
+    g = run_alone(engine, audio, "NATF2", PERSONA, GREEDY)
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+    # top-k 1 is greedy whatever the seed: the caller's knobs are honoured.
+    np.testing.assert_array_equal(d, g)
+
+
+def test_bad_requests_are_specific_errors(tiny_cache_dir):
+    engine = make_engine(tiny_cache_dir, 1)
+    with pytest.raises(UnknownVoiceError, match="NATF2"):
+        engine.validate_request("NOPE", PERSONA, GREEDY)
+    with pytest.raises(UnknownVoiceError):
+        engine.validate_request("../../x", PERSONA, GREEDY)
+    with pytest.raises(PersonaTooLongError, match=f"limit is {engine.max_persona_tokens} tokens"):
+        engine.validate_request("NATF2", "word " * 700, GREEDY)
+    with pytest.raises(PersonaTooLongError, match="characters"):
+        engine.validate_request("NATF2", "x" * 100_000, GREEDY)
+    with pytest.raises(CallerError, match="control characters"):
+        engine.validate_request("NATF2", "hello\x00world\x1b[31m", GREEDY)
+    with pytest.raises(CallerError, match="text_temperature"):
+        engine.validate_request("NATF2", PERSONA, SamplingParams(text_temperature=float("nan")))
+    engine.validate_request("NATF2", "", GREEDY)  # an empty persona is allowed
+    with pytest.raises(AudioFormatError, match="1920"):
+        engine.step(np.zeros((1, 960), np.float32))
+
+
+def test_nan_and_clipped_audio_are_sanitised_without_touching_neighbours(tiny_cache_dir):
+    audio = speech_like(np.random.default_rng(2), 20)
+    clean = make_engine(tiny_cache_dir, 2)
+    clean.start_session(0, "NATF2", PERSONA, GREEDY)
+    clean.start_session(1, "NATM0", "", GREEDY)
+    dirty = make_engine(tiny_cache_dir, 2)
+    dirty.start_session(0, "NATF2", PERSONA, GREEDY)
+    dirty.start_session(1, "NATM0", "", GREEDY)
+    for i, x in enumerate(audio):
+        noisy = np.full(1920, np.nan if i % 2 else 7.0, np.float32)
+        noisy[::3] = np.inf
+        a = clean.step(np.stack([x, np.zeros(1920, np.float32)]))
+        b = dirty.step(np.stack([x, noisy]))
+        np.testing.assert_array_equal(a.tokens[0], b.tokens[0])
+        np.testing.assert_array_equal(a.pcm[0], b.pcm[0])
+        assert np.isfinite(b.pcm).all()
+    assert dirty.stats.sanitized_frames == len(audio)
