@@ -69,3 +69,24 @@ def test_golden_session_fast_prefill(fixture):
     assert len(expected) == 80
     for (o, e), (_, a) in zip(expected, actual):
         assert a == e, f"{fixture}: first difference at o={o}"
+
+
+def test_bf16_session_diagnostic():
+    """bf16 has exact logit ties, so the strict fixture is a diagnostic (golden README §7):
+    the prompt and the first 40 conversation ticks must still agree with the reference."""
+    g = golden("lm-greedy-bf16.json")
+    lm = tiny_lm(None, torch.bfloat16)
+    core = LockstepCore(lm, 1, dtype=torch.bfloat16, skip_user_steps=False)
+    core.start(0, golden_voice(g["inputs"]["voice"], torch.bfloat16), g["inputs"]["persona"], GREEDY, 0,
+               stepwise=True)
+    first = g["summary"]["first_conversation_o"]
+    user = g["inputs"]["user_codes"]
+    ticks = {t["o"]: t for t in g["ticks"]}
+    first_diff = None
+    for o in range(0, g["ticks"][-1]["o"] + 1):
+        res = core.step(torch.tensor([user[o - first] if o >= first else [0] * 8]))
+        rec = ticks.get(o)
+        if rec and rec["emitted"] and res.frame[0].tolist() != rec["out"]:
+            first_diff = o
+            break
+    assert first_diff is None or first_diff >= first + 40, f"bf16 leaves the reference at o={first_diff}"
