@@ -22,10 +22,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .cuda_graphs import CudaGraphed
 from .errors import AudioFormatError, CallerError, PersonaTooLongError
 from .model.config import LMConfig
 from .model.lm import PersonaPlexLM
-from .model.transformer import RingKV
 from .sampling import SamplingState, sample
 from .tokens import AUDIO_INITIAL, SILENCE_CODES, SILENCE_FRAMES, SINE_CODES, TEXT_INITIAL, TEXT_PAD
 
@@ -190,7 +190,7 @@ class LockstepCore:
 
     def __init__(self, lm: PersonaPlexLM, batch_size: int, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, skip_user_steps: bool = True,
-                 prefix_cache_size: int = 8, context: int | None = None):
+                 prefix_cache_size: int = 8, context: int | None = None, cuda_graphs: bool = False):
         self.lm = lm
         self.cfg: LMConfig = lm.cfg
         self.B = batch_size
@@ -214,6 +214,9 @@ class LockstepCore:
         self._rows = torch.arange(batch_size, device=self.device)
         self._max_text_k = 25
         self._max_audio_k = 250
+        # One graph per (text top-k, audio top-k) bucket in use; eager on the CPU.
+        self._graphed_live_tick = CudaGraphed(self._live_tick, "lockstep tick",
+                                              enabled=cuda_graphs and self.device.type == "cuda")
 
     # ---- slots --------------------------------------------------------------------------------
 
@@ -322,40 +325,60 @@ class LockstepCore:
     # ---- one tick -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, user_codes: torch.Tensor) -> "CoreStep":
+    def step(self, user_codes: torch.Tensor) -> CoreStep:
         """One tick. user_codes [B, 8] for the live rows (others are ignored)."""
-        B, K = self.B, self.ring.K
-        live = self.live.clone()
-        values = torch.zeros(B, K, dtype=torch.long, device=self.device)
-        values[:, 9:] = user_codes.to(self.device)
-        mask = torch.zeros(B, K, dtype=torch.bool, device=self.device)
-        mask[:, 9:] = live.view(-1, 1)
-        override = None
+        user_codes = user_codes.to(self.device)
+        if not self.prompts:  # the hot path: only live and idle rows
+            return self._graphed_live_tick(user_codes, key=(self._max_text_k, self._max_audio_k))
+        # Stepwise system prompts (the reference's way; tests and diagnostics).
+        B = self.B
+        values, mask = self._user_staging(user_codes)
         dead = torch.zeros(B, dtype=torch.bool, device=self.device)
         prompt_rows = torch.zeros(B, dtype=torch.bool, device=self.device)
+        override = torch.zeros(B, self.cfg.dim, dtype=self.dtype, device=self.device)
+        use_override = torch.zeros(B, dtype=torch.bool, device=self.device)
         finished = []
-        if self.prompts:  # stepwise system prompts (reference path; not the hot path)
-            override = torch.zeros(B, self.cfg.dim, dtype=self.dtype, device=self.device)
-            use_override = torch.zeros(B, dtype=torch.bool, device=self.device)
-            for slot, prompt in self.prompts.items():
-                step = prompt.steps.popleft()
-                if step.restore:
-                    self.ring.cache[slot] = prompt.voice.cache.to(self.device)
-                v, m = self._prompt_staging(step, self.device)
-                values[slot], mask[slot] = v, m
-                prompt_rows[slot] = True
-                if step.kind == "dead":
-                    dead[slot] = True
-                elif step.kind == "voice":
-                    override[slot] = prompt.voice.embeddings[step.index].to(self.device, self.dtype)
-                    use_override[slot] = True
-                if not prompt.steps:
-                    finished.append(slot)
-        rows = live | prompt_rows
+        for slot, prompt in self.prompts.items():
+            step = prompt.steps.popleft()
+            if step.restore:
+                self.ring.cache[slot] = prompt.voice.cache.to(self.device)
+            values[slot], mask[slot] = self._prompt_staging(step, self.device)
+            prompt_rows[slot] = True
+            if step.kind == "dead":
+                dead[slot] = True
+            elif step.kind == "voice":
+                override[slot] = prompt.voice.embeddings[step.index].to(self.device, self.dtype)
+                use_override[slot] = True
+            if not prompt.steps:
+                finished.append(slot)
+        res = self._tick(values, mask, self.live | prompt_rows, dead, override, use_override)
+        for slot in finished:
+            del self.prompts[slot]
+            self.live[slot] = True
+        return res
+
+    def _user_staging(self, user_codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values = torch.zeros(self.B, self.ring.K, dtype=torch.long, device=self.device)
+        values[:, 9:] = user_codes
+        mask = torch.zeros(self.B, self.ring.K, dtype=torch.bool, device=self.device)
+        mask[:, 9:] = self.live.view(-1, 1)
+        return values, mask
+
+    def _live_tick(self, user_codes: torch.Tensor) -> CoreStep:
+        values, mask = self._user_staging(user_codes)
+        return self._tick(values, mask, self.live.clone(), None, None, None)
+
+    def _tick(self, values: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None,
+              override: torch.Tensor | None, use_override: torch.Tensor | None) -> CoreStep:
+        """The lockstep algorithm of spec §E for every row at once: tensors in, tensors out,
+        no host sync. `rows` step this tick; `dead` rows take the model-less offset-0 step."""
+        live = self.live.clone()
         self.ring.stage(values, mask)
         self.ring.warm_up(rows)
-        self.ring.dead_step(dead)
-        active = rows & ~dead
+        active = rows
+        if dead is not None:
+            self.ring.dead_step(dead)
+            active = rows & ~dead
         inp, target, prov = self.ring.columns()
         x = self.lm.embed_codes(inp).to(self.dtype)
         if override is not None:
@@ -374,9 +397,6 @@ class LockstepCore:
         self.ring.commit(chosen, active)
         frame, emitted = self.ring.emitted()
         self.ring.advance(active)
-        for slot in finished:
-            del self.prompts[slot]
-            self.live[slot] = True
         return CoreStep(frame, emitted & active, live)
 
 
@@ -402,14 +422,17 @@ class LockstepEngine:
     def __init__(self, lm: PersonaPlexLM, mimi, tokenizer, voices, batch_size: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  max_persona_tokens: int = MAX_PERSONA_TOKENS, prefix_cache_size: int = 8,
-                 context: int | None = None, stepwise_prefill: bool = False):
+                 context: int | None = None, stepwise_prefill: bool = False, cuda_graphs: bool = True):
         self.device = torch.device(device)
         self.dtype = dtype
         self.batch_size = batch_size
         self.core = LockstepCore(lm, batch_size, self.device, dtype, prefix_cache_size=prefix_cache_size,
-                                 context=context)
+                                 context=context, cuda_graphs=cuda_graphs)
         self.mimi = mimi
         self.mimi_state = mimi.init_state(batch_size, device=self.device)
+        graphs = cuda_graphs and self.device.type == "cuda"
+        self._encode = CudaGraphed(lambda pcm: mimi.encode_step(pcm, self.mimi_state), "mimi encode", graphs)
+        self._decode = CudaGraphed(lambda codes: mimi.decode_step(codes, self.mimi_state), "mimi decode", graphs)
         self.tokenizer = tokenizer
         self.voices = voices
         self.max_persona_tokens = max_persona_tokens
@@ -489,13 +512,13 @@ class LockstepEngine:
         fresh = self._codec_reset & self.core.live
         self.mimi.reset_rows(self.mimi_state, fresh)
         self._codec_reset &= ~fresh
-        codes = self.mimi.encode_step(pcm_t, self.mimi_state)
+        codes = self._encode(pcm_t)
         res = self.core.step(codes)
         audio = res.frame[:, 1:9]
         speak = res.live & res.emitted
         # Mimi has no code 2048 (the initial token): silence for warm-up and hidden rows.
         audio = torch.where(speak.view(-1, 1) & (audio < AUDIO_INITIAL), audio, self._silence.view(1, -1))
-        out = self.mimi.decode_step(audio, self.mimi_state)
+        out = self._decode(audio)
         out = torch.where(res.live.view(-1, 1), out.float(), torch.zeros((), device=out.device))
         # One host transfer per tick: the PCM, the text ids and the masks together.
         text_ids = torch.where(speak, res.frame[:, 0], torch.full_like(res.frame[:, 0], TEXT_PAD))

@@ -32,6 +32,7 @@ class RuntimeOptions:
     context: int | None = None  # temporal context override (tests; default the model's)
     prefix_cache_size: int = 8
     stepwise_prefill: bool = False  # play system prompts tick by tick, as the reference does
+    cuda_graphs: bool = True  # capture the tick as CUDA graphs on a GPU (eager fallback)
 
 
 @dataclass
@@ -91,7 +92,7 @@ def build_runtime(options: RuntimeOptions, progress: ProgressFn | None = None) -
     voices = VoiceCatalog.from_archive(source.voices_path, source.directory / "voices")
     engine = LockstepEngine(lm, mimi, tokenizer, voices, options.slots, device, dtype,
                             prefix_cache_size=options.prefix_cache_size, context=options.context,
-                            stepwise_prefill=options.stepwise_prefill)
+                            stepwise_prefill=options.stepwise_prefill, cuda_graphs=options.cuda_graphs)
     report("ready", 1.0)
     log.info("engine ready: %s on %s (%s), %d slots", source.name, device, str(dtype).removeprefix("torch."),
              options.slots)

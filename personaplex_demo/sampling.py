@@ -45,7 +45,7 @@ class SamplingState:
     seed: torch.Tensor  # long
 
     @classmethod
-    def empty(cls, batch: int, device: torch.device | str) -> "SamplingState":
+    def empty(cls, batch: int, device: torch.device | str) -> SamplingState:
         return cls(torch.ones(batch, device=device), torch.ones(batch, dtype=torch.long, device=device),
                    torch.ones(batch, dtype=torch.bool, device=device), torch.zeros(batch, dtype=torch.long, device=device))
 

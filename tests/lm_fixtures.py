@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ def tiny_lm_config(overrides: dict | None = None) -> LMConfig:
     return cfg
 
 
-@lru_cache(maxsize=None)
+@cache
 def tiny_lm_file(dtype: torch.dtype = torch.float32) -> Path:
     import tempfile
 

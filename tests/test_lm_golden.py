@@ -12,7 +12,7 @@ from personaplex_demo.engine import LockstepCore, SamplingParams
 from personaplex_demo.model.hashinit import make_tensor
 
 from .conftest import golden
-from .lm_fixtures import LM_SEED, golden_persona, golden_voice, tiny_lm
+from .lm_fixtures import LM_SEED, golden_voice, tiny_lm
 
 GREEDY = SamplingParams(greedy=True)
 

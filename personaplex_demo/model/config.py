@@ -66,23 +66,23 @@ class LMConfig:
         return self.max_delay + 3
 
     @classmethod
-    def personaplex_7b(cls) -> "LMConfig":
+    def personaplex_7b(cls) -> LMConfig:
         return cls()
 
     @classmethod
-    def tiny(cls) -> "LMConfig":
+    def tiny(cls) -> LMConfig:
         """The golden fixtures' tiny LM (tests/golden/lm-tiny.config.json)."""
         return cls(dim=64, num_heads=4, num_layers=2, depformer_dim=32, depformer_num_heads=4,
                    depformer_num_layers=2, depformer_dim_feedforward=int(4.125 * 32))
 
     @classmethod
-    def mid(cls) -> "LMConfig":
+    def mid(cls) -> LMConfig:
         """A mid-size config for CPU benchmarks (about 1/8 of the real width)."""
         return cls(dim=512, num_heads=8, num_layers=8, depformer_dim=256, depformer_num_heads=4,
                    depformer_num_layers=4, depformer_dim_feedforward=int(4.125 * 256))
 
     @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any]) -> "LMConfig":
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> LMConfig:
         """Build from NVIDIA `LMModel` kwargs; unknown keys are architecture constants here."""
         names = {f.name for f in fields(cls)}
         picked = {k: v for k, v in kwargs.items() if k in names}
@@ -90,7 +90,7 @@ class LMConfig:
             picked["delays"] = tuple(picked["delays"])
         return cls(**picked)
 
-    def with_context(self, context: int) -> "LMConfig":
+    def with_context(self, context: int) -> LMConfig:
         return replace(self, context=context)
 
 
@@ -134,18 +134,18 @@ class MimiConfig:
         return n
 
     @classmethod
-    def personaplex(cls) -> "MimiConfig":
+    def personaplex(cls) -> MimiConfig:
         return cls()
 
     @classmethod
-    def tiny(cls) -> "MimiConfig":
+    def tiny(cls) -> MimiConfig:
         """The golden fixtures' tiny Mimi (tests/golden/mimi-tiny.config.json)."""
         return cls(n_filters=8, dimension=32, transformer_d_model=32, transformer_num_heads=4,
                    transformer_num_layers=2, transformer_dim_feedforward=128, transformer_context=64,
                    quantizer_dimension=16, quantizer_n_q=8)
 
     @classmethod
-    def from_kwargs(cls, kw: dict[str, Any]) -> "MimiConfig":
+    def from_kwargs(cls, kw: dict[str, Any]) -> MimiConfig:
         """Build from the reference `{seanet, quantizer, transformer, model}` kwargs."""
         s, q, t, m = kw["seanet"], kw["quantizer"], kw["transformer"], kw["model"]
         return cls(

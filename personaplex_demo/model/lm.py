@@ -14,8 +14,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import LMConfig
-from .transformer import (Attention, RingKV, RMSNorm, SwiGLU, apply_rope, prefill_attention_mask,
-                          step_attention_mask)
+from .transformer import (
+    Attention,
+    RingKV,
+    RMSNorm,
+    SwiGLU,
+    apply_rope,
+    prefill_attention_mask,
+    step_attention_mask,
+)
 
 
 class ZeroableEmbedding(nn.Embedding):
@@ -85,6 +92,7 @@ class PersonaPlexLM(nn.Module):
         self.depformer_emb = nn.ModuleList(ZeroableEmbedding(cfg.card + 1, Dd) for _ in range(cfg.dep_q - 1))
         self.depformer = Stack([DepformerLayer(cfg) for _ in range(cfg.depformer_num_layers)])
         self.linears = nn.ModuleList(nn.Linear(Dd, cfg.card, bias=False) for _ in range(cfg.dep_q))
+        self._step_masks: dict[torch.device, torch.Tensor] = {}
 
     # ---- inputs -------------------------------------------------------------------------------
 
@@ -165,7 +173,9 @@ class PersonaPlexLM(nn.Module):
         cfg = self.cfg
         B = h.shape[0]
         n = cfg.dep_q
-        mask_table = depformer_step_mask(n, h.device)
+        mask_table = self._step_masks.get(h.device)
+        if mask_table is None:
+            mask_table = self._step_masks[h.device] = depformer_step_mask(n, h.device)
         H, Dh = cfg.depformer_num_heads, cfg.depformer_dim // cfg.depformer_num_heads
         # Keys of every step of this frame, in a buffer of dep_q slots, as in the reference: the
         # full buffer with a boolean mask keeps bf16 rounding identical to it (spec §C).

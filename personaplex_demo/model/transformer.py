@@ -68,7 +68,7 @@ class RingKV:
 
     @classmethod
     def empty(cls, batch: int, heads: int, capacity: int, head_dim: int,
-              device: torch.device | str, dtype: torch.dtype) -> "RingKV":
+              device: torch.device | str, dtype: torch.dtype) -> RingKV:
         shape = (batch, heads, capacity, head_dim)
         return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
                    torch.zeros(batch, device=device, dtype=torch.long))
