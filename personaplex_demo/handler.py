@@ -95,6 +95,7 @@ class CallHandler(AsyncStreamHandler):
         self._pending = np.zeros(0, np.int16)
         self._ticks = 0
         self._started = asyncio.Event()
+        self._bad_input = False
         self.frames_in = 0
         self.frames_out = 0
 
@@ -119,9 +120,20 @@ class CallHandler(AsyncStreamHandler):
 
     async def receive(self, frame: tuple[int, np.ndarray]) -> None:
         sr, audio = frame
-        if self.call is None or sr != SAMPLE_RATE:
-            return  # before admission, mic audio is dropped; fastrtc always resamples to 24 kHz
-        self._pending = np.concatenate([self._pending, np.asarray(audio, np.int16).reshape(-1)])
+        if self.call is None or self._bad_input:
+            return  # before admission, mic audio is dropped
+        audio = np.asarray(audio)
+        if sr != SAMPLE_RATE or audio.dtype != np.int16 or audio.ndim > 2:
+            # fastrtc resamples to 24 kHz int16; anything else is a client we cannot serve.
+            self._bad_input = True
+            self.close_message = (f"The audio arrived as {sr} Hz {audio.dtype} {audio.shape}; this server takes "
+                                  f"{SAMPLE_RATE} Hz 16-bit mono.")
+            log.warning("call %s: %s", self.call_id, self.close_message)
+            self.call.release("error: bad audio format")
+            return
+        if audio.ndim == 2 and min(audio.shape) > 1:  # stereo or more: average the channels
+            audio = audio.mean(axis=0 if audio.shape[0] < audio.shape[1] else 1).astype(np.int16)
+        self._pending = np.concatenate([self._pending, audio.reshape(-1)])
         while self._pending.size >= FRAME:
             chunk, self._pending = self._pending[:FRAME], self._pending[FRAME:]
             self.call.push_frame(chunk)  # dropped by the pool unless the call is live
