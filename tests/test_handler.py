@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fractions
 import time
 
@@ -106,65 +107,64 @@ def runtime(tiny_cache_dir):
     return build_runtime(RuntimeOptions(model="tiny", slots=2, cache_dir=tiny_cache_dir))
 
 
-async def test_two_callers_each_get_their_own_audio_and_transcript_and_hang_up_frees_slots(runtime):
+@contextlib.asynccontextmanager
+async def serving(runtime, limit: int):
+    """A started pool, a fastrtc Stream mounted on FastAPI, and an in-process HTTP client."""
     pool = SlotPool(runtime.engine, PoolConfig(time_limit_seconds=60))
     pool.start()
-    stream = Stream(CallHandler(pool), modality="audio", mode="send-receive", concurrency_limit=4)
+    stream = Stream(CallHandler(pool), modality="audio", mode="send-receive", concurrency_limit=limit)
     app = FastAPI()
     stream.mount(app)
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-            a = Client(http, stream, "caller-a", "You enjoy having a good conversation.", "NATF2")
-            b = Client(http, stream, "caller-b", "You are a wise and friendly teacher.", "VARM1")
-            await a.connect(220.0)
-            await b.connect(330.0)
-            outs_a, outs_b = [], []
-            await asyncio.gather(collect_outputs(stream, "caller-a", outs_a, 6.0),
-                                 collect_outputs(stream, "caller-b", outs_b, 6.0))
-            ha, hb = stream.handlers["caller-a"], stream.handlers["caller-b"]
-            assert ha.call is not None and hb.call is not None and ha.call.slot != hb.call.slot
-            assert ha.frames_in > 20 and hb.frames_in > 20  # 1920-sample frames assembled from the mic
-            assert ha.frames_out > 20 and hb.frames_out > 20
-            assert a.samples > 24000 and b.samples > 24000 and a.energy > 0 and b.energy > 0
-            # Each caller's transcript comes from its own slot.
-            ta = [o[0] for o in outs_a if o and o[0]]
-            tb = [o[0] for o in outs_b if o and o[0]]
-            assert ta and tb and ta[-1] != tb[-1]
-            assert ta[-1] == ha.transcript[: len(ta[-1])] and tb[-1] == hb.transcript[: len(tb[-1])]
-            assert any("fetch_output" in m for m in a.messages)
-            await a.pc.close()
-            await b.pc.close()
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and pool.snapshot().slots_free < 2:
-                await asyncio.sleep(0.1)
-            assert pool.snapshot().slots_free == 2
-            assert "caller-a" not in stream.pcs and "caller-b" not in stream.pcs
+            yield pool, stream, http
     finally:
         pool.shutdown()
+
+
+async def test_two_callers_each_get_their_own_audio_and_transcript_and_hang_up_frees_slots(runtime):
+    async with serving(runtime, 4) as (pool, stream, http):
+        a = Client(http, stream, "caller-a", "You enjoy having a good conversation.", "NATF2")
+        b = Client(http, stream, "caller-b", "You are a wise and friendly teacher.", "VARM1")
+        await a.connect(220.0)
+        await b.connect(330.0)
+        outs_a, outs_b = [], []
+        await asyncio.gather(collect_outputs(stream, "caller-a", outs_a, 6.0),
+                             collect_outputs(stream, "caller-b", outs_b, 6.0))
+        ha, hb = stream.handlers["caller-a"], stream.handlers["caller-b"]
+        assert ha.call is not None and hb.call is not None and ha.call.slot != hb.call.slot
+        assert ha.frames_in > 20 and hb.frames_in > 20  # 1920-sample frames assembled from the mic
+        assert ha.frames_out > 20 and hb.frames_out > 20
+        assert a.samples > 24000 and b.samples > 24000 and a.energy > 0 and b.energy > 0
+        # Each caller's transcript comes from its own slot.
+        ta = [o[0] for o in outs_a if o and o[0]]
+        tb = [o[0] for o in outs_b if o and o[0]]
+        assert ta and tb and ta[-1] != tb[-1]
+        assert ta[-1] == ha.transcript[: len(ta[-1])] and tb[-1] == hb.transcript[: len(tb[-1])]
+        assert any("fetch_output" in m for m in a.messages)
+        await a.pc.close()
+        await b.pc.close()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and pool.snapshot().slots_free < 2:
+            await asyncio.sleep(0.1)
+        assert pool.snapshot().slots_free == 2
+        assert "caller-a" not in stream.pcs and "caller-b" not in stream.pcs
 
 
 async def test_third_caller_on_two_slots_waits_in_the_queue_then_gets_in(runtime):
-    pool = SlotPool(runtime.engine, PoolConfig(time_limit_seconds=60))
-    pool.start()
-    stream = Stream(CallHandler(pool), modality="audio", mode="send-receive", concurrency_limit=6)
-    app = FastAPI()
-    stream.mount(app)
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-            clients = [Client(http, stream, f"c{i}", "", "NATF2") for i in range(3)]
-            for i, c in enumerate(clients):
-                await c.connect(200.0 + 50 * i)
-            outs = []
-            await collect_outputs(stream, "c2", outs, 3.0)
-            third = stream.handlers["c2"]
-            assert third.call is not None and third.call.state == "queued" and third.call.queue_position == 1
-            assert any("queue" in o[1] for o in outs if len(o) > 1), outs[-1:]
-            await clients[0].pc.close()
-            later = []
-            await collect_outputs(stream, "c2", later, 4.0)
-            assert third.call.state == "live"
-            assert any(o[1].startswith("Live") for o in later if len(o) > 1)
-            for c in clients[1:]:
-                await c.pc.close()
-    finally:
-        pool.shutdown()
+    async with serving(runtime, 6) as (pool, stream, http):
+        clients = [Client(http, stream, f"c{i}", "", "NATF2") for i in range(3)]
+        for i, c in enumerate(clients):
+            await c.connect(200.0 + 50 * i)
+        outs = []
+        await collect_outputs(stream, "c2", outs, 3.0)
+        third = stream.handlers["c2"]
+        assert third.call is not None and third.call.state == "queued" and third.call.queue_position == 1
+        assert any("queue" in o[1] for o in outs if len(o) > 1), outs[-1:]
+        await clients[0].pc.close()
+        later = []
+        await collect_outputs(stream, "c2", later, 4.0)
+        assert third.call.state == "live"
+        assert any(o[1].startswith("Live") for o in later if len(o) > 1)
+        for c in clients[1:]:
+            await c.pc.close()
