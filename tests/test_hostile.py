@@ -16,7 +16,6 @@ from personaplex_demo.hub import install_secret_filter
 from personaplex_demo.loading import RuntimeOptions, build_runtime
 from personaplex_demo.pool import PoolConfig, SlotPool
 
-pytestmark = pytest.mark.asyncio
 ARGS = ["__webrtc_value__", "id", "NATF2", "", 0.7, 25, 0.8, 250, 1]
 
 
