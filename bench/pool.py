@@ -187,7 +187,8 @@ def write_section(path: Path, body: str) -> None:
     start = text.find(SECTION)
     if start >= 0:
         end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + body + (text[end + 1 :] if end >= 0 else "")
+        rest = text[end + 1 :] if end >= 0 else ""
+        text = text[:start] + body.rstrip("\n") + ("\n\n" + rest if rest else "\n")
     else:
         text = text.rstrip("\n") + "\n\n" + body
     path.write_text(text.rstrip("\n") + "\n")

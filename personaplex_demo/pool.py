@@ -393,10 +393,8 @@ class SlotPool:
                     f"all {self.slots_total} slots busy and the queue of {self.config.max_queue} is full; "
                     "try again in a minute"
                 )
-        if call.slot is not None:
-            logger.info("call %s: slot %d, voice %s", call.id, call.slot, voice)
-        else:
-            logger.info("call %s: queued at position %d, voice %s", call.id, call.queue_position, voice)
+            where = f"slot {call.slot}" if call.slot is not None else f"queued at position {call.queue_position}"
+        logger.info("call %s: %s, voice %s", call.id, where, voice)
         return call
 
     def _free_slot_locked(self) -> int | None:
