@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Runs the CPU benchmarks and rewrites their sections of BENCHMARKS.md.
+#
+#   bash bench/run_all.sh [--quick] [--skip-pool]
+#
+# bench/model.py times the reference (PyPI moshi==0.2.13) beside ours when an interpreter that
+# has both is found: $REF_PYTHON, or /tmp/moshi-venv/bin/python (how to make it: BENCHMARKS.md,
+# "Model: Mimi and LM step"). Everything else runs with $PYTHON or .venv/bin/python.
+# The GPU benchmark is separate (bash bench/gpu.sh); here it only runs as a dry run.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+quick=()
+pool_args=()
+pool=1
+for arg in "$@"; do
+    case "$arg" in
+        --quick) quick=(--quick); pool_args=(--seconds 5 --slots 1,4) ;;
+        --skip-pool) pool=0 ;;
+        *) echo "usage: bash bench/run_all.sh [--quick] [--skip-pool]" >&2; exit 2 ;;
+    esac
+done
+
+py=${PYTHON:-.venv/bin/python}
+[[ -x "$py" ]] || py=python3
+ref_py=${REF_PYTHON:-/tmp/moshi-venv/bin/python}
+export NO_TORCH_COMPILE=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+export BENCH_WRAPPER="bash bench/run_all.sh${*:+ $*}"
+if [[ -x "$ref_py" ]] && "$ref_py" -c 'import moshi, personaplex_demo' >/dev/null 2>&1; then
+    model_py=$ref_py
+else
+    echo "reference: not installed (see BENCHMARKS.md for how); bench/model.py times ours alone"
+    model_py=$py
+fi
+
+echo "== bench/model.py ($model_py)"
+"$model_py" bench/model.py "${quick[@]}"
+echo "== bench/engine.py"
+"$py" bench/engine.py "${quick[@]}"
+if [[ $pool == 1 && -f bench/pool.py ]]; then
+    echo "== bench/pool.py"
+    "$py" bench/pool.py "${pool_args[@]}"
+fi
+echo "== bench/gpu.py --dry-run (the GPU benchmark's code path on the tiny configs)"
+"$py" bench/gpu.py --dry-run > /dev/null && echo "gpu dry run: ok"
