@@ -28,40 +28,61 @@ class AppConfig:
     cache_dir: str | None = None
 
 
-# flag -> (env var, type); the one place where flags and env vars meet the config.
+def _flag(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+# field -> (env var, type); the one place where flags and env vars meet the config.
 ENV = {
     "model": ("PERSONAPLEX_MODEL", str), "device": ("PERSONAPLEX_DEVICE", str), "dtype": ("PERSONAPLEX_DTYPE", str),
     "slots": ("PERSONAPLEX_SLOTS", int), "time_limit": ("PERSONAPLEX_TIME_LIMIT", float),
     "idle_release": ("PERSONAPLEX_IDLE_RELEASE", float), "max_queue": ("PERSONAPLEX_MAX_QUEUE", int),
-    "host": ("PERSONAPLEX_HOST", str), "port": ("PERSONAPLEX_PORT", int), "hf_repo": ("PERSONAPLEX_HF_REPO", str),
-    "cache_dir": ("PERSONAPLEX_CACHE", str),
+    "host": ("PERSONAPLEX_HOST", str), "port": ("PERSONAPLEX_PORT", int), "share": ("PERSONAPLEX_SHARE", _flag),
+    "hf_repo": ("PERSONAPLEX_HF_REPO", str), "cache_dir": ("PERSONAPLEX_CACHE", str),
 }
 
 
 def parse_config(argv: list[str] | None = None) -> AppConfig:
+    """Flags win over env vars, env vars over the defaults of AppConfig."""
     base = AppConfig()
-    env = {k: t(os.environ[v]) for k, (v, t) in ENV.items() if os.environ.get(v)}
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Every flag can also be set by an env var: "
+               + ", ".join(f"--{k.replace('_', '-')}={v}" for k, (v, _) in ENV.items())
+               + ".\nPERSONAPLEX_LOOPBACK_ICE=1 keeps WebRTC on 127.0.0.1 (tests; browser and server on one "
+                 "machine without a network).\nHF_TOKEN: the gated weights and TURN relay credentials.")
+    env = {}
+    for key, (var, kind) in ENV.items():
+        if os.environ.get(var):
+            try:
+                env[key] = kind(os.environ[var])
+            except ValueError:
+                p.error(f"{var}={os.environ[var]!r} is not a valid {kind.__name__}")
     if os.environ.get("SPACE_ID"):  # on a Hugging Face Space, listen on all interfaces
         env.setdefault("host", "0.0.0.0")
-    p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", choices=["auto", "personaplex-7b-v1", "tiny"], default=env.get("model", base.model),
                    help="auto: the real model when it can be fetched and a GPU exists, else the tiny offline one")
     p.add_argument("--device", default=env.get("device", base.device), help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default=env.get("dtype", base.dtype), help="auto (bf16 on CUDA), float32, bfloat16")
     p.add_argument("--slots", type=int, default=env.get("slots", base.slots), help="simultaneous conversations")
     p.add_argument("--time-limit", type=float, default=env.get("time_limit", base.time_limit),
-                   help="seconds per call")
+                   help="seconds per call, counted from the moment it is live (queueing does not count)")
     p.add_argument("--idle-release", type=float, default=env.get("idle_release", base.idle_release),
                    help="free a slot after this many seconds without microphone audio")
-    p.add_argument("--max-queue", type=int, default=env.get("max_queue", base.max_queue))
+    p.add_argument("--max-queue", type=int, default=env.get("max_queue", base.max_queue),
+                   help="callers who may wait for a slot, with their position shown; 0 refuses when full")
     p.add_argument("--host", default=env.get("host", base.host))
     p.add_argument("--port", type=int, default=env.get("port", base.port))
-    p.add_argument("--share", action="store_true", default=base.share, help="a public Gradio link (needs TURN)")
+    p.add_argument("--share", action="store_true", default=env.get("share", base.share),
+                   help="a public Gradio link (needs TURN: set HF_TOKEN)")
     p.add_argument("--hf-repo", default=env.get("hf_repo", base.hf_repo))
-    p.add_argument("--cache-dir", default=env.get("cache_dir", base.cache_dir))
+    p.add_argument("--cache-dir", default=env.get("cache_dir", base.cache_dir),
+                   help="where the tiny offline model is built")
     a = p.parse_args(argv)
     if a.slots < 1:
         p.error("--slots must be at least 1")
+    if a.time_limit <= 0 or a.idle_release <= 0 or a.max_queue < 0:
+        p.error("--time-limit and --idle-release must be positive and --max-queue at least 0")
     return AppConfig(a.model, a.device, a.dtype, a.slots, a.time_limit, a.idle_release, a.max_queue, a.host, a.port,
                      a.share, a.hf_repo, a.cache_dir)
 
@@ -103,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from personaplex_demo.loading import RuntimeOptions, build_runtime
     from personaplex_demo.pool import PoolConfig, SlotPool
-    from personaplex_demo.ui import PageOptions, build_ui
+    from personaplex_demo.recording import RecordingStore
+    from personaplex_demo.ui import PageOptions, build_ui, status_routes
 
     def progress(message: str, fraction: float) -> None:
         log.info("loading: %s (%d%%)", message, round(100 * fraction))
@@ -117,33 +139,28 @@ def main(argv: list[str] | None = None) -> int:
                                                max_queue=cfg.max_queue))
     pool.start()
     rtc, server_rtc = rtc_configs()
+    if os.environ.get("PERSONAPLEX_LOOPBACK_ICE") == "1" and server_rtc is None:
+        # No STUN on loopback: aiortc's default STUN host costs a DNS lookup per call, and on a
+        # closed network that lookup can hang in an executor thread.
+        server_rtc = {"iceServers": []}
+    notice = None
+    if rtc is None and (os.environ.get("SPACE_ID") or cfg.share):
+        notice = ("No TURN relay is configured (set HF_TOKEN; on a Space, as a secret), so calls from most networks "
+                  "will not connect.")
+        log.warning("%s", notice)
+    recordings = RecordingStore()  # per-call WAV + transcript for the download buttons, deleted on exit
     demo = build_ui(runtime, pool, PageOptions(time_limit=cfg.time_limit, max_queue=cfg.max_queue,
-                                               rtc_configuration=rtc, server_rtc_configuration=server_rtc))
+                                               rtc_configuration=rtc, server_rtc_configuration=server_rtc,
+                                               notice=notice), recordings)
     try:
-        if cfg.share:
-            demo.launch(server_name=cfg.host, server_port=cfg.port, share=True)
-        else:
-            serve(demo, pool, runtime, cfg)
+        log.info("serving on http://%s:%d (status: /api/status)", cfg.host, cfg.port)
+        # One server for the page, fastrtc's endpoints and the JSON status route, with or without --share.
+        demo.launch(server_name=cfg.host, server_port=cfg.port, share=cfg.share,
+                    app_kwargs={"routes": status_routes(runtime, pool)})
     finally:
         pool.shutdown()
+        recordings.close()
     return 0
-
-
-def serve(demo, pool, runtime, cfg: AppConfig) -> None:
-    import gradio as gr
-    import uvicorn
-    from fastapi import FastAPI
-
-    app = FastAPI(title="PersonaPlex Live")
-
-    @app.get("/api/status")
-    def status() -> dict:
-        return {"model": runtime.model_name, "tiny": runtime.is_tiny, "banner": runtime.banner,
-                **pool.snapshot().as_dict()}
-
-    app = gr.mount_gradio_app(app, demo, path="/")
-    log.info("serving on http://%s:%d", cfg.host, cfg.port)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
 
 
 if __name__ == "__main__":

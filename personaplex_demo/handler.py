@@ -3,22 +3,36 @@
 fastrtc resamples the browser's Opus to 24 kHz and calls `receive` with 40 ms chunks; two of
 them make one engine frame. The handler never touches torch and never blocks the event loop:
 it only moves numpy arrays to and from its SlotPool `Call`.
+
+Life of a call (fastrtc runs `start_up`, `receive` and `emit` concurrently):
+
+1. `start_up` reads the page's inputs and asks the pool for a slot. The slot's system prompt is
+   prefilled at once (or the caller waits in the queue, with the position on the page).
+2. Until the slot is live, microphone audio is dropped: the model is not listening yet.
+3. `emit` returns each agent frame, plus transcript and status updates for the page.
+4. Hang-up (`shutdown`), a closed tab (the pool's idle release), the time limit and a full room
+   all free the slot; everything but a plain hang-up ends the call with a message
+   (`CloseStream`), so nobody waits in silence.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import threading
+import time
 import uuid
-from dataclasses import dataclass
+import weakref
+from dataclasses import asdict, dataclass
 
 import numpy as np
-from fastrtc import AdditionalOutputs, AsyncStreamHandler, CloseStream
+from fastrtc import AdditionalOutputs, AsyncStreamHandler, CloseStream, get_current_context
 
 from .engine import SamplingParams
 from .errors import CallerError
-from .pool import Call, CallEnded, PoolClosedError, PoolFullError, SlotPool
-from .recording import CallRecording, RecordingStore
+from .pool import Call, CallEnded, PoolClosedError, PoolFullError, PoolMetrics, SlotPool
+from .recording import CallRecording, RecordingFiles, RecordingStore
 from .voices import DEFAULT_VOICE
 
 log = logging.getLogger(__name__)
@@ -26,12 +40,17 @@ log = logging.getLogger(__name__)
 FRAME = 1920
 SAMPLE_RATE = 24000
 N_INPUTS = 7  # voice, persona, text temperature, text top-k, audio temperature, audio top-k, seed
-STATUS_EVERY = 6  # ticks between status updates on the page when no text arrives (~0.5 s)
+STATUS_SECONDS = 0.5  # the status line (time left, queue position) refreshes at most this often
+TEXT_SECONDS = 0.2  # transcript updates are batched to at most one per this many seconds
+CLOSE_GRACE_SECONDS = 0.3  # between the final page update and CloseStream
+ARGS_TIMEOUT = 5.0  # seconds to wait for the page's inputs before using the defaults
+QUEUED_SILENCE_SECONDS = 5.0  # a queued caller sending no audio for this long has gone away
 
 END_MESSAGES = {
     "time_limit": "Time is up for this call. Thanks for talking! Press Record to start a new one.",
     "idle": "The call ended: no microphone audio arrived for a few seconds.",
     "shutdown": "The server is shutting down. Please try again in a minute.",
+    "queue_timeout": "Still no free slot after a long wait, sorry. Please try again in a few minutes.",
 }
 
 
@@ -44,7 +63,8 @@ class CallRequest:
     @classmethod
     def from_args(cls, args: list) -> CallRequest:
         """Read the page's inputs from the END of `latest_args`: its head differs between the
-        Gradio page and `Stream.set_input` (fastrtc notes)."""
+        Gradio page (`__webrtc_value__`, connection id, inputs...) and `Stream.set_input`
+        (`__webrtc_value__`, inputs...)."""
         vals = list(args[-N_INPUTS:]) if len(args) >= N_INPUTS + 1 else []
         if not vals:
             return cls(DEFAULT_VOICE, "", SamplingParams())
@@ -53,15 +73,63 @@ class CallRequest:
             sampling = SamplingParams(text_temperature=float(tt), text_top_k=int(tk), audio_temperature=float(at),
                                       audio_top_k=int(ak), seed=None if seed in (None, "", -1) else int(seed))
         except (TypeError, ValueError) as e:
-            raise CallerError(f"the sampling settings are not numbers: {e}") from e
+            raise CallerError(f"the sampling settings must be numbers: {e}") from e
         return cls(str(voice or DEFAULT_VOICE), str(persona or ""), sampling)
 
 
-def status_line(call: Call | None, pool: SlotPool) -> str:
-    m = pool.snapshot()
+class RoomMetrics:
+    """`pool.snapshot()` shared by every handler and page refresh, at most every `ttl` seconds:
+    a snapshot sorts thousands of samples under the ticker's lock, and many callers ask for it."""
+
+    _lock = threading.Lock()
+    _cache: weakref.WeakKeyDictionary[SlotPool, tuple[float, PoolMetrics]] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def get(cls, pool: SlotPool, ttl: float = 0.5) -> PoolMetrics:
+        now = time.monotonic()
+        with cls._lock:
+            hit = cls._cache.get(pool)
+            if hit is not None and now - hit[0] < ttl:
+                return hit[1]
+        metrics = pool.snapshot()
+        with cls._lock:
+            cls._cache[pool] = (now, metrics)
+        return metrics
+
+
+class FinalUpdates:
+    """The last page update of each call that ended with a message, by fastrtc connection id.
+
+    fastrtc drops a connection's pending page updates when it closes; the page's relay picks the
+    final one (status and downloads) up from here even if it only starts after the close."""
+
+    _lock = threading.Lock()
+    _updates: collections.OrderedDict[str, tuple] = collections.OrderedDict()
+    limit = 1024
+
+    @classmethod
+    def put(cls, webrtc_id: str, args: tuple) -> None:
+        with cls._lock:
+            cls._updates[webrtc_id] = args
+            while len(cls._updates) > cls.limit:
+                cls._updates.popitem(last=False)
+
+    @classmethod
+    def pop(cls, webrtc_id: str) -> tuple | None:
+        with cls._lock:
+            return cls._updates.pop(webrtc_id, None)
+
+
+def room_line(m: PoolMetrics) -> str:
     room = f"slots {m.slots_live + m.slots_prefill}/{m.slots_total} in use"
     if m.queue_length:
         room += f", {m.queue_length} waiting"
+    return room
+
+
+def status_line(call: Call | None, pool: SlotPool, fresh: bool = False) -> str:
+    """One line for the page: the call's state (preparing / live with time left / queued) and the room."""
+    room = room_line(pool.snapshot() if fresh else RoomMetrics.get(pool))
     if call is None:
         return f"Connecting… · {room}"
     if call.state == "queued":
@@ -76,123 +144,233 @@ def status_line(call: Call | None, pool: SlotPool) -> str:
 
 
 def stats_line(pool: SlotPool) -> str:
-    m = pool.snapshot()
+    m = RoomMetrics.get(pool)
     return (f"room: {m.slots_live + m.slots_prefill}/{m.slots_total} slots in use, {m.queue_length} waiting · "
             f"latency p50 {m.latency_p50_ms:.0f} ms · p99 {m.latency_p99_ms:.0f} ms · tick p50 {m.tick_p50_ms:.0f} ms"
             f" · real-time factor {m.realtime_factor:.2f}")
 
 
 class CallHandler(AsyncStreamHandler):
-    def __init__(self, pool: SlotPool, recordings: RecordingStore | None = None):
+    """One call. The instance given to fastrtc is a template; `copy()` makes one per connection.
+
+    Page updates are `AdditionalOutputs(transcript, status, call_id, files)`, where `files` is
+    None or the (WAV, JSON) paths of the finished recording."""
+
+    def __init__(self, pool: SlotPool, recordings: RecordingStore | None = None, *,
+                 max_wait_seconds: float | None = 600.0, model_name: str | None = None):
         super().__init__(expected_layout="mono", output_sample_rate=SAMPLE_RATE, input_sample_rate=SAMPLE_RATE)
         self.pool = pool
-        self.recordings = recordings or RecordingStore()
+        self.recordings = recordings if recordings is not None else RecordingStore()
+        self.max_wait_seconds = max_wait_seconds
+        self.model_name = model_name
         self.call: Call | None = None
         self.call_id = uuid.uuid4().hex[:12]
+        self.webrtc_id: str | None = None
         self.close_message: str | None = None
         self.recording: CallRecording | None = None
         self.transcript = ""
-        self._pending = np.zeros(0, np.int16)
-        self._ticks = 0
-        self._started = asyncio.Event()
-        self._bad_input = False
         self.frames_in = 0
         self.frames_out = 0
+        self._pending = np.zeros(0, np.int16)
+        self._started = asyncio.Event()
+        self._bad_input = False
+        self._connected_at = time.monotonic()
+        self._last_receive: float | None = None
+        self._last_status = ""
+        self._last_status_at = 0.0
+        self._ended = False
+        self._closing: str | None = None
+        self._dirty = False  # transcript text not yet sent to the page
 
     def copy(self) -> CallHandler:
-        return CallHandler(self.pool, self.recordings)
+        return CallHandler(self.pool, self.recordings, max_wait_seconds=self.max_wait_seconds,
+                           model_name=self.model_name)
+
+    # ---- start-up ---------------------------------------------------------------------------
 
     async def start_up(self) -> None:
+        self._connected_at = time.monotonic()
         try:
-            await asyncio.wait_for(self.wait_for_args(), 5)
+            self.webrtc_id = get_current_context().webrtc_id
+        except RuntimeError:  # driven directly, outside a fastrtc connection
+            self.webrtc_id = None
+        try:
+            await asyncio.wait_for(self.wait_for_args(), ARGS_TIMEOUT)
         except TimeoutError:
-            log.info("call %s: no page inputs within 5 s, using the defaults", self.call_id)
+            log.info("call %s: no page inputs within %.0f s, using the defaults", self.call_id, ARGS_TIMEOUT)
         try:
             req = CallRequest.from_args(list(self.latest_args or []))
             self.call = self.pool.acquire(req.voice, req.persona, req.sampling)
-            self.recording = CallRecording(self.call_id, req.voice, req.persona)
-            log.info("call %s: %s, voice %s (%s)", self.call_id, self.call.state, req.voice, self.call.id)
-        except (CallerError, PoolFullError, PoolClosedError) as e:
-            self.close_message = str(e)
+        except CallerError as e:
+            self.close_message = f"This call cannot start: {e}"
             log.info("call %s refused: %s", self.call_id, e)
+        except PoolFullError:
+            busy = f"All {self.pool.slots_total} conversation slots are busy"
+            self.close_message = (f"{busy}. Please try again in a minute." if not self.pool.config.max_queue else
+                                  f"{busy} and the waiting line is full. Please try again in a minute.")
+            log.info("call %s refused: pool full", self.call_id)
+        except PoolClosedError:
+            self.close_message = END_MESSAGES["shutdown"]
+        else:
+            self.recording = self.recordings.start(self.call_id, {
+                "call_id": self.call_id, "model": self.model_name, "voice": req.voice, "persona": req.persona,
+                "sampling": asdict(req.sampling)})
+            log.info("call %s: %s, voice %s (pool call %s)", self.call_id, self.call.state, req.voice, self.call.id)
         finally:
             self._started.set()
 
+    # ---- microphone -------------------------------------------------------------------------
+
     async def receive(self, frame: tuple[int, np.ndarray]) -> None:
         sr, audio = frame
-        if self.call is None or self._bad_input:
-            return  # before admission, mic audio is dropped
+        self._last_receive = time.monotonic()
+        call = self.call
+        if call is None or self._bad_input:
+            return  # before admission there is nowhere to send it
         audio = np.asarray(audio)
         if sr != SAMPLE_RATE or audio.dtype != np.int16 or audio.ndim > 2:
-            # fastrtc resamples to 24 kHz int16; anything else is a client we cannot serve.
+            # fastrtc resamples to 24 kHz int16; anything else is a client this server cannot serve.
             self._bad_input = True
             self.close_message = (f"The audio arrived as {sr} Hz {audio.dtype} {audio.shape}; this server takes "
                                   f"{SAMPLE_RATE} Hz 16-bit mono.")
             log.warning("call %s: %s", self.call_id, self.close_message)
-            self.call.release("error: bad audio format")
+            call.release("error: bad audio format")
             return
-        if audio.ndim == 2 and min(audio.shape) > 1:  # stereo or more: average the channels
+        if audio.ndim == 2 and min(audio.shape) > 1:  # more than one channel: average them
             audio = audio.mean(axis=0 if audio.shape[0] < audio.shape[1] else 1).astype(np.int16)
+        if call.state != "live":
+            # Prefill or queue: the model is not listening yet, so this audio is dropped (not
+            # buffered: played late it would only add delay to the conversation).
+            self._pending = np.zeros(0, np.int16)
+            return
         self._pending = np.concatenate([self._pending, audio.reshape(-1)])
         while self._pending.size >= FRAME:
             chunk, self._pending = self._pending[:FRAME], self._pending[FRAME:]
-            self.call.push_frame(chunk)  # dropped by the pool unless the call is live
+            call.push_frame(chunk)
             self.frames_in += 1
-            if self.recording is not None and self.call.state == "live":
-                self.recording.add_caller(chunk.astype(np.float32) / 32768.0)
+            if self.recording is not None:
+                self.recording.add_caller(chunk)
+
+    # ---- agent audio and page updates -------------------------------------------------------
 
     async def emit(self):
         if not self._started.is_set():
-            await asyncio.sleep(0.05)
+            try:
+                await asyncio.wait_for(self._started.wait(), 0.1)
+            except TimeoutError:
+                pass
             return None
+        if self._closing is not None:
+            # The final page update went out with the previous item; give the page a moment to
+            # fetch it before the connection closes.
+            message, self._closing = self._closing, None
+            await asyncio.sleep(CLOSE_GRACE_SECONDS)
+            return CloseStream(message)
         if self.close_message is not None:
-            msg, self.close_message = self.close_message, None
-            return CloseStream(msg)
+            return await self._close(self.close_message, "refused" if self.call is None else "error")
         call = self.call
-        if call is None:
-            await asyncio.sleep(0.1)
+        if call is None or self._ended:
+            await asyncio.sleep(0.1)  # emit is polled in a loop: never return at once
             return None
         try:
             if call.state in ("queued", "prefill"):
-                try:
-                    await call.wait_live(timeout=0.5)
-                except TimeoutError:
-                    return self._outputs()
-                return self._outputs()
+                return await self._wait_for_slot(call)
             out = await call.next_output(timeout=0.1)
         except CallEnded as e:
-            self._finish()
-            if e.reason == "hangup":
-                return None
-            return CloseStream(END_MESSAGES.get(e.reason, f"The call ended: {e.reason}"))
+            return await self._ended_with(e.reason)
         if out is None:
             return None
         self.frames_out += 1
-        self._ticks += 1
         if self.recording is not None:
             self.recording.add_agent(out.pcm, out.text)
         audio = (SAMPLE_RATE, out.pcm)
         if out.text:
             self.transcript += out.text
-        if out.text or self._ticks % STATUS_EVERY == 0:
-            return audio, self._outputs()
-        return audio
+        update = self._update(text_changed=bool(out.text))
+        return (audio, update) if update is not None else audio
 
-    def _outputs(self) -> AdditionalOutputs:
-        return AdditionalOutputs(self.transcript, status_line(self.call, self.pool), stats_line(self.pool),
-                                 self.call_id)
+    async def _wait_for_slot(self, call: Call):
+        now = time.monotonic()
+        if call.state == "queued":
+            if self.max_wait_seconds is not None and now - self._connected_at > self.max_wait_seconds:
+                call.release("queue_timeout")
+                return await self._ended_with("queue_timeout")
+            # The pool releases silent LIVE calls; a queued caller whose tab closed is noticed here,
+            # long before WebRTC's own consent checks give up on the connection.
+            if now - (self._last_receive or self._connected_at) > QUEUED_SILENCE_SECONDS:
+                log.info("call %s: no audio while queued; giving up its place", self.call_id)
+                call.release("idle")
+                return await self._ended_with("idle")
+        try:
+            await call.wait_live(timeout=STATUS_SECONDS)
+        except TimeoutError:
+            pass
+        return self._update(force=True)
 
-    def _finish(self) -> None:
-        if self.recording is not None:
-            rec, self.recording = self.recording, None
-            try:
-                self.recordings.save(rec)
-            except OSError as e:
-                log.warning("call %s: recording not saved: %s", self.call_id, e)
+    def _update(self, text_changed: bool = False, force: bool = False) -> AdditionalOutputs | None:
+        """The page update, or None: new text goes out at most every TEXT_SECONDS, a changed
+        status (time left, queue position) at most every STATUS_SECONDS."""
+        now = time.monotonic()
+        self._dirty |= text_changed
+        if not force and now - self._last_status_at < (TEXT_SECONDS if self._dirty else STATUS_SECONDS):
+            return None
+        status = status_line(self.call, self.pool)
+        if not force and not self._dirty and status == self._last_status:
+            return None
+        self._dirty = False
+        self._last_status, self._last_status_at = status, now
+        return AdditionalOutputs(self.transcript, status, self.call_id, None)
+
+    async def _ended_with(self, reason: str):
+        self._ended = True
+        if reason == "hangup":
+            self._finish_recording(reason)
+            return None
+        return await self._close(END_MESSAGES.get(reason, f"The call ended: {reason}"), reason)
+
+    async def _close(self, message: str, reason: str):
+        """End the call with `message`: finish the recording, then (when the page is listening on
+        the data channel) send the final status and the downloads, then CloseStream."""
+        self._ended = True
+        self.close_message = None
+        if self.call is not None:
+            self.call.release(reason)
+        files = await self._finish_recording_async(reason)
+        log.info("call %s ended: %s", self.call_id, message)
+        if self.channel is None:
+            return CloseStream(message)  # nobody to show a final update to
+        self._closing = message
+        paths = (str(files.wav), str(files.transcript)) if files is not None else None
+        final = (self.transcript, f"Call ended: {message}", self.call_id, paths)
+        if self.webrtc_id is not None:
+            FinalUpdates.put(self.webrtc_id, final)
+        return AdditionalOutputs(*final)
+
+    # ---- hang-up ----------------------------------------------------------------------------
 
     def shutdown(self) -> None:
+        """fastrtc calls this when the connection closes (Stop, lost network, closed tab)."""
         if self.call is not None:
             self.call.release("hangup")
-            log.info("call %s: hung up after %d frames in, %d out", self.call_id, self.frames_in, self.frames_out)
-        self._finish()
+            log.info("call %s: closed after %d frames in, %d out", self.call_id, self.frames_in, self.frames_out)
+        self._finish_recording("hangup")
 
+    def _finish_recording(self, reason: str) -> None:
+        rec = self.recording
+        if rec is None or rec.finished:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            rec.finish(reason)
+            return
+        # Writing the WAV takes a moment for a long call: keep it off the event loop.
+        loop.run_in_executor(None, rec.finish, reason)
+
+    async def _finish_recording_async(self, reason: str) -> RecordingFiles | None:
+        rec = self.recording
+        if rec is None:
+            return None
+        if rec.finished:
+            return rec.files
+        return await asyncio.get_running_loop().run_in_executor(None, rec.finish, reason)

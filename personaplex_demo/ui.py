@@ -1,103 +1,198 @@
-"""The Gradio page: voice, persona, sampling, the call button, transcript, status and downloads."""
+"""The Gradio page: voice, persona, sampling, the call button, transcript, status and downloads.
+
+`build_ui` returns a `gr.Blocks` built around fastrtc's `WebRTC` component (not the generated
+`Stream.ui`). `status_routes` gives the JSON status endpoint (`GET /api/status`) to mount on
+the same server.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gradio as gr
 from fastrtc import WebRTC
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from .engine import SamplingParams
-from .handler import CallHandler, stats_line, status_line
+from .handler import CallHandler, FinalUpdates, RoomMetrics, room_line
 from .pool import SlotPool
 from .recording import RecordingStore
 from .voices import DEFAULT_VOICE
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_PRESET = "Assistant (teacher)"
+STOP_WAIT_SECONDS = 5.0  # after Stop, how long the page waits for the recording to be written
 
 CSS = """
-#banner {background: #fff4d6; border: 1px solid #e8c36a; border-radius: 8px; padding: 8px 12px;}
-#status-line {font-weight: 600;}
+#banner {background: #fff4d6; border: 1px solid #e8c36a; border-radius: 8px; padding: 8px 12px; color: #4a3b00;}
+#status-line {font-weight: 600; min-height: 1.6em;}
+#headphones {opacity: 0.85;}
+#stats, #recording-note {font-size: 0.85em; opacity: 0.85;}
 """
 
 
 @dataclass
 class PageOptions:
-    time_limit: float | None = 300.0
-    max_queue: int = 32
-    rtc_configuration: object = None
-    server_rtc_configuration: object = None
+    time_limit: float | None = 300.0  # per call, counted by the pool from the moment it is live
+    max_queue: int = 32  # callers that may wait for a slot (the pool's own limit)
+    max_wait_seconds: float | None = 600.0  # a caller queued this long is told to come back later
+    rtc_configuration: Any = None  # dict, or a (sync or async) callable for fresh TURN credentials
+    server_rtc_configuration: Any = None
+    notice: str | None = None  # an extra warning for the page, e.g. "no TURN relay configured"
     title: str = "PersonaPlex Live"
 
 
 def load_presets() -> dict[str, str]:
-    return json.loads((ASSETS / "personas.json").read_text())
+    """Persona presets (label -> text): the examples from NVIDIA's PersonaPlex README."""
+    return json.loads((ASSETS / "personas.json").read_text(encoding="utf-8"))
 
 
-def build_ui(runtime, pool: SlotPool, options: PageOptions, recordings: RecordingStore | None = None) -> gr.Blocks:
+def status_payload(runtime, pool: SlotPool) -> dict[str, Any]:
+    """What `GET /api/status` returns: the model and the pool's live metrics."""
+    return {"model": runtime.model_name, "tiny": bool(runtime.is_tiny), "banner": runtime.banner,
+            **pool.snapshot().as_dict()}
+
+
+def status_routes(runtime, pool: SlotPool) -> list[Route]:
+    async def status(_: Request) -> JSONResponse:
+        return JSONResponse(status_payload(runtime, pool), headers={"Cache-Control": "no-store"})
+
+    return [Route("/api/status", status, methods=["GET"])]
+
+
+def stats_markdown(pool: SlotPool) -> str:
+    m = RoomMetrics.get(pool)
+    return (f"**Room** {room_line(m)} · **latency** p50 {m.latency_p50_ms:.0f} ms, p99 {m.latency_p99_ms:.0f} ms"
+            f" · **tick** p50 {m.tick_p50_ms:.0f} ms, p99 {m.tick_p99_ms:.0f} ms"
+            f" · **real-time factor** {m.realtime_factor:.2f}")
+
+
+def build_ui(runtime, pool: SlotPool, options: PageOptions | None = None,
+             recordings: RecordingStore | None = None) -> gr.Blocks:
+    """The page. `runtime` needs `.engine` (voice_names, max_persona_tokens, persona_tokens),
+    `.model_name`, `.is_tiny` and `.banner`."""
+    options = options or PageOptions()
     engine = runtime.engine
-    recordings = recordings or RecordingStore()
+    recordings = recordings if recordings is not None else RecordingStore()
     presets = load_presets()
     defaults = SamplingParams()
+    voices = list(engine.voice_names)
+    handler = CallHandler(pool, recordings, max_wait_seconds=options.max_wait_seconds,
+                          model_name=runtime.model_name)
 
     def count_tokens(text: str) -> str:
         try:
             n = len(engine.persona_tokens(text or ""))
-        except Exception as e:  # the counter shows the problem instead of the count
+        except Exception as e:  # the counter shows what is wrong instead of a count
             return f"⚠️ {e}"
         return f"{n} / {engine.max_persona_tokens} tokens"
 
-    def downloads(call_id: str):
-        files = recordings.get(call_id or "")
-        if files is None:
-            return gr.update(value=None), gr.update(value=None)
-        return str(files[0]), str(files[1])
+    def file_updates(files) -> tuple[dict, dict]:
+        if not files:
+            return gr.update(value=None, visible=False), gr.update(value=None, visible=False)
+        return gr.update(value=str(files[0]), visible=True), gr.update(value=str(files[1]), visible=True)
 
+    def show_outputs(transcript: str, status: str, call_id: str, files=None):
+        wav_update, json_update = file_updates(files) if files else (gr.update(), gr.update())
+        return transcript, status, call_id, wav_update, json_update
+
+    def on_start():
+        return ("", f"Connecting… · {room_line(pool.snapshot())}", *file_updates(None))
+
+    async def on_stop(call_id: str):
+        rec = recordings.get(call_id or "")
+        files = await rec.wait_finished(STOP_WAIT_SECONDS) if rec is not None else None
+        status = f"Call ended · {room_line(pool.snapshot())}"
+        return (status, *file_updates((files.wav, files.transcript) if files is not None else None))
+
+    limit_text = f"Calls last up to {int(options.time_limit // 60)} min. " if options.time_limit else ""
     with gr.Blocks(title=options.title, css=CSS) as demo:
         gr.Markdown(f"# {options.title}\nTalk out loud with NVIDIA PersonaPlex-7B, a full-duplex speech model: it "
-                    "listens and speaks at the same time. Pick a voice and a persona, then press **Record**.")
+                    "listens and speaks at the same time. Pick a voice and a persona, then press **Record**. "
+                    f"{limit_text}")
         if runtime.banner:
             gr.Markdown(f"**Offline demo model.** {runtime.banner}", elem_id="banner")
-        with gr.Row():
-            with gr.Column(scale=1):
-                voice = gr.Dropdown(engine.voice_names, value=DEFAULT_VOICE if DEFAULT_VOICE in engine.voice_names
-                                    else engine.voice_names[0], label="Voice", elem_id="voice")
-                preset = gr.Dropdown(list(presets), value=DEFAULT_PRESET, label="Persona preset")
-                persona = gr.Textbox(presets[DEFAULT_PRESET], label="Persona", lines=4, elem_id="persona")
+        if options.notice:
+            gr.Markdown(f"**Note.** {options.notice}", elem_id="notice")
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=1, min_width=320):
+                voice = gr.Dropdown(voices, value=DEFAULT_VOICE if DEFAULT_VOICE in voices else voices[0],
+                                    label="Voice", elem_id="voice")
+                preset = gr.Dropdown(list(presets), value=DEFAULT_PRESET, label="Persona preset",
+                                     elem_id="preset")
+                persona = gr.Textbox(presets[DEFAULT_PRESET], label="Persona (edit freely)", lines=5,
+                                     max_lines=12, elem_id="persona")
                 tokens = gr.Markdown(count_tokens(presets[DEFAULT_PRESET]), elem_id="token-count")
                 with gr.Accordion("Advanced", open=False):
                     text_temp = gr.Slider(0.0, 2.0, defaults.text_temperature, step=0.05, label="Text temperature")
                     text_topk = gr.Slider(1, 500, defaults.text_top_k, step=1, label="Text top-k")
                     audio_temp = gr.Slider(0.0, 2.0, defaults.audio_temperature, step=0.05, label="Audio temperature")
                     audio_topk = gr.Slider(1, 2048, defaults.audio_top_k, step=1, label="Audio top-k")
-                    seed = gr.Number(-1, precision=0, label="Seed (-1: random)")
-            with gr.Column(scale=2):
+                    seed = gr.Number(-1, precision=0, label="Seed (-1: a new random seed per call)")
+            with gr.Column(scale=2, min_width=360):
                 gr.Markdown("🎧 **Use headphones.** The model listens while it talks; through speakers it hears "
-                            "itself.")
+                            "itself and answers its own voice.", elem_id="headphones")
                 rtc = WebRTC(modality="audio", mode="send-receive", label="Call", full_screen=False,
                              rtc_configuration=options.rtc_configuration,
                              server_rtc_configuration=options.server_rtc_configuration, elem_id="call")
-                status = gr.Markdown(status_line(None, pool).replace("Connecting…", "Ready"), elem_id="status-line")
-                transcript = gr.Textbox(label="Transcript", lines=8, interactive=False, elem_id="transcript-box")
-                stats = gr.Markdown("", elem_id="stats")
-                call_id = gr.Textbox(visible=False, elem_id="call-id")
+                status = gr.Markdown(f"Ready · {room_line(pool.snapshot())}", elem_id="status-line")
+                transcript = gr.Textbox(label="Transcript (the agent's words)", lines=8, max_lines=16,
+                                        interactive=False, autoscroll=True, elem_id="transcript-box")
                 with gr.Row():
-                    fetch = gr.Button("Get the recording of the last call")
-                    wav = gr.File(label="Conversation (stereo WAV: you left, agent right)")
-                    txt = gr.File(label="Transcript (JSON)")
+                    # Hidden until a call has ended and its recording is written.
+                    wav = gr.File(label="Conversation (stereo WAV: you left, agent right)", interactive=False,
+                                  visible=False, elem_id="download-wav")
+                    txt = gr.File(label="Transcript (JSON)", interactive=False, visible=False,
+                                  elem_id="download-json")
+                gr.Markdown(f"After a call, its recording and transcript can be downloaded here; the server "
+                            f"deletes them after {int(recordings.max_age_seconds // 60)} minutes.",
+                            elem_id="recording-note")
+                stats = gr.Markdown(stats_markdown(pool), elem_id="stats")
+                call_id = gr.Textbox(visible=False, elem_id="call-id")
 
-        preset.change(lambda name: presets.get(name, ""), preset, persona)
-        persona.change(count_tokens, persona, tokens)
-        rtc.stream(CallHandler(pool, recordings), inputs=[rtc, voice, persona, text_temp, text_topk, audio_temp,
-                                                          audio_topk, seed],
-                   outputs=[rtc], time_limit=options.time_limit,
-                   concurrency_limit=pool.slots_total + options.max_queue)
-        rtc.on_additional_outputs(lambda *a: a[-4:], outputs=[transcript, status, stats, call_id],
-                                  concurrency_limit=None, queue=False, show_progress="hidden")
-        fetch.click(downloads, call_id, [wav, txt])
-        timer = gr.Timer(2.0)
-        timer.tick(lambda: stats_line(pool), None, stats, show_progress="hidden")
+        preset.change(lambda name: presets.get(name, ""), preset, persona, show_progress="hidden")
+        persona.change(count_tokens, persona, tokens, show_progress="hidden", concurrency_limit=None)
+        # The pool enforces the time limit from the moment a call is live (queue time does not
+        # count), so fastrtc's own limit, which counts from connecting, stays off.
+        rtc.stream(handler, inputs=[rtc, voice, persona, text_temp, text_topk, audio_temp, audio_topk, seed],
+                   outputs=[rtc], time_limit=None, concurrency_limit=pool.slots_total + options.max_queue + 2)
+        page_outputs = [transcript, status, call_id, wav, txt]
+
+        async def relay(value):
+            """The handler's page updates for this connection, as fastrtc's `on_additional_outputs`
+            relays them, with two differences: updates still queued when the call closes are
+            delivered, and a late trigger for a call that is already over returns at once (fastrtc's
+            relay would wait forever on a fresh queue, and its restart blanks the page)."""
+            webrtc_id = getattr(value, "webrtc_id", value)
+            outputs = rtc.additional_outputs.get(webrtc_id)
+            last = None
+            while outputs is not None:
+                if outputs.queue.empty() and (outputs.quit.is_set() or webrtc_id not in rtc.connections):
+                    break
+                try:
+                    update = await asyncio.wait_for(outputs.queue.get(), 0.5)
+                except TimeoutError:
+                    continue
+                last = update.args
+                yield show_outputs(*last)
+            final = FinalUpdates.pop(webrtc_id)
+            if final is not None and final != last:
+                yield show_outputs(*final)
+            elif last is None:
+                yield tuple(gr.skip() for _ in page_outputs)
+
+        # concurrency_limit=None: the default (1) would update only the first caller's page.
+        rtc.state_change(relay, inputs=[rtc], outputs=page_outputs, concurrency_limit=None, show_progress="hidden",
+                         trigger_mode="once")
+        rtc.start_recording(on_start, None, [transcript, status, wav, txt], show_progress="hidden",
+                            concurrency_limit=None)
+        rtc.stop_recording(on_stop, call_id, [status, wav, txt], show_progress="hidden", concurrency_limit=None)
+        gr.Timer(2.0).tick(lambda: stats_markdown(pool), None, stats, show_progress="hidden",
+                           concurrency_limit=None)
     return demo

@@ -139,13 +139,14 @@ def test_a_call_in_chromium(app_server, mic_wav, tmp_path):
             first = page.evaluate(INBOUND_BYTES)
             transcript = page.locator("#transcript-box textarea")
             deadline = time.monotonic() + 25
-            text, later = "", first
-            while time.monotonic() < deadline and not (text and later > first + 5000):
-                page.wait_for_timeout(500)
-                text = transcript.input_value()
+            texts, later = [""], first
+            while time.monotonic() < deadline and not (len(set(texts)) >= 3 and later > first + 5000):
+                page.wait_for_timeout(300)
+                texts.append(transcript.input_value())
                 later = page.evaluate(INBOUND_BYTES)
             assert later > first + 5000, (first, later)  # agent audio keeps arriving
-            assert text, "the transcript never changed"
+            assert len(set(texts)) >= 3, f"the transcript did not keep changing: {texts[-3:]}"
+            assert texts[-1].startswith(texts[1])  # it streams: each update extends the last one
             assert _status(port)["slots_live"] == 1
             assert "Live" in page.locator("#status-line").inner_text()
             page.screenshot(path=str(ARTIFACTS / "browser-call.png"), full_page=True)
@@ -154,5 +155,12 @@ def test_a_call_in_chromium(app_server, mic_wav, tmp_path):
             while _status(port)["slots_free"] < 2:
                 assert time.monotonic() - stopped < 3.0, "Stop did not free the slot within 3 s"
                 time.sleep(0.1)
+            # The recording of the call is offered for download once it is written.
+            page.locator("#download-wav a.download-link").first.wait_for(timeout=8_000)
+            assert page.locator("#download-wav .filename").first.inner_text().strip().endswith(".wav")
+            page.locator("#download-json a.download-link").first.wait_for(timeout=2_000)
+            assert page.locator("#download-json .filename").first.inner_text().strip().endswith(".json")
+            assert "Call ended" in page.locator("#status-line").inner_text()
+            page.screenshot(path=str(ARTIFACTS / "browser-after-call.png"), full_page=True)
         finally:
             ctx.close()

@@ -1,27 +1,33 @@
-"""Real WebRTC round trips, in process: aiortc clients through fastrtc's `Stream.mount`."""
+"""The call handler and the page, against the real SlotPool and the tiny engine.
+
+Real WebRTC round trips run in process: aiortc clients through fastrtc's `Stream.mount`, both
+peers on 127.0.0.1. The rest drives a handler directly, as fastrtc would."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import fractions
+import json
 import time
+import wave
 
 import aioice.ice
 import httpx
 import numpy as np
 import pytest
-from aiortc import RTCPeerConnection, RTCSessionDescription
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamTrack
 from av import AudioFrame
 from fastapi import FastAPI
-from fastrtc import Stream
+from fastrtc import AdditionalOutputs, CloseStream, Stream
 
-from personaplex_demo.handler import CallHandler
+from personaplex_demo.handler import CallHandler, FinalUpdates
 from personaplex_demo.loading import RuntimeOptions, build_runtime
 from personaplex_demo.pool import PoolConfig, SlotPool
+from personaplex_demo.recording import RecordingStore
 
-pytestmark = pytest.mark.asyncio
+NO_ICE_SERVERS = {"iceServers": []}  # loopback peers need no STUN (see Client)
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +61,9 @@ class Client:
     def __init__(self, http: httpx.AsyncClient, stream: Stream, webrtc_id: str, persona: str, voice: str):
         self.http, self.stream, self.id = http, stream, webrtc_id
         self.args = [voice, persona, 0.7, 25, 0.8, 250, 7]
-        self.pc = RTCPeerConnection()
+        # No STUN server: the peers meet on loopback, and aiortc's default (a Google STUN host) means a
+        # DNS lookup in an executor thread that, on a closed network, can outlive the test's event loop.
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         self.samples = 0
         self.energy = 0.0
         self.messages: list[str] = []
@@ -93,13 +101,20 @@ class Client:
 
 
 async def collect_outputs(stream: Stream, webrtc_id: str, into: list, seconds: float) -> None:
-    async def run():
-        async for out in stream.output_stream(webrtc_id):
-            into.append(out.args)
-    try:
-        await asyncio.wait_for(run(), seconds)
-    except TimeoutError:
-        pass
+    """The page updates of one connection for `seconds`, read from fastrtc's queue directly.
+
+    Not `wait_for(<loop over stream.output_stream>)`: on Python 3.11 a cancellation that lands
+    while the inner `wait_for(queue.get(), 0.1)` completes is swallowed, and with updates
+    arriving every few ticks the outer `wait_for` then waits forever."""
+    outputs = stream.additional_outputs[webrtc_id]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while (left := deadline - loop.time()) > 0 and not outputs.quit.is_set():
+        try:
+            out = await asyncio.wait_for(outputs.queue.get(), min(left, 0.2))
+        except TimeoutError:
+            continue
+        into.append(out.args)
 
 
 @pytest.fixture(scope="module")
@@ -107,19 +122,26 @@ def runtime(tiny_cache_dir):
     return build_runtime(RuntimeOptions(model="tiny", slots=2, cache_dir=tiny_cache_dir))
 
 
+@contextlib.contextmanager
+def started_pool(runtime, **config):
+    pool = SlotPool(runtime.engine, PoolConfig(**config))
+    pool.start()
+    try:
+        yield pool
+    finally:
+        pool.shutdown()
+
+
 @contextlib.asynccontextmanager
 async def serving(runtime, limit: int):
     """A started pool, a fastrtc Stream mounted on FastAPI, and an in-process HTTP client."""
-    pool = SlotPool(runtime.engine, PoolConfig(time_limit_seconds=60))
-    pool.start()
-    stream = Stream(CallHandler(pool), modality="audio", mode="send-receive", concurrency_limit=limit)
-    app = FastAPI()
-    stream.mount(app)
-    try:
+    with started_pool(runtime, time_limit_seconds=60) as pool:
+        stream = Stream(CallHandler(pool), modality="audio", mode="send-receive", concurrency_limit=limit,
+                        server_rtc_configuration=NO_ICE_SERVERS)
+        app = FastAPI()
+        stream.mount(app)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
             yield pool, stream, http
-    finally:
-        pool.shutdown()
 
 
 async def test_two_callers_each_get_their_own_audio_and_transcript_and_hang_up_frees_slots(runtime):
@@ -168,3 +190,188 @@ async def test_third_caller_on_two_slots_waits_in_the_queue_then_gets_in(runtime
         assert any(o[1].startswith("Live") for o in later if len(o) > 1)
         for c in clients[1:]:
             await c.pc.close()
+
+
+# ---- one handler driven directly, as fastrtc drives it -------------------------------------------
+
+
+class FakeChannel:
+    """Stands in for the data channel: the handler only needs it to exist (and fastrtc to send)."""
+
+    def __init__(self):
+        self.sent: list[str] = []
+
+    def send(self, message: str) -> None:
+        self.sent.append(message)
+
+
+def args(voice="NATF2", persona="You enjoy having a good conversation.", seed=3):
+    return [voice, persona, 0.7, 25, 0.8, 250, seed]
+
+
+async def direct_call(pool: SlotPool, recordings: RecordingStore, call_args=None, **kw) -> CallHandler:
+    h = CallHandler(pool, recordings, **kw).copy()
+    h.set_channel(FakeChannel())
+    h.set_args(list(call_args or args()))  # what Stream.set_input does when the page sends its inputs
+    await h.start_up()
+    return h
+
+
+async def feed_tone(h: CallHandler, seconds: float, freq: float = 220.0) -> None:
+    """40 ms int16 chunks at 24 kHz, in real time, as fastrtc's resampler delivers them."""
+    t0 = time.monotonic()
+    for n in range(int(seconds / 0.04)):
+        t = (np.arange(960) + n * 960) / 24000
+        await h.receive((24000, (0.3 * 32767 * np.sin(2 * np.pi * freq * t)).astype(np.int16).reshape(1, -1)))
+        await asyncio.sleep(max(0.0, t0 + (n + 1) * 0.04 - time.monotonic()))
+
+
+async def emit_until_closed(h: CallHandler, seconds: float) -> list:
+    outs: list = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        out = await h.emit()
+        if out is not None:
+            outs.append(out)
+        if isinstance(out, CloseStream):
+            break
+    return outs
+
+
+def page_updates(outs: list) -> list[tuple]:
+    found = []
+    for out in outs:
+        extra = out[1] if isinstance(out, tuple) and isinstance(out[-1], AdditionalOutputs) else out
+        if isinstance(extra, AdditionalOutputs):
+            found.append(extra.args)
+    return found
+
+
+async def wait_all_free(pool: SlotPool, seconds: float = 3.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and pool.snapshot().slots_free < pool.slots_total:
+        await asyncio.sleep(0.05)
+    assert pool.snapshot().slots_free == pool.slots_total
+
+
+@pytest.fixture
+def recordings(tmp_path):
+    store = RecordingStore(tmp_path / "calls")
+    yield store
+    store.close()
+
+
+async def test_time_limit_ends_the_call_with_a_message_and_the_downloads(runtime, recordings):
+    with started_pool(runtime, time_limit_seconds=1.5) as pool:
+        h = await direct_call(pool, recordings)
+        await h.call.wait_live(10)
+        feeder = asyncio.ensure_future(feed_tone(h, 4.0))
+        outs = await emit_until_closed(h, 6.0)
+        feeder.cancel()
+        assert isinstance(outs[-1], CloseStream) and "Time is up" in outs[-1].msg
+        audio = [o[0] if isinstance(o[-1], AdditionalOutputs) else o for o in outs if isinstance(o, tuple)]
+        assert len(audio) >= 10 and all(a[0] == 24000 and a[1].shape == (1920,) for a in audio)
+        updates = page_updates(outs)
+        assert any(u[1].startswith("Live") and "left" in u[1] for u in updates)
+        transcript, status, call_id, files = updates[-1]
+        assert status.startswith("Call ended: Time is up") and call_id == h.call_id
+        assert transcript == h.transcript and transcript  # the tiny model babbles text every few ticks
+        wav_path, json_path = files
+        with wave.open(wav_path) as w:
+            assert (w.getnchannels(), w.getframerate(), w.getsampwidth()) == (2, 24000, 2)
+            stereo = np.frombuffer(w.readframes(w.getnframes()), np.int16).reshape(-1, 2).astype(np.float64)
+        assert stereo.shape[0] >= 1.2 * 24000
+        assert np.sqrt((stereo[:, 0] ** 2).mean()) > 3000  # the caller's tone, left
+        assert stereo[:, 1].any()  # the agent, right
+        meta = json.loads(open(json_path).read())
+        assert meta["end_reason"] == "time_limit" and meta["voice"] == "NATF2" and meta["text"] == transcript
+        assert meta["channels"] == {"left": "caller", "right": "agent"} and meta["segments"]
+        await wait_all_free(pool)
+
+
+async def test_a_full_room_refuses_with_a_clear_message(runtime, recordings):
+    with started_pool(runtime, max_queue=0) as pool:
+        first = await direct_call(pool, recordings)
+        second = await direct_call(pool, recordings)
+        third = await direct_call(pool, recordings)
+        assert third.call is None
+        outs = await emit_until_closed(third, 2.0)
+        assert isinstance(outs[-1], CloseStream) and "All 2 conversation slots are busy" in outs[-1].msg
+        assert page_updates(outs)[-1][1].startswith("Call ended: All 2 conversation slots are busy")
+        first.shutdown()
+        second.shutdown()
+        await wait_all_free(pool)
+
+
+async def test_queued_callers_are_told_when_the_wait_is_over_or_dropped_when_gone(runtime, recordings, monkeypatch):
+    import personaplex_demo.handler as handler_module
+
+    monkeypatch.setattr(handler_module, "QUEUED_SILENCE_SECONDS", 0.6)
+    with started_pool(runtime) as pool:
+        holders = [await direct_call(pool, recordings) for _ in range(2)]
+        patient = await direct_call(pool, recordings, max_wait_seconds=1.0)
+        gone = await direct_call(pool, recordings)  # its tab is closed: no audio ever arrives
+        assert (patient.call.state, patient.call.queue_position) == ("queued", 1)
+        assert (gone.call.state, gone.call.queue_position) == ("queued", 2)
+        feeder = asyncio.ensure_future(feed_tone(patient, 3.0))
+        patient_outs, gone_outs = await asyncio.gather(emit_until_closed(patient, 3.0), emit_until_closed(gone, 3.0))
+        feeder.cancel()
+        assert "number 1 in the queue" in page_updates(patient_outs)[0][1]
+        assert isinstance(patient_outs[-1], CloseStream) and "no free slot" in patient_outs[-1].msg
+        assert isinstance(gone_outs[-1], CloseStream) and "no microphone audio" in gone_outs[-1].msg
+        assert gone.call.end_reason == "idle" and pool.snapshot().queue_length == 0
+        for h in holders:
+            h.shutdown()
+        await wait_all_free(pool)
+
+
+# ---- the page ---------------------------------------------------------------------------------
+
+
+async def test_the_page_wiring_status_endpoint_and_downloads(runtime, recordings):
+    import gradio as gr
+    from fastrtc import WebRTC
+
+    from personaplex_demo.ui import PageOptions, build_ui, status_routes
+
+    pool = SlotPool(runtime.engine, PoolConfig(max_queue=3))
+    demo = build_ui(runtime, pool, PageOptions(max_queue=3), recordings)
+    rtc = next(b for b in demo.blocks.values() if isinstance(b, WebRTC))
+    assert rtc.time_limit is None  # the pool counts the limit from going live, not from connecting
+    assert rtc.concurrency_limit == pool.slots_total + 3 + 2
+    by_event = {}
+    for fn in demo.fns.values():
+        for _, event in fn.targets:
+            by_event.setdefault(event, []).append(fn)
+    # Every caller's page must update, not only the first one's (Gradio's default limit is 1).
+    assert all(fn.concurrency_limit is None for fn in by_event["state_change"] + by_event["stop_recording"])
+    banner = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "banner")
+    assert "tiny offline model" in banner.value
+    voice = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "voice")
+    assert voice.value == "NATF2" and len(voice.choices) == 18
+
+    # After Stop the page waits for the recording and shows both downloads.
+    rec = recordings.start("call-1", {"voice": "NATF2"})
+    rec.add_caller(np.full(1920, 1000, np.int16))
+    rec.add_agent(np.zeros(1920, np.float32), "hello")
+    asyncio.get_running_loop().call_later(0.2, rec.finish, "hangup")
+    status, wav_update, json_update = await by_event["stop_recording"][0].fn("call-1")
+    assert status.startswith("Call ended") and wav_update["visible"] and wav_update["value"].endswith(".wav")
+    assert json.loads(open(json_update["value"]).read())["text"] == "hello"
+
+    # A late page trigger for a call that is over returns at once, with its final update if any.
+    relay = by_event["state_change"][0].fn
+    got = [u async for u in relay("gone")]
+    assert len(got) == 1 and all(isinstance(u, type(gr.skip())) for u in got[0])
+    FinalUpdates.put("gone-2", ("words", "Call ended: Time is up", "cid", ("/x/a.wav", "/x/a.json")))
+    got = [u async for u in relay("gone-2")]
+    assert got[0][:3] == ("words", "Call ended: Time is up", "cid") and got[0][3]["value"] == "/x/a.wav"
+    assert FinalUpdates.pop("gone-2") is None
+
+    app = gr.routes.App.create_app(demo, app_kwargs={"routes": status_routes(runtime, pool)})
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        r = await http.get("/api/status")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tiny"] is True and body["slots_total"] == 2 and body["slots_free"] == 2
+    assert {"queue_length", "tick_p50_ms", "tick_p99_ms", "realtime_factor", "latency_p50_ms"} <= set(body)
