@@ -54,7 +54,8 @@ async def drain_until(h: CallHandler, predicate, seconds: float = 5.0):
 
 
 async def test_malformed_offers_are_refused_without_a_slot(pool):
-    stream = Stream(CallHandler(pool), modality="audio", mode="send-receive", concurrency_limit=4)
+    stream = Stream(CallHandler(pool), modality="audio", mode="send-receive", concurrency_limit=4,
+                    server_rtc_configuration={"iceServers": []})
     app = FastAPI()
     stream.mount(app)
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
