@@ -519,7 +519,9 @@ class LockstepEngine:
         # Mimi has no code 2048 (the initial token): silence for warm-up and hidden rows.
         audio = torch.where(speak.view(-1, 1) & (audio < AUDIO_INITIAL), audio, self._silence.view(1, -1))
         out = self._decode(audio)
-        out = torch.where(res.live.view(-1, 1), out.float(), torch.zeros((), device=out.device))
+        # Clipped here because the int16 conversion downstream (fastrtc's) wraps values past full
+        # scale into loud clicks instead of saturating.
+        out = torch.where(res.live.view(-1, 1), out.float().clamp(-1.0, 1.0), torch.zeros((), device=out.device))
         # One host transfer per tick: the PCM, the text ids and the masks together.
         text_ids = torch.where(speak, res.frame[:, 0], torch.full_like(res.frame[:, 0], TEXT_PAD))
         out_np = out.cpu().numpy()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -67,14 +68,20 @@ class CallRequest:
         (`__webrtc_value__`, inputs...)."""
         vals = list(args[-N_INPUTS:]) if len(args) >= N_INPUTS + 1 else []
         if not vals:
-            return cls(DEFAULT_VOICE, "", SamplingParams())
+            return cls(DEFAULT_VOICE, "", SamplingParams(seed=new_seed()))
         voice, persona, tt, tk, at, ak, seed = vals
         try:
             sampling = SamplingParams(text_temperature=float(tt), text_top_k=int(tk), audio_temperature=float(at),
-                                      audio_top_k=int(ak), seed=None if seed in (None, "", -1) else int(seed))
+                                      audio_top_k=int(ak), seed=new_seed() if seed in (None, "", -1) else int(seed))
         except (TypeError, ValueError) as e:
             raise CallerError(f"the sampling settings must be numbers: {e}") from e
         return cls(str(voice or DEFAULT_VOICE), str(persona or ""), sampling)
+
+
+def new_seed() -> int:
+    """A seed for a caller who asked for a random one. Drawn here, not in the engine, so that it
+    goes into the call's transcript JSON and the call can be replayed with it."""
+    return secrets.randbits(32)
 
 
 class RoomMetrics:

@@ -145,3 +145,17 @@ def test_nan_and_clipped_audio_are_sanitised_without_touching_neighbours(tiny_ca
         np.testing.assert_array_equal(a.pcm[0], b.pcm[0])
         assert np.isfinite(b.pcm).all()
     assert dirty.stats.sanitized_frames == len(audio)
+
+
+def test_agent_audio_saturates_at_full_scale(tiny_cache_dir):
+    # fastrtc turns float32 into int16 by scaling alone, so anything past ±1 would wrap into clicks.
+    engine = make_engine(tiny_cache_dir, 1)
+    decode = engine._decode
+    engine._decode = lambda codes: 50.0 * decode(codes)
+    engine.start_session(0, "NATF2", PERSONA, GREEDY)
+    loud = 0
+    for x in speech_like(np.random.default_rng(3), 12):
+        pcm = engine.step(x[None]).pcm
+        assert np.abs(pcm).max() <= 1.0
+        loud += int((np.abs(pcm) == 1.0).sum())
+    assert loud > 0  # the louder decoder really did go past full scale

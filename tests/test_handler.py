@@ -289,6 +289,18 @@ async def test_time_limit_ends_the_call_with_a_message_and_the_downloads(runtime
         await wait_all_free(pool)
 
 
+async def test_a_random_seed_is_drawn_per_call_and_recorded(runtime, recordings):
+    with started_pool(runtime) as pool:
+        calls = [await direct_call(pool, recordings, args(seed=-1)) for _ in range(2)]
+        seeds = [recordings.get(h.call_id).meta["sampling"]["seed"] for h in calls]
+        fixed = await direct_call(pool, recordings, args(seed=7))
+        assert recordings.get(fixed.call_id).meta["sampling"]["seed"] == 7
+        assert all(isinstance(s, int) and 0 <= s < 2**32 for s in seeds) and seeds[0] != seeds[1]
+        for h in (*calls, fixed):
+            h.shutdown()
+        await wait_all_free(pool)
+
+
 async def test_a_full_room_refuses_with_a_clear_message(runtime, recordings):
     with started_pool(runtime, max_queue=0) as pool:
         first = await direct_call(pool, recordings)
