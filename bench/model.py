@@ -260,22 +260,25 @@ net" adds our lockstep and sampler on top of our network.
 (matmuls on 2 steps per frame, attention over the 250-slot ring) and the convolutions next to
 the latent; at B = 16 the convolutions take over, led by the encoder's last downsampling conv
 (512 -> 1024 channels, kernel 16, stride 8) and the decoder's first transposed conv (1024 -> 512,
-kernel 16, stride 8), which PyTorch runs on the CPU through its slow `slow_conv_transpose2d`
-path (about 33 ms of a 125 ms decode at B = 16). The reference runs the same operators, hence
-ratios near 1. Mid LM at B = 1: the matmuls (weights are read once per tick; text_linear,
+kernel 16, stride 8). PyTorch runs that transposed conv on the CPU through its slow
+`slow_conv_transpose2d` path (about 33 ms of a 125 ms decode at B = 16, as the reference still
+does); ours runs it as one matmul and a shift-add (`StreamingConvTranspose1d._step_matmul`,
+tested against the conv): timed alone on the machine of this table, 27 -> 3.3 ms at B = 1 and
+35 -> 11 ms at B = 16. The other operators are the same as the reference's.
+Mid LM at B = 1: the matmuls (weights are read once per tick; text_linear,
 512 x 32000, is the largest) and about 1,700 small operators per tick; at B = 16 the temporal
 attention is about half the tick, because every row reads all 3000 slots of every layer's ring
 (masked, not sliced) although only about 200 are filled in this run; the reference does the
 same. The lockstep and the sampler (softmax + top-k over 32000 text and 8 x 2048 audio logits,
 hashed noise) add 5-10 ms per tick.
 
-**What would make it faster** (measured in isolation, not applied): (1) Mimi's transposed convs
-as one matmul plus an `F.fold` overlap-add: the 1024 -> 512 layer goes from 35 to 7 ms at B = 16
-(3.4 to 1.5 ms at B = 1), max |Δ| about 1e-6. (2) Attend only the filled part of the temporal
+**What would make it faster** (not applied): (1) Attend only the filled part of the temporal
 ring, with a host-side length rounded up to a bucket (one CUDA graph per bucket): the first
 4 minutes of every call get cheaper, while a full ring (calls past 240 s) costs what is shown.
-(3) In `temporal_step`, compute the RoPE angles and the ring mask once per tick rather than once
-per layer."""
+(2) In `temporal_step`, compute the RoPE angles and the ring mask once per tick rather than once
+per layer. (3) The other decoder transposed convs have longer inputs (16 to 480 steps per frame),
+where PyTorch's conv is already as fast as a matmul; at B = 16 the encoder's strided convs are
+next."""
 
 
 def main() -> int:

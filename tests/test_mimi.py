@@ -188,3 +188,25 @@ def test_meta_build_then_assign_load(tiny_weights: dict[str, np.ndarray], signal
     before = cb.embedding.clone()
     cb.cluster_usage.mul_(2.0)
     torch.testing.assert_close(cb.embedding, before / 2.0, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_transposed_conv_matmul_path_equals_the_conv(monkeypatch: pytest.MonkeyPatch, bias: bool) -> None:
+    """The matmul fast path of a streaming transposed conv gives the conv's output, carry included."""
+    import personaplex_demo.model.mimi as mimi_module
+    from personaplex_demo.model.mimi import StreamingConvTranspose1d
+
+    torch.manual_seed(0)
+    layer = StreamingConvTranspose1d(24, 12, kernel_size=10, stride=5, bias=bias)
+    assert layer.matmul_ok
+    x = torch.randn(3, 24, 12)
+    whole = torch.nn.functional.conv_transpose1d(x, layer.convtr.convtr.weight, layer.convtr.convtr.bias,
+                                                 stride=5)[..., : 12 * 5]
+    outs = {}
+    for name, max_steps in (("matmul", 4), ("conv", 0)):
+        monkeypatch.setattr(mimi_module, "MATMUL_MAX_STEPS", max_steps)
+        state = layer.init_state(3, torch.device("cpu"), torch.float32)
+        with torch.no_grad():
+            outs[name] = torch.cat([layer.step(x[..., i: i + 2], state) for i in range(0, 12, 2)], dim=-1)
+    torch.testing.assert_close(outs["matmul"], whole, rtol=0, atol=1e-5)
+    torch.testing.assert_close(outs["conv"], whole, rtol=0, atol=1e-5)

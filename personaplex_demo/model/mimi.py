@@ -193,6 +193,11 @@ class StreamingConv1d(nn.Module):
         return conv(x)
 
 
+# Up to this many input steps per call, a transposed conv with kernel = 2 * stride runs as a
+# matmul (see `_step_matmul`); longer inputs are faster through PyTorch's conv.
+MATMUL_MAX_STEPS = 4
+
+
 class StreamingConvTranspose1d(nn.Module):
     """Causal transposed conv fed chunk by chunk.
 
@@ -209,6 +214,7 @@ class StreamingConvTranspose1d(nn.Module):
         self.out_channels = out_channels
         self.stride = stride
         self.overlap = kernel_size - stride
+        self.matmul_ok = groups == 1 and kernel_size == 2 * stride
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> ConvTrState:
         return ConvTrState(torch.zeros(batch_size, self.out_channels, self.overlap,
@@ -216,6 +222,8 @@ class StreamingConvTranspose1d(nn.Module):
 
     def step(self, x: Tensor, state: ConvTrState) -> Tensor:
         # x: [B, C_in, T] -> [B, C_out, T * stride]
+        if self.matmul_ok and x.shape[-1] <= MATMUL_MAX_STEPS:
+            return self._step_matmul(x, state)
         convtr = self.convtr.convtr
         y = convtr(x)  # [B, C_out, T * stride + P]
         p = self.overlap
@@ -227,6 +235,26 @@ class StreamingConvTranspose1d(nn.Module):
             tail = tail - convtr.bias[:, None]
         state.tail.copy_(tail)
         return y[..., : y.shape[-1] - p]
+
+    def _step_matmul(self, x: Tensor, state: ConvTrState) -> Tensor:
+        """The same transposed conv as one matmul, for kernel = 2 * stride and few input steps.
+
+        Each input step t yields 2 * stride outputs: the first half lands on its own block of
+        `stride` samples, the second half on the next block. On the CPU, PyTorch runs a transposed
+        conv with a short input through a slow generic kernel; the decoder's first one (1024 ->
+        512 channels, kernel 16, 2 steps per frame) costs several times this matmul."""
+        convtr = self.convtr.convtr
+        B, c_in, T = x.shape
+        s, c_out = self.stride, self.out_channels
+        z = torch.mm(x.transpose(1, 2).reshape(B * T, c_in), convtr.weight.reshape(c_in, c_out * 2 * s))
+        z = z.view(B, T, c_out, 2, s)
+        head, spill = z[:, :, :, 0], z[:, :, :, 1]  # [B, T, C_out, s] each
+        prev = torch.cat([state.tail[:, None], spill[:, : T - 1]], dim=1)  # the previous step's spill
+        state.tail.copy_(spill[:, T - 1])
+        y = (head + prev).permute(0, 2, 1, 3).reshape(B, c_out, T * s)
+        if convtr.bias is not None:
+            y = y + convtr.bias[:, None]
+        return y
 
 
 _StreamingConv = (StreamingConv1d, StreamingConvTranspose1d)
