@@ -19,8 +19,9 @@ from .transformer import (
     RingKV,
     RMSNorm,
     SwiGLU,
-    apply_rope,
     prefill_attention_mask,
+    rope_angles,
+    rotate,
     step_attention_mask,
 )
 
@@ -120,14 +121,19 @@ class PersonaPlexLM(nn.Module):
         not advance; their output is meaningless."""
         cfg = self.cfg
         pos = kv[0].end.clone()  # each row's next stream position (the dead step never advances it)
+        angles = rope_angles(pos.view(-1, 1), cfg.head_dim, cfg.max_period)
+        mask = None
         for layer, cache in zip(self.transformer.layers, kv):
             h = layer.norm1(x)
             q, k, v = layer.self_attn.qkv(h)
-            q, k = apply_rope(q, k, pos.view(-1, 1), cfg.max_period)
+            q, k = rotate(q, angles), rotate(k, angles)
             cache.append(k, v, active)
-            mask = step_attention_mask(cache, pos, cfg.context)
-            # A row with nothing visible (inactive, empty) would give NaN; let it see slot 0.
-            mask = mask | (~mask.any(dim=-1, keepdim=True) & (torch.arange(mask.shape[-1], device=x.device) == 0))
+            if mask is None:
+                # Every layer's ring is written, reset and loaded together, so all hold the same
+                # positions after this append: one mask serves the whole tick.
+                mask = step_attention_mask(cache, pos, cfg.context)
+                # A row with nothing visible (inactive, empty) would give NaN; let it see slot 0.
+                mask = mask | (~mask.any(dim=-1, keepdim=True) & (torch.arange(mask.shape[-1], device=x.device) == 0))
             a = F.scaled_dot_product_attention(q, cache.keys, cache.values, mask)
             x = x + layer.self_attn.project_out(a)
             x = x + layer.gating(layer.norm2(x))
@@ -143,12 +149,13 @@ class PersonaPlexLM(nn.Module):
         L = x.shape[1]
         cap = capacity or cfg.context
         positions = torch.arange(L, device=x.device).view(1, L)
+        angles = rope_angles(positions, cfg.head_dim, cfg.max_period)
         mask = prefill_attention_mask(L, cap, cfg.context, x.device)
         kvs = []
         for layer in self.transformer.layers:
             h = layer.norm1(x)
             q, k, v = layer.self_attn.qkv(h)
-            q, k = apply_rope(q, k, positions, cfg.max_period)
+            q, k = rotate(q, angles), rotate(k, angles)
             kvs.append((k[0], v[0]))
             a = F.scaled_dot_product_attention(q, k, v, mask)
             x = x + layer.self_attn.project_out(a)

@@ -30,26 +30,22 @@ class RMSNorm(nn.Module):
         return (x32 * (self.alpha.float() * torch.rsqrt(var))).to(x.dtype)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-               max_period: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of q and k, [B, H, T, D], in fp32.
-
-    positions: [B, T] absolute stream positions (float or long).
-    """
-    D = q.shape[-1]
-    ds = torch.arange(D // 2, device=q.device, dtype=torch.float32)
-    freqs = torch.exp(ds * (-math.log(max_period) * 2 / D))
+def rope_angles(positions: torch.Tensor, head_dim: int, max_period: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, 1, T, D/2] of the interleaved RoPE at `positions` [B, T], in fp32."""
+    ds = torch.arange(head_dim // 2, device=positions.device, dtype=torch.float32)
+    freqs = torch.exp(ds * (-math.log(max_period) * 2 / head_dim))
     ts = positions.to(torch.float32)[:, None, :, None]  # [B, 1, T, 1]
-    rotr = torch.cos(freqs * ts)
-    roti = torch.sin(freqs * ts)
+    return torch.cos(freqs * ts), torch.sin(freqs * ts)
 
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x = x.view(*x.shape[:-1], D // 2, 2)
-        xr, xi = x[..., 0].float(), x[..., 1].float()
-        out = torch.stack([(xr * rotr - xi * roti).to(x.dtype), (xr * roti + xi * rotr).to(x.dtype)], dim=-1)
-        return out.view(*out.shape[:-2], D)
 
-    return rotate(q), rotate(k)
+def rotate(x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [B, H, T, D] by `rope_angles`, in fp32."""
+    rotr, roti = angles
+    D = x.shape[-1]
+    x = x.view(*x.shape[:-1], D // 2, 2)
+    xr, xi = x[..., 0].float(), x[..., 1].float()
+    out = torch.stack([(xr * rotr - xi * roti).to(x.dtype), (xr * roti + xi * rotr).to(x.dtype)], dim=-1)
+    return out.view(*out.shape[:-2], D)
 
 
 @dataclass
