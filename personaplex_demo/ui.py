@@ -68,6 +68,8 @@ def status_routes(runtime, pool: SlotPool) -> list[Route]:
 
 def stats_markdown(pool: SlotPool) -> str:
     m = RoomMetrics.get(pool)
+    if not m.ticks:  # zeros would read as measurements
+        return f"**Room** {room_line(m)} · latency and tick times appear once a call is live"
     return (f"**Room** {room_line(m)} · **latency** p50 {m.latency_p50_ms:.0f} ms, p99 {m.latency_p99_ms:.0f} ms"
             f" · **tick** p50 {m.tick_p50_ms:.0f} ms, p99 {m.tick_p99_ms:.0f} ms"
             f" · **real-time factor** {m.realtime_factor:.2f}")

@@ -361,6 +361,8 @@ async def test_the_page_wiring_status_endpoint_and_downloads(runtime, recordings
     assert "tiny offline model" in banner.value
     voice = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "voice")
     assert voice.value == "NATF2" and len(voice.choices) == 18
+    stats = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "stats")
+    assert "appear once a call is live" in stats.value  # no 0 ms figures before anything was measured
 
     # After Stop the page waits for the recording and shows both downloads.
     rec = recordings.start("call-1", {"voice": "NATF2"})
