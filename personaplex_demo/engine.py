@@ -31,6 +31,10 @@ from .tokens import AUDIO_INITIAL, SILENCE_CODES, SILENCE_FRAMES, SINE_CODES, TE
 
 log = logging.getLogger(__name__)
 
+# Temporal attention reads the filled part of the KV rings, rounded up to a multiple of this many
+# slots (20.5 s of conversation): few enough CUDA graphs, little wasted reading.
+VISIBLE_BUCKET = 256
+
 MAX_PERSONA_TOKENS = 512
 
 
@@ -190,7 +194,8 @@ class LockstepCore:
 
     def __init__(self, lm: PersonaPlexLM, batch_size: int, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, skip_user_steps: bool = True,
-                 prefix_cache_size: int = 8, context: int | None = None, cuda_graphs: bool = False):
+                 prefix_cache_size: int = 8, context: int | None = None, cuda_graphs: bool = False,
+                 attend_filled: bool = True):
         self.lm = lm
         self.cfg: LMConfig = lm.cfg
         self.B = batch_size
@@ -214,7 +219,14 @@ class LockstepCore:
         self._rows = torch.arange(batch_size, device=self.device)
         self._max_text_k = 25
         self._max_audio_k = 250
-        # One graph per (text top-k, audio top-k) bucket in use; eager on the CPU.
+        # Host copies of each row's ring length (None: not tracked, after a stepwise prompt) and
+        # of the live rows, so that a tick can attend only the filled part of the rings without
+        # reading anything back from the device.
+        self.attend_filled = attend_filled
+        self._ends: list[int | None] = [0] * batch_size
+        self._live_slots: set[int] = set()
+        self._visible: int | None = None
+        # One graph per (text top-k, audio top-k, visible ring slots) in use; eager on the CPU.
         self._graphed_live_tick = CudaGraphed(self._live_tick, "lockstep tick",
                                               enabled=cuda_graphs and self.device.type == "cuda")
 
@@ -227,6 +239,8 @@ class LockstepCore:
             cache.reset_rows(rows)
         self.ring.reset_rows(rows)
         self.live[slot] = False
+        self._ends[slot] = 0
+        self._live_slots.discard(slot)
         self.prompts.pop(slot, None)
         self.top_k_in_use.pop(slot, None)
 
@@ -247,6 +261,7 @@ class LockstepCore:
         self.set_sampling(slot, params, seed)
         if stepwise:
             self.prompts[slot] = _SlotPrompt(voice, deque(prompt_steps(voice.embeddings.shape[0], persona)))
+            self._ends[slot] = None  # dead steps do not advance the ring; not worth mirroring
             return
         prefix = self.prefix(voice, persona)
         for cache, (k, v) in zip(self.kv, prefix.kv):
@@ -255,10 +270,32 @@ class LockstepCore:
         self.ring.provided[slot] = prefix.provided.to(self.device)
         self.ring.local[slot] = prefix.local
         self.live[slot] = True
+        self._ends[slot] = prefix.length
+        self._live_slots.add(slot)
 
     def end(self, slot: int) -> None:
         self.live[slot] = False
+        self._live_slots.discard(slot)
         self.prompts.pop(slot, None)
+
+    def visible_slots(self) -> int | None:
+        """How many ring slots this tick must attend: the live rows' longest length after the
+        tick's append, rounded up to VISIBLE_BUCKET (one CUDA graph per bucket); None for the
+        whole ring (a row has wrapped, is not tracked, or the option is off)."""
+        if not self.attend_filled:
+            return None
+        ends = [self._ends[s] for s in self._live_slots]
+        if any(e is None for e in ends):
+            return None
+        need = max(ends, default=0) + 1
+        visible = -(-need // VISIBLE_BUCKET) * VISIBLE_BUCKET
+        return visible if visible < self.context else None
+
+    def _advance_ends(self) -> None:
+        for s in self._live_slots:
+            end = self._ends[s]
+            if end is not None:
+                self._ends[s] = end + 1
 
     @property
     def prefilling(self) -> list[int]:
@@ -329,7 +366,10 @@ class LockstepCore:
         """One tick. user_codes [B, 8] for the live rows (others are ignored)."""
         user_codes = user_codes.to(self.device)
         if not self.prompts:  # the hot path: only live and idle rows
-            return self._graphed_live_tick(user_codes, key=(self._max_text_k, self._max_audio_k))
+            self._visible = self.visible_slots()
+            res = self._graphed_live_tick(user_codes, key=(self._max_text_k, self._max_audio_k, self._visible))
+            self._advance_ends()
+            return res
         # Stepwise system prompts (the reference's way; tests and diagnostics).
         B = self.B
         values, mask = self._user_staging(user_codes)
@@ -352,9 +392,11 @@ class LockstepCore:
             if not prompt.steps:
                 finished.append(slot)
         res = self._tick(values, mask, self.live | prompt_rows, dead, override, use_override)
+        self._advance_ends()
         for slot in finished:
             del self.prompts[slot]
             self.live[slot] = True
+            self._live_slots.add(slot)
         return res
 
     def _user_staging(self, user_codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,12 +408,14 @@ class LockstepCore:
 
     def _live_tick(self, user_codes: torch.Tensor) -> CoreStep:
         values, mask = self._user_staging(user_codes)
-        return self._tick(values, mask, self.live.clone(), None, None, None)
+        return self._tick(values, mask, self.live.clone(), None, None, None, self._visible)
 
     def _tick(self, values: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, dead: torch.Tensor | None,
-              override: torch.Tensor | None, use_override: torch.Tensor | None) -> CoreStep:
+              override: torch.Tensor | None, use_override: torch.Tensor | None,
+              visible: int | None = None) -> CoreStep:
         """The lockstep algorithm of spec §E for every row at once: tensors in, tensors out,
-        no host sync. `rows` step this tick; `dead` rows take the model-less offset-0 step."""
+        no host sync. `rows` step this tick; `dead` rows take the model-less offset-0 step;
+        attention reads the first `visible` ring slots (all when None)."""
         live = self.live.clone()
         self.ring.stage(values, mask)
         self.ring.warm_up(rows)
@@ -383,7 +427,7 @@ class LockstepCore:
         x = self.lm.embed_codes(inp).to(self.dtype)
         if override is not None:
             x = torch.where(use_override.view(-1, 1, 1), override[:, None, :], x)
-        h = self.lm.temporal_step(x, self.kv, active)
+        h = self.lm.temporal_step(x, self.kv, active, visible)
         counter = self.ring.local
         text = sample(self.lm.text_logits(h), self.text_sampling, counter, 0, self._max_text_k)
         next_text = torch.where(prov[:, 0], target[:, 0], text)

@@ -159,3 +159,30 @@ def test_agent_audio_saturates_at_full_scale(tiny_cache_dir):
         assert np.abs(pcm).max() <= 1.0
         loud += int((np.abs(pcm) == 1.0).sum())
     assert loud > 0  # the louder decoder really did go past full scale
+
+
+def test_attending_only_the_filled_ring_gives_the_same_tokens(tiny_cache_dir):
+    """The fast path that attends only the filled part of the KV rings (bucketed by length)
+    against the whole ring, with callers of different ages, a recycle, and rows that wrap."""
+    rng = np.random.default_rng(11)
+    audio = speech_like(rng, 340)
+    runs, seen = {}, {}
+    for fast in (True, False):
+        engine = make_engine(tiny_cache_dir, 3, context=300)
+        engine.core.attend_filled = fast
+        buckets = set()
+        engine.start_session(0, "NATF2", PERSONA, GREEDY)
+        engine.start_session(1, "VARM1", "", SamplingParams(seed=5))
+        frames = []
+        for i, x in enumerate(audio):
+            if i == 40:
+                engine.start_session(2, "NATM0", "You are a chef.", SamplingParams(seed=9))
+            if i == 200:
+                engine.end_session(1)
+                engine.start_session(1, "NATF0", PERSONA, GREEDY)  # a young row beside old ones
+            buckets.add(engine.core.visible_slots())
+            pcm = np.stack([x, x[::-1].copy(), 0.5 * x])
+            frames.append(engine.step(pcm).tokens.copy())
+        runs[fast], seen[fast] = np.stack(frames), buckets
+    assert seen[True] == {256, None} and seen[False] == {None}  # both paths really ran
+    np.testing.assert_array_equal(runs[True], runs[False])

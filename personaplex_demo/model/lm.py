@@ -116,10 +116,16 @@ class PersonaPlexLM(nn.Module):
         cap = capacity or cfg.context
         return [RingKV.empty(batch, cfg.num_heads, cap, cfg.head_dim, device, dtype) for _ in range(cfg.num_layers)]
 
-    def temporal_step(self, x: torch.Tensor, kv: list[RingKV], active: torch.Tensor) -> torch.Tensor:
+    def temporal_step(self, x: torch.Tensor, kv: list[RingKV], active: torch.Tensor,
+                      visible: int | None = None) -> torch.Tensor:
         """x [B, 1, D] -> out_norm(h) [B, 1, D]. Rows with `active` false write no key and do
-        not advance; their output is meaningless."""
+        not advance; their output is meaningless.
+
+        `visible`: attend only the first `visible` ring slots. Exact when no active row has
+        wrapped and each holds at most `visible` keys after this step's append (the caller
+        knows the rows' lengths on the host); None attends the whole ring."""
         cfg = self.cfg
+        L = kv[0].capacity if visible is None else min(visible, kv[0].capacity)
         pos = kv[0].end.clone()  # each row's next stream position (the dead step never advances it)
         angles = rope_angles(pos.view(-1, 1), cfg.head_dim, cfg.max_period)
         mask = None
@@ -131,10 +137,10 @@ class PersonaPlexLM(nn.Module):
             if mask is None:
                 # Every layer's ring is written, reset and loaded together, so all hold the same
                 # positions after this append: one mask serves the whole tick.
-                mask = step_attention_mask(cache, pos, cfg.context)
+                mask = step_attention_mask(cache, pos, cfg.context, L)
                 # A row with nothing visible (inactive, empty) would give NaN; let it see slot 0.
                 mask = mask | (~mask.any(dim=-1, keepdim=True) & (torch.arange(mask.shape[-1], device=x.device) == 0))
-            a = F.scaled_dot_product_attention(q, cache.keys, cache.values, mask)
+            a = F.scaled_dot_product_attention(q, cache.keys[:, :, :L], cache.values[:, :, :L], mask)
             x = x + layer.self_attn.project_out(a)
             x = x + layer.gating(layer.norm2(x))
         return self.out_norm(x)

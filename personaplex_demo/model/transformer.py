@@ -87,11 +87,11 @@ class RingKV:
         self.values[rows, :, idx] = torch.where(keep, v[:, :, 0], self.values[rows, :, idx])
         self.end += active.long()
 
-    def positions(self) -> torch.Tensor:
-        """Stream position of every slot, -1 where empty: [B, C]."""
+    def positions(self, visible: int | None = None) -> torch.Tensor:
+        """Stream position of every slot (of the first `visible` slots), -1 where empty: [B, C]."""
         C = self.capacity
         end = self.end.view(-1, 1)
-        idx = torch.arange(C, device=end.device).view(1, -1)
+        idx = torch.arange(C if visible is None else visible, device=end.device).view(1, -1)
         delta = idx - end % C
         pos = torch.where(delta <= 0, end + delta, end + delta - C)
         return torch.where(idx >= end, torch.full_like(pos, -1), pos)
@@ -106,9 +106,11 @@ class RingKV:
         self.end[row] = length
 
 
-def step_attention_mask(kv: RingKV, query_pos: torch.Tensor, context: int) -> torch.Tensor:
-    """Boolean mask [B, 1, 1, C] for one query per row at `query_pos` [B]."""
-    pos_k = kv.positions()
+def step_attention_mask(kv: RingKV, query_pos: torch.Tensor, context: int,
+                        visible: int | None = None) -> torch.Tensor:
+    """Boolean mask [B, 1, 1, C] (or [B, 1, 1, visible]: the first slots only) for one query per
+    row at `query_pos` [B]."""
+    pos_k = kv.positions(visible)
     delta = query_pos.view(-1, 1) - pos_k
     mask = (pos_k >= 0) & (delta >= 0) & (delta < context)
     return mask[:, None, None, :]
