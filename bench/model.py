@@ -274,9 +274,9 @@ tested against the conv): timed alone on the machine of this table, 27 -> 3.3 ms
 35 -> 11 ms at B = 16. The other operators are the same as the reference's.
 Mid LM at B = 1: the matmuls (weights are read once per tick; text_linear,
 512 x 32000, is the largest) and about 1,700 small operators per tick; at B = 16 the temporal
-attention is about half the tick, because every row reads all 3000 slots of every layer's ring
-(masked, not sliced) although only about 200 are filled in this run; the reference does the
-same. The lockstep and the sampler (softmax + top-k over 32000 text and 8 x 2048 audio logits,
+attention is about half the tick when every row reads all 3000 slots of every layer's ring
+although only about 200 are filled, as the reference does; the filled-ring tick reads one
+256-slot bucket instead. The lockstep and the sampler (softmax + top-k over 32000 text and 8 x 2048 audio logits,
 hashed noise) add 5-10 ms per tick. `temporal_step` computes the RoPE angles and the ring mask
 once per tick for all layers (about 2 % of the mid-size tick here).
 
