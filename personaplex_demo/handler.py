@@ -134,9 +134,9 @@ def room_line(m: PoolMetrics) -> str:
     return room
 
 
-def status_line(call: Call | None, pool: SlotPool, fresh: bool = False) -> str:
+def status_line(call: Call | None, pool: SlotPool) -> str:
     """One line for the page: the call's state (preparing / live with time left / queued) and the room."""
-    room = room_line(pool.snapshot() if fresh else RoomMetrics.get(pool))
+    room = room_line(RoomMetrics.get(pool))
     if call is None:
         return f"Connecting… · {room}"
     if call.state == "queued":
@@ -148,13 +148,6 @@ def status_line(call: Call | None, pool: SlotPool, fresh: bool = False) -> str:
         tail = f" · {int(left // 60)}:{int(left % 60):02d} left" if left is not None else ""
         return f"Live{tail} · {room}"
     return f"Call ended ({call.end_reason}) · {room}"
-
-
-def stats_line(pool: SlotPool) -> str:
-    m = RoomMetrics.get(pool)
-    return (f"room: {m.slots_live + m.slots_prefill}/{m.slots_total} slots in use, {m.queue_length} waiting · "
-            f"latency p50 {m.latency_p50_ms:.0f} ms · p99 {m.latency_p99_ms:.0f} ms · tick p50 {m.tick_p50_ms:.0f} ms"
-            f" · real-time factor {m.realtime_factor:.2f}")
 
 
 class CallHandler(AsyncStreamHandler):
