@@ -1,0 +1,487 @@
+"""Callers per host: real WebRTC callers against the app as a user starts it.
+
+For each caller count N, this starts `python app.py --model tiny` (one torch thread) on a free
+port and connects N aiortc peers over loopback. Each peer drives the page's own Gradio events as
+the browser page does: `start_recording` when the call starts, the WebRTC component's `turn` and
+`offer` server functions through `/gradio_api/component_server`, the `tick` event with the page's
+inputs when the data channel says `send_input`, the page-update relay (`state_change`) when it
+says `fetch_output`, and the stats timer every 2 s, all read back over the session's SSE stream.
+Once every caller is live it measures, for `--seconds`:
+
+- the CPU of the app's whole process tree (utime + stime from /proc, children included), in
+  cores and per caller;
+- the pool's tick and latency percentiles (`/api/status`);
+- per caller, the agent audio received per wall second and the longest gap between frames;
+- the page updates (SSE `process_generating` messages) per caller per second.
+
+`--engine-only` runs the same slots without any WebRTC: the pool is fed frames in process by
+as many in-process callers, so `app tree - engine only` is what the media path costs per caller.
+
+    python bench/media.py --callers 1 2 4 8 --slots 8 --seconds 20 [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fractions
+import json
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import REPO, command_line, machine, machine_line, md_table, replace_section  # noqa: E402
+
+log = logging.getLogger("bench.media")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PERSONA = "You enjoy having a good conversation."
+
+
+# ---- the app's process tree ---------------------------------------------------------------------
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of `pid` and every live descendant (threads included), in seconds."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / CLK_TCK
+            for task in Path(f"/proc/{p}/task").iterdir():
+                children = (task / "children").read_text().split()
+                todo.extend(int(c) for c in children)
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+    return total
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, timeout: float = 3.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class App:
+    """`python app.py --model tiny` in a subprocess, as a user starts it (plus loopback ICE)."""
+
+    def __init__(self, slots: int, extra: list[str], cache_dir: str | None) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="media-bench-app-", suffix=".log", delete=False)
+        env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1", PERSONAPLEX_LOOPBACK_ICE="1",
+                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        env.pop("HF_TOKEN", None)
+        cmd = [sys.executable, "app.py", "--model", "tiny", "--slots", str(slots), "--port", str(self.port),
+               "--max-queue", "0", *extra]
+        if cache_dir:
+            cmd += ["--cache-dir", cache_dir]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                get_json(self.base + "/api/status")
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"the app did not start:\n{Path(self.log.name).read_text()[-3000:]}") from None
+                time.sleep(0.5)
+
+    def status(self) -> dict:
+        return get_json(self.base + "/api/status")
+
+    def cpu(self) -> float:
+        return tree_cpu_seconds(self.proc.pid)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        os.unlink(self.log.name)
+
+
+# ---- one caller, as the page drives the app -------------------------------------------------------
+
+
+@dataclass
+class PageEvents:
+    """The fn_index of each page event a caller raises, read from the page's `/config`."""
+
+    webrtc: int  # component id of the WebRTC component
+    tick: int
+    state_change: int
+    start_recording: int
+    stop_recording: int
+    timer: int | None
+
+    @classmethod
+    def from_config(cls, config: dict) -> PageEvents:
+        comp = next(c["id"] for c in config["components"] if c.get("type") == "webrtc")
+        timer = next((c["id"] for c in config["components"] if c.get("type") == "timer"), None)
+        found: dict[str, int] = {}
+        for index, dep in enumerate(config["dependencies"]):
+            for target, event in dep["targets"]:
+                if target == comp and event in ("tick", "state_change", "start_recording", "stop_recording"):
+                    found.setdefault(event, index)
+                if timer is not None and target == timer and event == "tick":
+                    found.setdefault("timer", index)
+        return cls(comp, found["tick"], found["state_change"], found["start_recording"], found["stop_recording"],
+                   found.get("timer"))
+
+
+@dataclass
+class CallerResult:
+    live: bool = False
+    audio_s: float = 0.0  # agent audio received inside the window
+    longest_gap_s: float = 0.0
+    page_updates: int = 0  # SSE process_generating messages inside the window
+    last_transcript: str = ""
+    errors: list[str] = field(default_factory=list)
+
+
+class PageCaller:
+    """One browser page: a Gradio session and an aiortc peer connection."""
+
+    def __init__(self, http, base: str, events: PageEvents, index: int) -> None:
+        from aiortc import RTCConfiguration, RTCPeerConnection
+
+        self.http, self.base, self.events, self.index = http, base, events, index
+        self.session = secrets.token_hex(6)
+        self.webrtc_id = secrets.token_hex(6)
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        self.result = CallerResult()
+        self.window: tuple[float, float] | None = None  # (start, end) of the measured window
+        self.last_frame: float | None = None
+        self.relay_running = False
+        self.pending: set[str] = set()
+        self.stream_task: asyncio.Task | None = None
+        self.tasks: list[asyncio.Task] = []
+        self.args = ["NATF2", PERSONA, 0.7, 25, 0.8, 250, 1000 + index]
+
+    def in_window(self, t: float) -> bool:
+        return self.window is not None and self.window[0] <= t < self.window[1]
+
+    # Gradio's queue protocol, as the page's JS client speaks it.
+    async def join(self, fn_index: int, data: list) -> str | None:
+        body = {"data": data, "event_data": None, "fn_index": fn_index, "trigger_id": None,
+                "session_hash": self.session}
+        async with self.http.post(f"{self.base}/gradio_api/queue/join", json=body) as r:
+            if r.status != 200:
+                self.result.errors.append(f"join {fn_index}: HTTP {r.status}")
+                return None
+            event_id = (await r.json())["event_id"]
+        self.pending.add(event_id)
+        if self.stream_task is None or self.stream_task.done():
+            self.stream_task = asyncio.ensure_future(self.read_stream())
+        return event_id
+
+    async def read_stream(self) -> None:
+        async with self.http.get(f"{self.base}/gradio_api/queue/data", params={"session_hash": self.session},
+                                 timeout=None) as r:
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                msg = json.loads(line[5:])
+                kind = msg.get("msg")
+                if kind == "process_generating":
+                    if self.in_window(time.monotonic()):
+                        self.result.page_updates += 1
+                elif kind == "process_completed":
+                    self.pending.discard(msg.get("event_id"))
+                    if msg.get("event_id") == getattr(self, "relay_event", None):
+                        self.relay_running = False
+                elif kind == "close_stream":
+                    return
+
+    async def component(self, fn_name: str, data) -> dict:
+        body = {"session_hash": self.session, "component_id": self.events.webrtc, "fn_name": fn_name, "data": data}
+        async with self.http.post(f"{self.base}/gradio_api/component_server/", json=body) as r:
+            return await r.json()
+
+    async def on_message(self, message: str) -> None:
+        kind = json.loads(message).get("type")
+        if kind == "send_input":
+            await self.join(self.events.tick, [self.webrtc_id, *self.args])
+        elif kind == "fetch_output" and not self.relay_running:
+            self.relay_running = True
+            self.relay_event = await self.join(self.events.state_change, [self.webrtc_id])
+
+    async def timer(self) -> None:
+        while True:
+            await asyncio.sleep(2.0)
+            if self.events.timer is not None:
+                await self.join(self.events.timer, [])
+
+    async def start(self) -> None:
+        from aiortc import RTCSessionDescription
+
+        await self.join(self.events.start_recording, [])
+        await self.component("turn", {})
+        channel = self.pc.createDataChannel("text")
+        channel.on("message", lambda m: self.tasks.append(asyncio.ensure_future(self.on_message(m))))
+        self.pc.on("track", lambda track: self.tasks.append(asyncio.ensure_future(self.drain(track))))
+        self.pc.addTrack(SpeechLikeTrack(self.index))
+        await self.pc.setLocalDescription(await self.pc.createOffer())
+        answer = await self.component("offer", {"sdp": self.pc.localDescription.sdp, "type": "offer",
+                                                "webrtc_id": self.webrtc_id})
+        if "sdp" not in answer:
+            raise RuntimeError(f"offer refused: {answer}")
+        await self.pc.setRemoteDescription(RTCSessionDescription(answer["sdp"], answer["type"]))
+        self.tasks.append(asyncio.ensure_future(self.timer()))
+
+    async def drain(self, track) -> None:
+        while True:
+            try:
+                frame = await track.recv()
+            except Exception:
+                return
+            now = time.monotonic()
+            self.result.live = True
+            if self.in_window(now):
+                if self.last_frame is not None and self.in_window(self.last_frame):
+                    self.result.longest_gap_s = max(self.result.longest_gap_s, now - self.last_frame)
+                self.result.audio_s += frame.samples / frame.sample_rate
+            self.last_frame = now
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await self.join(self.events.stop_recording, [""])
+        await self.pc.close()
+        if self.stream_task is not None:
+            self.stream_task.cancel()
+
+
+def make_track_class():
+    from aiortc.mediastreams import MediaStreamTrack
+    from av import AudioFrame
+
+    class _SpeechLikeTrack(MediaStreamTrack):
+        """A 48 kHz microphone in real time: a tone that comes and goes, 20 ms per frame."""
+
+        kind = "audio"
+
+        def __init__(self, index: int) -> None:
+            super().__init__()
+            self.freq, self.n, self.t0 = 180.0 + 20 * index, 0, None
+
+        async def recv(self) -> AudioFrame:
+            if self.t0 is None:
+                self.t0 = time.monotonic()
+            await asyncio.sleep(max(0.0, self.t0 + self.n * 0.02 - time.monotonic()))
+            t = (np.arange(960) + self.n * 960) / 48000
+            gate = 1.0 if (self.n // 50) % 3 else 0.0  # talk two seconds, pause one
+            pcm = (gate * 0.2 * 32767 * np.sin(2 * np.pi * self.freq * t)).astype(np.int16)
+            frame = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
+            frame.sample_rate, frame.pts, frame.time_base = 48000, self.n * 960, fractions.Fraction(1, 48000)
+            self.n += 1
+            return frame
+
+    return _SpeechLikeTrack
+
+
+SpeechLikeTrack = None  # set in main(): aiortc/av are imported only when the benchmark runs
+
+
+# ---- one run -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    mode: str
+    callers: int
+    cores: float
+    per_caller: float
+    tick_p50: float
+    tick_p99: float
+    lat_p50: float
+    lat_p99: float
+    audio_min: float
+    audio_max: float
+    gap_max_ms: float
+    updates_per_s: float
+    live: int
+
+
+async def run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
+    import aiohttp
+    import aioice.ice
+
+    aioice.ice.get_host_addresses = lambda use_ipv4=True, use_ipv6=False: ["127.0.0.1"]
+    async with aiohttp.ClientSession() as http:
+        async with http.get(app.base + "/config") as r:
+            events = PageEvents.from_config(await r.json())
+        callers = [PageCaller(http, app.base, events, i) for i in range(n)]
+        for c in callers:
+            await c.start()
+            await asyncio.sleep(0.3)  # callers arrive one after another, as people do
+        deadline = time.monotonic() + 60
+        while app.status()["slots_live"] < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {app.status()['slots_live']} of {n} calls went live")
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(settle)
+        t0, cpu0 = time.monotonic(), app.cpu()
+        for c in callers:
+            c.window = (t0, t0 + seconds)
+        await asyncio.sleep(seconds)
+        cpu1, t1 = app.cpu(), time.monotonic()
+        status = app.status()
+        for c in callers:
+            await c.stop()
+    cores = (cpu1 - cpu0) / (t1 - t0)
+    audio = [c.result.audio_s / seconds for c in callers]
+    return Row("app (WebRTC)", n, cores, cores / n, status["tick_p50_ms"], status["tick_p99_ms"],
+               status["latency_p50_ms"], status["latency_p99_ms"], min(audio), max(audio),
+               1e3 * max(c.result.longest_gap_s for c in callers),
+               sum(c.result.page_updates for c in callers) / n / seconds, status["slots_live"])
+
+
+def run_engine_only(n: int, slots: int, seconds: float, settle: float, cache_dir: str | None) -> Row:
+    """The same slots, fed in process: what the engine and the pool cost without any WebRTC."""
+    import torch
+
+    torch.set_num_threads(1)
+    from personaplex_demo.engine import SamplingParams
+    from personaplex_demo.loading import RuntimeOptions, build_runtime
+    from personaplex_demo.pool import PoolConfig, SlotPool
+
+    runtime = build_runtime(RuntimeOptions(model="tiny", slots=slots,
+                                           cache_dir=Path(cache_dir) if cache_dir else None))
+    pool = SlotPool(runtime.engine, PoolConfig(time_limit_seconds=None))
+    pool.start()
+
+    async def feed(call, stop_at: float) -> None:
+        await call.wait_live(timeout=30)
+        frame = np.zeros(1920, np.float32)
+        t, k = time.monotonic(), 0
+        while time.monotonic() < stop_at:
+            k += 1
+            call.push_frame(frame)
+            while (out := await call.next_output(0.0)) is not None:
+                del out
+            await asyncio.sleep(max(0.0, t + k * 0.08 - time.monotonic()))
+
+    async def everyone():
+        calls = [pool.acquire("NATF2", PERSONA, SamplingParams(seed=1000 + i)) for i in range(n)]
+        stop_at = time.monotonic() + settle + seconds + 2
+        tasks = [asyncio.ensure_future(feed(c, stop_at)) for c in calls]
+        await asyncio.sleep(settle)
+        t0, c0 = time.monotonic(), time.process_time()
+        await asyncio.sleep(seconds)
+        used = (time.process_time() - c0) / (time.monotonic() - t0)
+        await asyncio.gather(*tasks)
+        for c in calls:
+            c.release()
+        return used
+
+    try:
+        cores = asyncio.run(everyone())
+        m = pool.snapshot()
+    finally:
+        pool.shutdown()
+    return Row("engine only", n, cores, cores / n, m.tick_p50_ms, m.tick_p99_ms, m.latency_p50_ms, m.latency_p99_ms,
+               float("nan"), float("nan"), float("nan"), float("nan"), m.slots_live)
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+
+def table(rows: list[Row]) -> str:
+    def f(x: float, spec: str = ".2f") -> str:
+        return "-" if x != x else format(x, spec)
+
+    return md_table(
+        ["mode", "callers", "CPU (cores)", "per caller", "tick p50/p99 (ms)", "latency p50/p99 (ms)",
+         "audio received (s/s)", "longest gap (ms)", "page updates /s"],
+        [[r.mode, r.callers, f(r.cores), f(r.per_caller, ".3f"), f"{f(r.tick_p50, '.0f')}/{f(r.tick_p99, '.0f')}",
+          f"{f(r.lat_p50, '.0f')}/{f(r.lat_p99, '.0f')}",
+          "-" if r.audio_min != r.audio_min else f"{r.audio_min:.2f}-{r.audio_max:.2f}", f(r.gap_max_ms, ".0f"),
+          f(r.updates_per_s, ".1f")] for r in rows])
+
+
+def media_cost(rows: list[Row]) -> str:
+    """Per-caller media cost: app tree minus the engine-only run of the same caller count."""
+    engine = {r.callers: r.cores for r in rows if r.mode == "engine only"}
+    lines = []
+    for r in rows:
+        if r.mode != "engine only" and r.callers in engine:
+            lines.append(f"- {r.mode}, {r.callers} callers: ({r.cores:.2f} - {engine[r.callers]:.2f}) / {r.callers} = "
+                         f"{(r.cores - engine[r.callers]) / r.callers:.3f} core per caller")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    global SpeechLikeTrack
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--callers", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=20.0, help="measured window, once every caller is live")
+    ap.add_argument("--settle", type=float, default=3.0, help="seconds after the last caller is live, unmeasured")
+    ap.add_argument("--app-args", default="", help="extra flags for app.py, e.g. '--media-workers 2'")
+    ap.add_argument("--label", default=None, help="the mode's name in the table (default: from --app-args)")
+    ap.add_argument("--engine-only", action="store_true", help="also run the engine-only baseline")
+    ap.add_argument("--cache-dir", default=None, help="where the tiny model is built (app.py --cache-dir)")
+    ap.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
+    ap.add_argument("--section", default="Callers per host (media path)")
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("aioice", "aiortc"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    SpeechLikeTrack = make_track_class()
+    rows: list[Row] = []
+    label = a.label or ("app " + a.app_args if a.app_args else "app (embedded)")
+    for n in a.callers:
+        app = App(a.slots, a.app_args.split(), a.cache_dir)
+        try:
+            row = asyncio.run(run_webrtc(app, n, a.seconds, a.settle))
+        finally:
+            app.close()
+        row.mode = label
+        rows.append(row)
+        log.info("%s", table([row]))
+        if a.engine_only:
+            # Its own process, so the engine run starts as cold as the app's did.
+            out = subprocess.run([sys.executable, __file__, "--engine-only-run", str(n), str(a.slots), str(a.seconds),
+                                  str(a.settle), a.cache_dir or ""], capture_output=True, text=True, cwd=REPO,
+                                 env=dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"))
+            if out.returncode:
+                raise RuntimeError(out.stderr[-3000:])
+            rows.append(Row(**json.loads(out.stdout.strip().splitlines()[-1])))
+            log.info("%s", table(rows[-1:]))
+    body = table(rows) + "\n\n" + media_cost(rows)
+    print(body)
+    if a.write:
+        replace_section(a.section, body, command=command_line(), info=machine())
+        log.info("wrote BENCHMARKS.md § %s (%s)", a.section, machine_line(machine()))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--engine-only-run":
+        n, slots, seconds, settle, cache = sys.argv[2:7]
+        logging.basicConfig(level=logging.WARNING)
+        r = run_engine_only(int(n), int(slots), float(seconds), float(settle), cache or None)
+        print(json.dumps(r.__dict__))
+    else:
+        main()
