@@ -41,8 +41,11 @@ log = logging.getLogger(__name__)
 FRAME = 1920
 SAMPLE_RATE = 24000
 N_INPUTS = 7  # voice, persona, text temperature, text top-k, audio temperature, audio top-k, seed
-STATUS_SECONDS = 0.5  # the status line (time left, queue position) refreshes at most this often
-TEXT_SECONDS = 0.2  # transcript updates are batched to at most one per this many seconds
+# Each page update costs the server a data-channel message and a Gradio event step, per caller:
+# new text is batched to at most one update per TEXT_SECONDS, and the status line (time left,
+# queue position, room) is looked at once per STATUS_SECONDS and sent only when it changed.
+STATUS_SECONDS = 1.0
+TEXT_SECONDS = 0.5
 CLOSE_GRACE_SECONDS = 0.3  # between the final page update and CloseStream
 ARGS_TIMEOUT = 5.0  # seconds to wait for the page's inputs before using the defaults
 QUEUED_SILENCE_SECONDS = 5.0  # a queued caller sending no audio for this long has gone away
@@ -177,7 +180,7 @@ class CallHandler(AsyncStreamHandler):
         self._connected_at = time.monotonic()
         self._last_receive: float | None = None
         self._last_status = ""
-        self._last_status_at = 0.0
+        self._last_update_at = 0.0
         self._ended = False
         self._closing: str | None = None
         self._dirty = False  # transcript text not yet sent to the page
@@ -305,20 +308,22 @@ class CallHandler(AsyncStreamHandler):
             await call.wait_live(timeout=STATUS_SECONDS)
         except TimeoutError:
             pass
-        return self._update(force=True)
+        return self._update(status_due=True)
 
-    def _update(self, text_changed: bool = False, force: bool = False) -> AdditionalOutputs | None:
+    def _update(self, text_changed: bool = False, status_due: bool = False) -> AdditionalOutputs | None:
         """The page update, or None: new text goes out at most every TEXT_SECONDS, a changed
-        status (time left, queue position) at most every STATUS_SECONDS."""
+        status (time left, queue position, room) at most every STATUS_SECONDS; `status_due`
+        (while waiting for a slot) looks at the status now."""
         now = time.monotonic()
         self._dirty |= text_changed
-        if not force and now - self._last_status_at < (TEXT_SECONDS if self._dirty else STATUS_SECONDS):
+        since = now - self._last_update_at
+        if not status_due and since < (TEXT_SECONDS if self._dirty else STATUS_SECONDS):
             return None
         status = status_line(self.call, self.pool)
-        if not force and not self._dirty and status == self._last_status:
+        if not self._dirty and status == self._last_status:
             return None
         self._dirty = False
-        self._last_status, self._last_status_at = status, now
+        self._last_status, self._last_update_at = status, now
         return AdditionalOutputs(self.transcript, status, self.call_id, None)
 
     async def _ended_with(self, reason: str):

@@ -28,6 +28,7 @@ from .voices import DEFAULT_VOICE
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_PRESET = "Assistant (teacher)"
 STOP_WAIT_SECONDS = 5.0  # after Stop, how long the page waits for the recording to be written
+STATS_SECONDS = 5.0  # the room's figures on each open page refresh this often (one Gradio event each)
 
 CSS = """
 #banner {background: #fff4d6; border: 1px solid #e8c36a; border-radius: 8px; padding: 8px 12px; color: #4a3b00;}
@@ -75,6 +76,12 @@ def stats_markdown(pool: SlotPool) -> str:
             f" · **real-time factor** {m.realtime_factor:.2f}")
 
 
+def page_values(transcript: str, status: str, call_id: str, files=None) -> tuple[str, str, str, str]:
+    """A handler update (`AdditionalOutputs(transcript, status, call_id, files)`) as the relay's
+    outputs: the call's id goes into `ended_call` once its recording is written."""
+    return transcript, status, call_id, call_id if files else ""
+
+
 def build_ui(runtime, pool: SlotPool, options: PageOptions | None = None,
              recordings: RecordingStore | None = None) -> gr.Blocks:
     """The page. `runtime` needs `.engine` (voice_names, max_persona_tokens, persona_tokens),
@@ -100,17 +107,21 @@ def build_ui(runtime, pool: SlotPool, options: PageOptions | None = None,
             return gr.update(value=None, visible=False), gr.update(value=None, visible=False)
         return gr.update(value=str(files[0]), visible=True), gr.update(value=str(files[1]), visible=True)
 
-    def show_outputs(transcript: str, status: str, call_id: str, files=None):
-        wav_update, json_update = file_updates(files) if files else (gr.update(), gr.update())
-        return transcript, status, call_id, wav_update, json_update
-
     def on_start():
-        return ("", f"Connecting… · {room_line(pool.snapshot())}", *file_updates(None))
+        return ("", f"Connecting… · {room_line(RoomMetrics.get(pool))}", "", *file_updates(None))
+
+    async def show_downloads(call_id: str):
+        """The downloads of a call the server ended, once its recording is written."""
+        rec = recordings.get(call_id or "")
+        files = await rec.wait_finished(STOP_WAIT_SECONDS) if rec is not None else None
+        if files is None:
+            return gr.skip(), gr.skip()
+        return file_updates((files.wav, files.transcript))
 
     async def on_stop(call_id: str):
         rec = recordings.get(call_id or "")
         files = await rec.wait_finished(STOP_WAIT_SECONDS) if rec is not None else None
-        status = f"Call ended · {room_line(pool.snapshot())}"
+        status = f"Call ended · {room_line(RoomMetrics.get(pool))}"
         return (status, *file_updates((files.wav, files.transcript) if files is not None else None))
 
     limit_text = f"Calls last up to {int(options.time_limit // 60)} min. " if options.time_limit else ""
@@ -157,6 +168,8 @@ def build_ui(runtime, pool: SlotPool, options: PageOptions | None = None,
                             elem_id="recording-note")
                 stats = gr.Markdown(stats_markdown(pool), elem_id="stats")
                 call_id = gr.Textbox(visible=False, elem_id="call-id")
+                # Set to the call's id when the server ends a call; its change shows the downloads.
+                ended_call = gr.Textbox(visible=False, elem_id="ended-call")
 
         preset.change(lambda name: presets.get(name, ""), preset, persona, show_progress="hidden")
         persona.change(count_tokens, persona, tokens, show_progress="hidden", concurrency_limit=None)
@@ -164,13 +177,16 @@ def build_ui(runtime, pool: SlotPool, options: PageOptions | None = None,
         # count), so fastrtc's own limit, which counts from connecting, stays off.
         rtc.stream(handler, inputs=[rtc, voice, persona, text_temp, text_topk, audio_temp, audio_topk, seed],
                    outputs=[rtc], time_limit=None, concurrency_limit=pool.slots_total + options.max_queue + 2)
-        page_outputs = [transcript, status, call_id, wav, txt]
+        page_outputs = [transcript, status, call_id, ended_call]
 
         async def relay(value):
             """The handler's page updates for this connection, as fastrtc's `on_additional_outputs`
-            relays them, with two differences: updates still queued when the call closes are
-            delivered, and a late trigger for a call that is already over returns at once (fastrtc's
-            relay would wait forever on a fresh queue, and its restart blanks the page)."""
+            relays them, with three differences: updates still queued when the call closes are
+            delivered; a late trigger for a call that is already over returns at once (fastrtc's
+            relay would wait forever on a fresh queue, and its restart blanks the page); and every
+            output is a plain value. Gradio rebuilds a component for each `gr.update()` or
+            `gr.skip()` it is given, so the downloads are not outputs here: the final update puts
+            the call's id into `ended_call`, whose change event fills them in once."""
             webrtc_id = getattr(value, "webrtc_id", value)
             outputs = rtc.additional_outputs.get(webrtc_id)
             last = None
@@ -182,19 +198,20 @@ def build_ui(runtime, pool: SlotPool, options: PageOptions | None = None,
                 except TimeoutError:
                     continue
                 last = update.args
-                yield show_outputs(*last)
+                yield page_values(*last)
             final = FinalUpdates.pop(webrtc_id)
             if final is not None and final != last:
-                yield show_outputs(*final)
+                yield page_values(*final)
             elif last is None:
                 yield tuple(gr.skip() for _ in page_outputs)
 
         # concurrency_limit=None: the default (1) would update only the first caller's page.
         rtc.state_change(relay, inputs=[rtc], outputs=page_outputs, concurrency_limit=None, show_progress="hidden",
                          trigger_mode="once")
-        rtc.start_recording(on_start, None, [transcript, status, wav, txt], show_progress="hidden",
+        rtc.start_recording(on_start, None, [transcript, status, ended_call, wav, txt], show_progress="hidden",
                             concurrency_limit=None)
+        ended_call.change(show_downloads, ended_call, [wav, txt], show_progress="hidden", concurrency_limit=None)
         rtc.stop_recording(on_stop, call_id, [status, wav, txt], show_progress="hidden", concurrency_limit=None)
-        gr.Timer(2.0).tick(lambda: stats_markdown(pool), None, stats, show_progress="hidden",
+        gr.Timer(STATS_SECONDS).tick(lambda: stats_markdown(pool), None, stats, show_progress="hidden",
                            concurrency_limit=None)
     return demo
