@@ -34,6 +34,7 @@ from .engine import SamplingParams
 from .errors import CallerError
 from .pool import Call, CallEnded, PoolClosedError, PoolFullError, PoolMetrics, SlotPool
 from .recording import CallRecording, RecordingFiles, RecordingStore
+from .rtc_audio import output_frame_samples
 from .voices import DEFAULT_VOICE
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,8 @@ class CallHandler(AsyncStreamHandler):
     def __init__(self, pool: SlotPool, recordings: RecordingStore | None = None, *,
                  max_wait_seconds: float | None = 600.0, model_name: str | None = None):
         super().__init__(expected_layout="mono", output_sample_rate=SAMPLE_RATE, input_sample_rate=SAMPLE_RATE)
+        # fastrtc paces agent audio in frames of this length; one frame makes one Opus packet (rtc_audio.py).
+        self.output_frame_size = output_frame_samples(SAMPLE_RATE)
         self.pool = pool
         self.recordings = recordings if recordings is not None else RecordingStore()
         self.max_wait_seconds = max_wait_seconds

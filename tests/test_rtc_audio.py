@@ -1,0 +1,53 @@
+"""The agent's audio on the wire: Opus in 40 ms packets."""
+
+from __future__ import annotations
+
+import fractions
+
+import numpy as np
+from aiortc.codecs.opus import OpusDecoder
+from aiortc.jitterbuffer import JitterFrame
+from av import AudioFrame
+
+from personaplex_demo.rtc_audio import PACKET_MS, install_packet_encoder, make_encoder_class, output_frame_samples
+
+
+def test_packets_carry_40_ms_and_decode_to_the_same_tone():
+    encoder, decoder = make_encoder_class()(), OpusDecoder()
+    step = output_frame_samples(24000)  # what fastrtc hands the sender: 40 ms of 24 kHz stereo s16
+    assert step == 960
+    packets, stamps = [], []
+    for n in range(50):  # 2 s
+        t = (np.arange(step) + n * step) / 24000
+        mono = (0.3 * 32767 * np.sin(2 * np.pi * 440.0 * t)).astype(np.int16)
+        frame = AudioFrame.from_ndarray(np.repeat(mono, 2).reshape(1, -1), format="s16", layout="stereo")
+        frame.sample_rate, frame.pts, frame.time_base = 24000, n * step, fractions.Fraction(1, 24000)
+        payloads, timestamp = encoder.encode(frame)
+        packets += payloads
+        stamps += [timestamp] * len(payloads)
+    assert 48 <= len(packets) <= 50  # one packet per 40 ms (the resampler holds back a few samples)
+    assert set(np.diff(stamps)) == {48000 * PACKET_MS // 1000}  # RTP timestamps advance 40 ms a packet
+    frames = [f for p, ts in zip(packets, stamps) for f in decoder.decode(JitterFrame(data=p, timestamp=ts))]
+    assert {f.samples for f in frames} == {48000 * PACKET_MS // 1000}
+    pcm = np.concatenate([f.to_ndarray().reshape(-1, 2)[:, 0] for f in frames]).astype(np.float64)[9600:]
+    spectrum = np.abs(np.fft.rfft(pcm * np.hanning(pcm.size)))
+    assert abs(np.argmax(spectrum) * 48000 / pcm.size - 440.0) < 3.0
+    assert np.sqrt((pcm**2).mean()) > 0.15 * 32767  # 0.3 peak is 0.21 rms; Opus keeps the level
+
+
+def test_install_routes_only_opus_to_the_packet_encoder():
+    import aiortc.rtcrtpsender as sender
+    from aiortc.codecs.g711 import PcmuEncoder
+    from aiortc.rtcrtpparameters import RTCRtpCodecParameters
+
+    before = sender.get_encoder
+    try:
+        install_packet_encoder()
+        wrapper = sender.get_encoder
+        install_packet_encoder()  # idempotent: no wrapper around the wrapper
+        assert sender.get_encoder is wrapper and wrapper is not before
+        opus = sender.get_encoder(RTCRtpCodecParameters(mimeType="audio/opus", clockRate=48000, channels=2))
+        pcmu = sender.get_encoder(RTCRtpCodecParameters(mimeType="audio/PCMU", clockRate=8000, channels=1))
+        assert type(opus).__name__ == "PacketOpusEncoder" and isinstance(pcmu, PcmuEncoder)
+    finally:
+        sender.get_encoder = before
