@@ -247,6 +247,10 @@ class PageCaller:
                                                 "webrtc_id": self.webrtc_id})
         if "sdp" not in answer:
             raise RuntimeError(f"offer refused: {answer}")
+        if "a=ptime:40" in answer["sdp"]:
+            from personaplex_demo.rtc_audio import install_packet_encoder
+
+            install_packet_encoder()  # as a browser does: it sends the packet length the answer asks for
         await self.pc.setRemoteDescription(RTCSessionDescription(answer["sdp"], answer["type"]))
         self.tasks.append(asyncio.ensure_future(self.timer()))
 

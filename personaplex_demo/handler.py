@@ -186,6 +186,7 @@ class CallHandler(AsyncStreamHandler):
         self._last_update_at = 0.0
         self._ended = False
         self._closing: str | None = None
+        self._final_update_sent = False
         self._dirty = False  # transcript text not yet sent to the page
 
     def copy(self) -> CallHandler:
@@ -352,6 +353,7 @@ class CallHandler(AsyncStreamHandler):
         final = (self.transcript, f"Call ended: {message}", self.call_id, paths)
         if self.webrtc_id is not None:
             FinalUpdates.put(self.webrtc_id, final)
+            self._final_update_sent = True
         return AdditionalOutputs(*final)
 
     # ---- hang-up ----------------------------------------------------------------------------
@@ -361,6 +363,11 @@ class CallHandler(AsyncStreamHandler):
         if self.call is not None:
             self.call.release("hangup")
             log.info("call %s: closed after %d frames in, %d out", self.call_id, self.frames_in, self.frames_out)
+        if self.webrtc_id is not None and not self._final_update_sent:
+            # The page's relay delivers the updates still queued at the close; this one comes last,
+            # so a late "Live" status cannot overwrite the end of the call.
+            FinalUpdates.put(self.webrtc_id, (self.transcript, f"Call ended · {room_line(RoomMetrics.get(self.pool))}",
+                                              self.call_id, None))
         self._finish_recording("hangup")
 
     def _finish_recording(self, reason: str) -> None:

@@ -1,4 +1,4 @@
-"""The agent's audio on the wire: Opus in 40 ms packets instead of aiortc's 20 ms.
+"""Audio on the wire in 40 ms Opus packets instead of WebRTC's usual 20 ms, both ways.
 
 Every outgoing packet costs the one event loop that all callers share a fixed amount of work
 besides the codec itself: fastrtc's real-time pacing wakes up once per frame, aiortc hands each
@@ -8,6 +8,11 @@ produces audio in 80 ms frames anyway, so 40 ms packets halve that work and add 
 whole 80 ms frame is there at once, and a 40 ms packet leaves as soon as its 40 ms are paced
 out. Browsers decode any Opus frame length (RFC 6716); the codec is still libopus through PyAV,
 as in aiortc, with aiortc's own settings but for the frame length.
+
+The caller's side costs the same per packet (decrypting, a hop to aiortc's decoder thread and
+back, fastrtc's resampler, a `receive` call). `a=ptime:40` in the SDP answer asks the browser for
+40 ms packets, and Chromium honours it. That adds no delay either: an engine frame (80 ms) is
+complete when its last packet arrives, whatever the packet length.
 """
 
 from __future__ import annotations
@@ -23,6 +28,46 @@ OPUS_RATE = 48000  # Opus on the wire is always 48 kHz (RTP clock)
 def output_frame_samples(sample_rate: int) -> int:
     """fastrtc's output frame length for `sample_rate` audio, matched to one Opus packet."""
     return sample_rate * PACKET_MS // 1000
+
+
+def with_packet_time(sdp: str, ms: int = PACKET_MS) -> str:
+    """`sdp` with `a=ptime:<ms>` at the end of each audio section that has no ptime yet."""
+    lines = sdp.split("\r\n")
+    out: list[str] = []
+    audio = has_ptime = False
+    for line in lines:
+        if line.startswith("m=") or (line == "" and audio):
+            if audio and not has_ptime:
+                out.append(f"a=ptime:{ms}")
+            audio, has_ptime = line.startswith("m=audio"), False
+        has_ptime |= audio and line.startswith("a=ptime:")
+        out.append(line)
+    if audio and not has_ptime:  # an SDP without the final line break
+        out.append(f"a=ptime:{ms}")
+    return "\r\n".join(out)
+
+
+def packet_time(sdp: str) -> int | None:
+    """The `a=ptime` of the first audio section, or None."""
+    audio = False
+    for line in sdp.split("\r\n"):
+        if line.startswith("m="):
+            audio = line.startswith("m=audio")
+        elif audio and line.startswith("a=ptime:"):
+            return int(line.split(":", 1)[1])
+    return None
+
+
+def answering_with_packet_time(handle_offer):
+    """Wrap fastrtc's `handle_offer` so that its SDP answers ask for `PACKET_MS` packets."""
+
+    async def handle_offer_with_packet_time(body, set_outputs):
+        answer = await handle_offer(body, set_outputs)
+        if isinstance(answer, dict) and answer.get("type") == "answer" and "sdp" in answer:
+            answer = {**answer, "sdp": with_packet_time(answer["sdp"])}
+        return answer
+
+    return handle_offer_with_packet_time
 
 
 def make_encoder_class():

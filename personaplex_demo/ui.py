@@ -23,6 +23,7 @@ from .engine import SamplingParams
 from .handler import CallHandler, FinalUpdates, RoomMetrics, room_line
 from .pool import SlotPool
 from .recording import RecordingStore
+from .rtc_audio import answering_with_packet_time
 from .voices import DEFAULT_VOICE
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -154,6 +155,8 @@ def build_ui(runtime, pool: SlotPool, options: PageOptions | None = None,
                 rtc = WebRTC(modality="audio", mode="send-receive", label="Call", full_screen=False,
                              rtc_configuration=options.rtc_configuration,
                              server_rtc_configuration=options.server_rtc_configuration, elem_id="call")
+                # Ask the browser for 40 ms packets: half the per-packet work per caller (rtc_audio.py).
+                rtc.handle_offer = answering_with_packet_time(rtc.handle_offer)
                 status = gr.Markdown(f"Ready · {room_line(pool.snapshot())}", elem_id="status-line")
                 transcript = gr.Textbox(label="Transcript (the agent's words)", lines=8, max_lines=16,
                                         interactive=False, autoscroll=True, elem_id="transcript-box")

@@ -41,6 +41,16 @@ async () => {
 }
 """
 
+OUTBOUND_PACKETS = """
+async () => {
+  let n = 0;
+  (await window.__pcs.at(-1).getStats()).forEach(r => {
+    if (r.type === "outbound-rtp" && r.kind === "audio") n += r.packetsSent;
+  });
+  return n;
+}
+"""
+
 
 def _missing() -> list[str]:
     missing = [p for p in (CHROMIUM,) if not Path(p).exists()]
@@ -136,7 +146,7 @@ def test_a_call_in_chromium(app_server, mic_wav, tmp_path):
             page.locator('button[aria-label="start stream"]').first.click()
             page.wait_for_function("window.__pcs.length && window.__pcs.at(-1).connectionState === 'connected'",
                                    timeout=20_000)
-            first = page.evaluate(INBOUND_BYTES)
+            first, sent_before, since = page.evaluate(INBOUND_BYTES), page.evaluate(OUTBOUND_PACKETS), time.monotonic()
             transcript = page.locator("#transcript-box textarea")
             deadline = time.monotonic() + 25
             texts, later = [""], first
@@ -145,6 +155,9 @@ def test_a_call_in_chromium(app_server, mic_wav, tmp_path):
                 texts.append(transcript.input_value())
                 later = page.evaluate(INBOUND_BYTES)
             assert later > first + 5000, (first, later)  # agent audio keeps arriving
+            # The answer asks for 40 ms packets (a=ptime:40), and Chromium sends them: 25 a second, not 50.
+            rate = (page.evaluate(OUTBOUND_PACKETS) - sent_before) / (time.monotonic() - since)
+            assert 18 < rate < 32, f"{rate:.1f} microphone packets a second"
             assert len(set(texts)) >= 3, f"the transcript did not keep changing: {texts[-3:]}"
             assert texts[-1].startswith(texts[1])  # it streams: each update extends the last one
             assert _status(port)["slots_live"] == 1

@@ -9,7 +9,15 @@ from aiortc.codecs.opus import OpusDecoder
 from aiortc.jitterbuffer import JitterFrame
 from av import AudioFrame
 
-from personaplex_demo.rtc_audio import PACKET_MS, install_packet_encoder, make_encoder_class, output_frame_samples
+from personaplex_demo.rtc_audio import (
+    PACKET_MS,
+    answering_with_packet_time,
+    install_packet_encoder,
+    make_encoder_class,
+    output_frame_samples,
+    packet_time,
+    with_packet_time,
+)
 
 
 def test_packets_carry_40_ms_and_decode_to_the_same_tone():
@@ -51,3 +59,29 @@ def test_install_routes_only_opus_to_the_packet_encoder():
         assert type(opus).__name__ == "PacketOpusEncoder" and isinstance(pcmu, PcmuEncoder)
     finally:
         sender.get_encoder = before
+
+
+ANSWER = "\r\n".join([
+    "v=0", "o=- 1 1 IN IP4 127.0.0.1", "s=-", "t=0 0", "a=group:BUNDLE 0 1",
+    "m=audio 9 UDP/TLS/RTP/SAVPF 111", "c=IN IP4 127.0.0.1", "a=mid:0", "a=rtpmap:111 opus/48000/2",
+    "m=application 9 UDP/DTLS/SCTP webrtc-datachannel", "c=IN IP4 127.0.0.1", "a=mid:1", "",
+])
+
+
+def test_the_answer_asks_for_40_ms_packets_in_the_audio_section_only():
+    sdp = with_packet_time(ANSWER)
+    audio, data = sdp.split("m=application")
+    assert audio.endswith("a=rtpmap:111 opus/48000/2\r\na=ptime:40\r\n") and "ptime" not in data
+    assert packet_time(sdp) == 40 and packet_time(ANSWER) is None
+    assert with_packet_time(sdp) == sdp  # an existing ptime is left alone
+    assert packet_time(with_packet_time(ANSWER.rstrip("\r\n"))) == 40
+
+
+async def test_only_answers_are_rewritten():
+    async def handle_offer(body, set_outputs):
+        return body
+
+    wrapped = answering_with_packet_time(handle_offer)
+    assert packet_time((await wrapped({"sdp": ANSWER, "type": "answer"}, None))["sdp"]) == 40
+    refused = {"status": "failed", "meta": {"error": "concurrency_limit_reached"}}
+    assert await wrapped(refused, None) == refused
