@@ -82,7 +82,7 @@ def get_json(url: str, timeout: float = 3.0) -> dict:
 class App:
     """`python app.py --model tiny` in a subprocess, as a user starts it (plus loopback ICE)."""
 
-    def __init__(self, slots: int, extra: list[str], cache_dir: str | None) -> None:
+    def __init__(self, slots: int, extra: list[str], cache_dir: str | None, repo: Path = REPO) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="media-bench-app-", suffix=".log", delete=False)
@@ -93,7 +93,7 @@ class App:
                "--max-queue", "0", *extra]
         if cache_dir:
             cmd += ["--cache-dir", cache_dir]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180
         while True:
             try:
@@ -329,10 +329,20 @@ class Row:
 
 
 async def run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
-    import aiohttp
     import aioice.ice
+    import aiortc.rtcrtpsender
 
     aioice.ice.get_host_addresses = lambda use_ipv4=True, use_ipv6=False: ["127.0.0.1"]
+    encoder_factory = aiortc.rtcrtpsender.get_encoder  # a caller may switch it (a=ptime); each run starts anew
+    try:
+        return await _run_webrtc(app, n, seconds, settle)
+    finally:
+        aiortc.rtcrtpsender.get_encoder = encoder_factory
+
+
+async def _run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
+    import aiohttp
+
     async with aiohttp.ClientSession() as http:
         async with http.get(app.base + "/config") as r:
             events = PageEvents.from_config(await r.json())
@@ -446,6 +456,9 @@ def main() -> None:
     ap.add_argument("--app-args", default="", help="extra flags for app.py, e.g. '--media-workers 2'")
     ap.add_argument("--label", default=None, help="the mode's name in the table (default: from --app-args)")
     ap.add_argument("--engine-only", action="store_true", help="also run the engine-only baseline")
+    ap.add_argument("--compare", default=None, metavar="DIR",
+                    help="also run app.py from another checkout (e.g. a git worktree of an older commit), "
+                         "alternating with this one at each caller count")
     ap.add_argument("--cache-dir", default=None, help="where the tiny model is built (app.py --cache-dir)")
     ap.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
     ap.add_argument("--section", default="Callers per host (media path)")
@@ -456,15 +469,22 @@ def main() -> None:
     SpeechLikeTrack = make_track_class()
     rows: list[Row] = []
     label = a.label or ("app " + a.app_args if a.app_args else "app (embedded)")
+    apps = [(label, REPO)]
+    if a.compare:
+        other = Path(a.compare).resolve()
+        commit = subprocess.run(["git", "-C", str(other), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() or other.name
+        apps.insert(0, (f"{label}, at {commit}", other))
     for n in a.callers:
-        app = App(a.slots, a.app_args.split(), a.cache_dir)
-        try:
-            row = asyncio.run(run_webrtc(app, n, a.seconds, a.settle))
-        finally:
-            app.close()
-        row.mode = label
-        rows.append(row)
-        log.info("%s", table([row]))
+        for name, repo in apps:
+            app = App(a.slots, a.app_args.split(), a.cache_dir, repo)
+            try:
+                row = asyncio.run(run_webrtc(app, n, a.seconds, a.settle))
+            finally:
+                app.close()
+            row.mode = name
+            rows.append(row)
+            log.info("%s", table([row]))
         if a.engine_only:
             # Its own process, so the engine run starts as cold as the app's did.
             out = subprocess.run([sys.executable, __file__, "--engine-only-run", str(n), str(a.slots), str(a.seconds),
