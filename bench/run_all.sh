@@ -41,5 +41,10 @@ if [[ $pool == 1 && -f bench/pool.py ]]; then
     echo "== bench/pool.py"
     "$py" bench/pool.py "${pool_args[@]}"
 fi
+if [[ $pool == 1 ]]; then
+    echo "== bench/media.py (real WebRTC callers against the launched app)"
+    if [[ ${#quick[@]} -gt 0 ]]; then media_args=(--callers 1 4 --seconds 10); else media_args=(--engine-only); fi
+    "$py" bench/media.py "${media_args[@]}" --write
+fi
 echo "== bench/gpu.py --dry-run (the GPU benchmark's code path on the tiny configs)"
 "$py" bench/gpu.py --dry-run > /dev/null && echo "gpu dry run: ok"
