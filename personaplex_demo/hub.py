@@ -35,6 +35,10 @@ REAL_MODEL = "personaplex-7b-v1"
 TINY_MODEL = "tiny"
 MODEL_CHOICES = ("auto", REAL_MODEL, TINY_MODEL)
 DEFAULT_HF_REPO = "nvidia/personaplex-7b-v1"
+# --cache-dir, in the app and the offline CLI alike.
+CACHE_DIR_HELP = ("folder for the model files: the tiny model is built there, and the real one downloaded there "
+                  "instead of the Hugging Face cache")
+CACHE_DIR_DEFAULT = "~/.cache/personaplex-live (tiny model), HF_HOME (real model)"
 
 ProgressFn = Callable[[str, float], None]
 
@@ -281,6 +285,8 @@ def _tiny_source(cache_dir: Path | None, reason: str | None) -> ModelSource:
 
 
 __all__ = [
+    "CACHE_DIR_DEFAULT",
+    "CACHE_DIR_HELP",
     "DEFAULT_HF_REPO",
     "MODEL_CHOICES",
     "ModelSource",

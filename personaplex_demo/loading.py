@@ -66,6 +66,14 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
+def check_placement(device: str, dtype: str) -> None:
+    """Fail early, with one ValueError, on a device or dtype this machine cannot use."""
+    try:
+        pick_dtype(dtype, pick_device(device))
+    except RuntimeError as exc:  # torch's own complaint about a malformed device string, or no CUDA
+        raise ValueError(str(exc).splitlines()[0]) from None
+
+
 def build_runtime(options: RuntimeOptions, progress: ProgressFn | None = None) -> Runtime:
     device = pick_device(options.device)
     dtype = pick_dtype(options.dtype, device)
@@ -81,7 +89,8 @@ def build_runtime(options: RuntimeOptions, progress: ProgressFn | None = None) -
     if source.is_tiny and banner is None:
         banner = (f"{source.fallback_reason[0].upper()}{source.fallback_reason[1:]}. "
                   "It babbles; every other part of the app is real." if source.fallback_reason else
-                  "Running the tiny offline model (hash-v1 weights): it babbles; every other part of the app is real.")
+                  "Running the tiny offline model, a small stand-in with random weights: it babbles; every "
+                  "other part of the app is real.")
     lm_cfg = LMConfig.tiny() if source.is_tiny else LMConfig.personaplex_7b()
     mimi_cfg = MimiConfig.tiny() if source.is_tiny else MimiConfig.personaplex()
     report("loading the language model", 0.6)

@@ -1,0 +1,170 @@
+"""PersonaPlex Live: serve the page (`personaplex-live`, or `python app.py` in the repository).
+
+Every setting is a field of `AppConfig`, declared once with its flag, env var and help; `--help` lists
+them with their defaults.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from .hub import CACHE_DIR_DEFAULT, CACHE_DIR_HELP, DEFAULT_HF_REPO, MODEL_CHOICES
+from .options import at_least, between, build_parser, config_from, env_help, option, positive
+
+log = logging.getLogger(__name__)
+
+DESCRIPTION = ("PersonaPlex Live: talk with NVIDIA PersonaPlex-7B in the browser.\n"
+               "Serves the page, the WebRTC calls and GET /api/status on one port.")
+
+# Variables read outside AppConfig, listed in --help and the README with the config's own.
+OTHER_ENV = {
+    "HF_TOKEN": "a Hugging Face token: fetches the gated weights and TURN relay credentials",
+    "SPACE_ID": "set by Hugging Face Spaces: the host defaults to 0.0.0.0",
+    "PERSONAPLEX_LOOPBACK_ICE": "1: WebRTC on 127.0.0.1 only, without STUN (browser and server on one machine)",
+}
+
+# Loggers that report every internal request at INFO; --verbose shows them.
+CHATTY_LOGGERS = ("httpx", "httpcore")
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    model: str = option("auto", "auto: PersonaPlex-7B when a CUDA GPU exists and its weights can be fetched, else "
+                        "the tiny offline model (with a banner); personaplex-7b-v1: fail instead of falling back; "
+                        "tiny: never touches the network", env="PERSONAPLEX_MODEL", choices=MODEL_CHOICES)
+    device: str = option("auto", "auto, cpu, cuda or cuda:N", env="PERSONAPLEX_DEVICE")
+    dtype: str = option("auto", "auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16 or float16",
+                        env="PERSONAPLEX_DTYPE")
+    slots: int = option(4, "simultaneous conversations, one batch row each", env="PERSONAPLEX_SLOTS",
+                        check=at_least(1))
+    time_limit: float = option(300.0, "seconds per call, counted from the moment it is live (waiting in the "
+                               "queue does not count)", env="PERSONAPLEX_TIME_LIMIT", check=positive, metavar="SECONDS")
+    idle_release: float = option(2.0, "free a slot after this many seconds without microphone audio (a closed tab)",
+                                 env="PERSONAPLEX_IDLE_RELEASE", check=positive, metavar="SECONDS")
+    max_queue: int = option(32, "callers who may wait for a slot, with their place in the queue shown; 0 turns "
+                            "callers away while every slot is busy", env="PERSONAPLEX_MAX_QUEUE", check=at_least(0))
+    host: str = option("127.0.0.1", "address to listen on; 0.0.0.0 for every network interface",
+                       env="PERSONAPLEX_HOST")
+    port: int = option(7860, "port to listen on", env="PERSONAPLEX_PORT", check=between(1, 65535))
+    share: bool = option(False, "also serve on a public Gradio link (calls then need a TURN relay: set HF_TOKEN)",
+                         env="PERSONAPLEX_SHARE")
+    hf_repo: str = option(DEFAULT_HF_REPO, "Hugging Face repository of the real model", env="PERSONAPLEX_HF_REPO",
+                          metavar="REPO")
+    cache_dir: str | None = option(None, CACHE_DIR_HELP, env="PERSONAPLEX_CACHE", shown_default=CACHE_DIR_DEFAULT,
+                                   metavar="DIR")
+    verbose: bool = option(False, "also log each internal HTTP request and Gradio's own startup messages",
+                           env="PERSONAPLEX_VERBOSE")
+
+
+def parse_config(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> AppConfig:
+    """Flags win over env vars, env vars over the defaults of AppConfig."""
+    environ = os.environ if environ is None else environ
+    presets = {"host": ("0.0.0.0", "on a Hugging Face Space")} if environ.get("SPACE_ID") else {}
+    parser = build_parser(AppConfig, environ, presets, description=DESCRIPTION,
+                          epilog=env_help(AppConfig, OTHER_ENV))
+    return config_from(AppConfig, parser.parse_args(argv))
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
+    from .hub import install_secret_filter
+
+    install_secret_filter()
+
+
+def rtc_configs():
+    """TURN relays for Spaces and share links; direct host candidates otherwise."""
+    if not os.environ.get("HF_TOKEN"):
+        return None, None
+    from fastrtc import get_cloudflare_turn_credentials, get_cloudflare_turn_credentials_async
+
+    try:
+        server = get_cloudflare_turn_credentials(ttl=360_000)
+    except Exception as e:  # no network to the TURN service: the page can still try direct routes
+        log.warning("TURN credentials unavailable (%s); calls need a direct route", type(e).__name__)
+        return None, None
+    return get_cloudflare_turn_credentials_async, server
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(argv)
+    setup_logging(cfg.verbose)
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    if os.environ.get("PERSONAPLEX_LOOPBACK_ICE") == "1":
+        # Testing and offline use on one machine: aioice skips 127.0.0.1 unless told otherwise.
+        import aioice.ice
+
+        aioice.ice.get_host_addresses = lambda use_ipv4=True, use_ipv6=False: ["127.0.0.1"]
+    import aioice.ice
+
+    # Notice a closed tab in ~4 s instead of ~30 s, so its slot frees quickly.
+    aioice.ice.CONSENT_INTERVAL, aioice.ice.CONSENT_FAILURES = 1, 4
+    from .rtc_audio import install_packet_encoder
+
+    install_packet_encoder()  # agent audio in 40 ms Opus packets: half the per-packet work per caller
+
+    from .errors import CheckpointError
+    from .loading import RuntimeOptions, build_runtime, check_placement
+    from .pool import PoolConfig, SlotPool
+    from .recording import RecordingStore
+    from .ui import PageOptions, build_ui, status_routes
+
+    def progress(message: str, fraction: float) -> None:
+        log.info("loading: %s (%d%%)", message, round(100 * fraction))
+
+    try:
+        check_placement(cfg.device, cfg.dtype)
+        runtime = build_runtime(RuntimeOptions(model=cfg.model, device=cfg.device, dtype=cfg.dtype, slots=cfg.slots,
+                                               hf_repo=cfg.hf_repo,
+                                               cache_dir=Path(cfg.cache_dir) if cfg.cache_dir else None), progress)
+    except (ValueError, CheckpointError) as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    if runtime.banner:
+        log.warning("%s", runtime.banner)
+    pool = SlotPool(runtime.engine, PoolConfig(idle_release_seconds=cfg.idle_release, time_limit_seconds=cfg.time_limit,
+                                               max_queue=cfg.max_queue))
+    pool.start()
+    rtc, server_rtc = rtc_configs()
+    if os.environ.get("PERSONAPLEX_LOOPBACK_ICE") == "1" and server_rtc is None:
+        # No STUN on loopback: aiortc's default STUN host costs a DNS lookup per call, and on a
+        # closed network that lookup can hang in an executor thread.
+        server_rtc = {"iceServers": []}
+    notice = None
+    if rtc is None and (os.environ.get("SPACE_ID") or cfg.share):
+        notice = ("No TURN relay is configured (set HF_TOKEN; on a Space, as a secret), so calls from most networks "
+                  "will not connect.")
+        log.warning("%s", notice)
+    recordings = RecordingStore()  # per-call WAV + transcript for the download buttons, deleted on exit
+    demo = build_ui(runtime, pool, PageOptions(time_limit=cfg.time_limit, max_queue=cfg.max_queue,
+                                               rtc_configuration=rtc, server_rtc_configuration=server_rtc,
+                                               notice=notice), recordings)
+    try:
+        # One server for the page, fastrtc's endpoints and the JSON status route, with or without --share.
+        # quiet: Gradio's own prints (its URL, and a hint about launch(share=True)) give way to the lines below.
+        try:
+            demo.launch(server_name=cfg.host, server_port=cfg.port, share=cfg.share, quiet=not cfg.verbose,
+                        prevent_thread_lock=True, app_kwargs={"routes": status_routes(runtime, pool)})
+        except OSError:
+            log.error("cannot serve on %s:%d: the port is in use or the address is not this machine's; "
+                      "choose another with --port or --host", cfg.host, cfg.port)
+            return 1
+        log.info("serving on http://%s:%d (status: /api/status)", cfg.host, cfg.port)
+        if demo.share_url:
+            log.info("public link: %s", demo.share_url)
+        demo.block_thread()
+    finally:
+        pool.shutdown()
+        recordings.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Command-line options declared once, on the fields of a frozen config dataclass.
+
+Each field made with `option(...)` carries its help text, its environment variable and its checks in
+`dataclasses.field(metadata=...)`. `build_parser` turns the dataclass into an argparse parser whose
+defaults are the environment's values where set, so a flag wins over its variable and a variable over
+the field's default; `--help` shows every default and where it came from. A bad value, from a flag or
+from a variable, is a one-line parser error that names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+Check = Callable[[Any], str | None]  # a complaint about a value, or None when it is fine
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_KIND_WORDS = {int: "a whole number", float: "a number"}
+
+
+@dataclass(frozen=True)
+class Option:
+    help: str
+    env: str | None = None
+    choices: tuple[str, ...] | None = None
+    check: Check | None = None
+    shown_default: str | None = None  # what --help and the docs show when the default is a placeholder (None)
+    metavar: str | None = None
+
+
+def option(default: Any, help: str, *, env: str | None = None, choices: tuple[str, ...] | None = None,
+           check: Check | None = None, shown_default: str | None = None, metavar: str | None = None) -> Any:
+    """A dataclass field that is also a command-line flag (`--field-name`) and, with `env`, a variable."""
+    return dataclasses.field(default=default,
+                             metadata={"option": Option(help, env, choices, check, shown_default, metavar)})
+
+
+def at_least(minimum: float) -> Check:
+    return lambda value: None if value >= minimum else f"must be at least {minimum:g}"
+
+
+def between(low: float, high: float) -> Check:
+    return lambda value: None if low <= value <= high else f"must be between {low:g} and {high:g}"
+
+
+def positive(value: float) -> str | None:
+    return None if value > 0 else "must be greater than 0"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One option as the parser sees it: the field's name, its plain type, its default and its Option."""
+
+    name: str
+    kind: type
+    default: Any
+    option: Option
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def shown(self, value: Any) -> str:
+        """A value as --help and the docs write it."""
+        if value is None:
+            return self.option.shown_default or "none"
+        if self.kind is bool:
+            return "on" if value else "off"
+        if self.kind is float:
+            return f"{value:g}"
+        return str(value)
+
+    def convert(self, text: str) -> Any:
+        """Text from the command line or the environment to a checked value; argparse reports the error."""
+        text = text.strip()
+        if self.kind is bool:
+            if text.lower() not in _TRUE + _FALSE:
+                raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(_TRUE + _FALSE)}")
+            value: Any = text.lower() in _TRUE
+        else:
+            try:
+                value = self.kind(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{text!r} is not {_KIND_WORDS.get(self.kind, self.kind.__name__)}"
+                                                 ) from None
+        if self.option.choices and value not in self.option.choices:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(self.option.choices)}")
+        complaint = self.option.check(value) if self.option.check else None
+        if complaint:
+            raise argparse.ArgumentTypeError(f"{complaint}, not {text}")
+        return value
+
+
+def specs(cls: type) -> list[Spec]:
+    """The options of dataclass `cls`, in field order."""
+    hints = typing.get_type_hints(cls)
+    result = []
+    for f in dataclasses.fields(cls):
+        opt = f.metadata.get("option")
+        if opt is None:
+            continue
+        kind = hints[f.name]
+        plain = [a for a in typing.get_args(kind) if a is not type(None)]  # `str | None` -> str
+        result.append(Spec(f.name, plain[0] if plain else kind, f.default, opt))
+    return result
+
+
+def env_help(cls: type, extra: Mapping[str, str] | None = None) -> str:
+    """The environment variables, one per line, for the end of --help."""
+    rows = [(s.option.env, s.flag) for s in specs(cls) if s.option.env] + list((extra or {}).items())
+    width = max(len(name) for name, _ in rows) + 2
+    return "environment variables (a flag wins over its variable, a variable over the default):\n" + "\n".join(
+        f"  {name.ljust(width)}{meaning}" for name, meaning in rows)
+
+
+def build_parser(cls: type, environ: Mapping[str, str], presets: Mapping[str, tuple[Any, str]] | None = None,
+                 **parser_kwargs: Any) -> argparse.ArgumentParser:
+    """An argparse parser for dataclass `cls`. `presets` maps a field to a (default, reason) that stands in
+    for the field's own default (e.g. the host on a hosting platform); its env var still wins over it.
+    An invalid variable in `environ` exits here, with status 2 as argparse does for a bad flag."""
+    parser = argparse.ArgumentParser(formatter_class=argparse.RawDescriptionHelpFormatter, **parser_kwargs)
+    for spec in specs(cls):
+        default, source = (presets or {}).get(spec.name, (spec.default, None))
+        raw = environ.get(spec.option.env, "") if spec.option.env else ""
+        if raw.strip():  # an empty variable counts as unset
+            try:
+                default = spec.convert(raw)
+            except argparse.ArgumentTypeError as exc:  # one line, without the usage text a flag error has
+                parser.exit(2, f"{parser.prog}: error: {spec.option.env}: {exc}\n")
+            source = f"from {spec.option.env}"
+        shown = spec.shown(default) + (f", {source}" if source else "")
+        help_text = f"{spec.option.help} (default: {shown})".replace("%", "%%")
+        if spec.kind is bool:
+            parser.add_argument(spec.flag, dest=spec.name, action="store_true", default=default, help=help_text)
+        else:
+            metavar = spec.option.metavar or ("{" + ",".join(spec.option.choices) + "}" if spec.option.choices
+                                              else spec.name.upper())
+            parser.add_argument(spec.flag, dest=spec.name, type=spec.convert, default=default, metavar=metavar,
+                                help=help_text)
+    return parser
+
+
+def config_from(cls: type, namespace: argparse.Namespace) -> Any:
+    """An instance of `cls` from the parsed flags."""
+    return cls(**{s.name: getattr(namespace, s.name) for s in specs(cls)})
