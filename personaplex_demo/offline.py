@@ -1,7 +1,7 @@
 """One conversation from an audio file: the caller's audio goes in, the agent's audio and the
 transcript come out (spec §F: NVIDIA's `offline.py`, trimmed or padded to the input length).
 
-    python -m personaplex_demo.offline --input in.wav --output out.wav --transcript out.json \\
+    personaplex-offline --input in.wav --output out.wav --transcript out.json \\
         --voice NATF2 --persona "You enjoy having a good conversation."
 
 The input may be any format soundfile reads (WAV, FLAC, OGG, MP3) or, failing that, anything
@@ -34,8 +34,8 @@ from tqdm import tqdm
 
 from .engine import LockstepEngine, SamplingParams
 from .errors import CallerError, CheckpointError
-from .hub import DEFAULT_HF_REPO, MODEL_CHOICES, install_secret_filter
-from .loading import RuntimeOptions, build_runtime, pick_device, pick_dtype
+from .hub import CACHE_DIR_DEFAULT, CACHE_DIR_HELP, DEFAULT_HF_REPO, MODEL_CHOICES, install_secret_filter
+from .loading import RuntimeOptions, build_runtime, check_placement
 from .voices import DEFAULT_VOICE
 
 log = logging.getLogger(__name__)
@@ -240,32 +240,43 @@ def transcript_json(conv: Conversation, model: str, voice: str, persona: str, se
 # ---- command line -------------------------------------------------------------------------------
 
 
+def _prog() -> str:
+    """`personaplex-offline` when run as the installed command; the module form under `python -m`."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name.startswith("personaplex-") else "python -m personaplex_demo.offline"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    knobs = SamplingParams()
     p = argparse.ArgumentParser(
-        prog="python -m personaplex_demo.offline",
+        prog=_prog(),
         description="Run one PersonaPlex conversation from an audio file: the file is the caller, and the "
                     "agent's audio (mono 24 kHz WAV, as long as the input) and transcript (JSON) come out.")
     p.add_argument("--input", "-i", type=Path, required=True,
                    help="caller audio: WAV, FLAC, OGG, MP3, M4A, ... at any sample rate and channel count")
     p.add_argument("--output", "-o", type=Path, required=True, help="agent audio to write (WAV)")
     p.add_argument("--transcript", "-t", type=Path, help="transcript to write (JSON); none if omitted")
-    p.add_argument("--voice", default=DEFAULT_VOICE, help=f"voice prompt name (default {DEFAULT_VOICE})")
-    p.add_argument("--persona", default=DEFAULT_PERSONA, help="persona / system prompt text")
+    p.add_argument("--voice", default=DEFAULT_VOICE, help="voice prompt name (default: %(default)s)")
+    p.add_argument("--persona", default=DEFAULT_PERSONA, help="persona / system prompt text (default: %(default)r)")
     p.add_argument("--model", choices=MODEL_CHOICES, default="auto",
-                   help="auto: PersonaPlex-7B on a CUDA GPU when its files can be had, else the tiny model")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+                   help="auto: PersonaPlex-7B on a CUDA GPU when its files can be had, else the tiny model "
+                        "(default: %(default)s)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="auto: bfloat16 on CUDA, float32 on the CPU")
+                   help="auto: bfloat16 on CUDA, float32 on the CPU (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None,
-                   help="sampling seed, 0..4294967295; -1 or none picks one at random (recorded in the JSON)")
-    p.add_argument("--greedy", action="store_true", help="pick the most likely token instead of sampling")
-    p.add_argument("--temp-text", type=float, default=0.7, help="text temperature (default 0.7)")
-    p.add_argument("--topk-text", type=int, default=25, help="text top-k (default 25)")
-    p.add_argument("--temp-audio", type=float, default=0.8, help="audio temperature (default 0.8)")
-    p.add_argument("--topk-audio", type=int, default=250, help="audio top-k (default 250)")
-    p.add_argument("--cache-dir", type=Path, default=None, help="where model files are cached")
+                   help="sampling seed, 0..4294967295; -1 or none picks one at random (recorded in the JSON; "
+                        "default: random)")
+    p.add_argument("--greedy", action="store_true", help="pick the most likely token instead of sampling (default: off)")
+    p.add_argument("--temp-text", type=float, default=knobs.text_temperature,
+                   help="text temperature (default: %(default)s)")
+    p.add_argument("--topk-text", type=int, default=knobs.text_top_k, help="text top-k (default: %(default)s)")
+    p.add_argument("--temp-audio", type=float, default=knobs.audio_temperature,
+                   help="audio temperature (default: %(default)s)")
+    p.add_argument("--topk-audio", type=int, default=knobs.audio_top_k, help="audio top-k (default: %(default)s)")
+    p.add_argument("--cache-dir", type=Path, default=None, help=f"{CACHE_DIR_HELP} (default: {CACHE_DIR_DEFAULT})")
     p.add_argument("--hf-repo", default=DEFAULT_HF_REPO, help=argparse.SUPPRESS)
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar; warnings and errors only")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar; warnings and errors only (default: off)")
     return p
 
 
@@ -300,9 +311,8 @@ def run(args: argparse.Namespace) -> int:
     audio = read_input(args.input)
 
     try:
-        device = pick_device(args.device)
-        pick_dtype(args.dtype, device)
-    except (RuntimeError, ValueError) as exc:
+        check_placement(args.device, args.dtype)
+    except ValueError as exc:
         raise OfflineError(str(exc)) from None
     seed = args.seed if args.seed is not None and args.seed != -1 else secrets.randbelow(2**32)
     sampling = SamplingParams(text_temperature=args.temp_text, text_top_k=args.topk_text,

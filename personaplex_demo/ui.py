@@ -26,7 +26,7 @@ from .recording import RecordingStore
 from .rtc_audio import answering_with_packet_time
 from .voices import DEFAULT_VOICE
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSETS = Path(__file__).resolve().parent / "assets"
 DEFAULT_PRESET = "Assistant (teacher)"
 STOP_WAIT_SECONDS = 5.0  # after Stop, how long the page waits for the recording to be written
 STATS_SECONDS = 5.0  # the room's figures on each open page refresh this often (one Gradio event each)
@@ -126,7 +126,9 @@ def build_ui(runtime, pool: SlotPool, options: PageOptions | None = None,
         return (status, *file_updates((files.wav, files.transcript) if files is not None else None))
 
     limit_text = f"Calls last up to {int(options.time_limit // 60)} min. " if options.time_limit else ""
-    with gr.Blocks(title=options.title, css=CSS) as demo:
+    with gr.Blocks(title=options.title) as demo:
+        # Gradio 5.50 deprecates Blocks(css=...) and its launch() takes no css yet; the page config reads this.
+        demo.css = CSS
         gr.Markdown(f"# {options.title}\nTalk out loud with NVIDIA PersonaPlex-7B, a full-duplex speech model: it "
                     "listens and speaks at the same time. Pick a voice and a persona, then press **Record**. "
                     f"{limit_text}")
