@@ -26,6 +26,7 @@ import time
 import uuid
 import weakref
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 from fastrtc import AdditionalOutputs, AsyncStreamHandler, CloseStream, get_current_context
@@ -80,6 +81,11 @@ class CallRequest:
         except (TypeError, ValueError) as e:
             raise CallerError(f"the sampling settings must be numbers: {e}") from e
         return cls(str(voice or DEFAULT_VOICE), str(persona or ""), sampling)
+
+    def recording_meta(self, call_id: str, model: str) -> dict[str, Any]:
+        """The call's settings, as they head its transcript JSON (documented in the README)."""
+        return {"call_id": call_id, "model": model, "voice": self.voice, "persona": self.persona,
+                "sampling": asdict(self.sampling)}
 
 
 def new_seed() -> int:
@@ -219,9 +225,7 @@ class CallHandler(AsyncStreamHandler):
         except PoolClosedError:
             self.close_message = END_MESSAGES["shutdown"]
         else:
-            self.recording = self.recordings.start(self.call_id, {
-                "call_id": self.call_id, "model": self.model_name, "voice": req.voice, "persona": req.persona,
-                "sampling": asdict(req.sampling)})
+            self.recording = self.recordings.start(self.call_id, req.recording_meta(self.call_id, self.model_name))
             log.info("call %s: %s, voice %s (pool call %s)", self.call_id, self.call.state, req.voice, self.call.id)
         finally:
             self._started.set()

@@ -119,3 +119,59 @@ def test_space_sdk_version_matches_the_gradio_pin() -> None:
     front = README.read_text(encoding="utf-8").split("---\n", 2)[1]
     sdk = re.search(r"^sdk_version: (\S+)$", front, flags=re.M)
     assert sdk and sdk.group(1) == pins(ROOT / "requirements.txt")["gradio"]
+
+
+def readme_section(title: str) -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else None]
+
+
+def test_readme_flags_table_lists_every_app_setting() -> None:
+    from personaplex_demo.app import OTHER_ENV, AppConfig
+    from personaplex_demo.options import specs
+
+    section = readme_section("Flags and environment")
+    rows = {}
+    for line in section.splitlines():
+        if line.startswith("| `--"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0]] = cells
+    fields = specs(AppConfig)
+    assert set(rows) == {f"`{s.flag}`" for s in fields}, "the README table and AppConfig list different flags"
+    for spec in fields:
+        _, env, default, meaning = rows[f"`{spec.flag}`"]
+        assert env.split()[0] == f"`{spec.option.env}`", spec.flag
+        assert default == f"`{spec.shown(spec.default)}`", spec.flag
+        assert meaning, spec.flag
+    for name in OTHER_ENV:
+        assert f"`{name}" in section, name
+
+
+def _documented(section: str, keys) -> list[str]:
+    return [k for k in keys if f"`{k}`" not in section]
+
+
+def test_readme_documents_every_transcript_field(tmp_path) -> None:
+    import json
+
+    import numpy as np
+
+    from personaplex_demo.engine import SamplingParams
+    from personaplex_demo.handler import END_MESSAGES, CallRequest
+    from personaplex_demo.offline import Conversation, transcript_json
+    from personaplex_demo.recording import CallRecording
+
+    section = readme_section("Transcripts")
+    offline = transcript_json(Conversation(np.zeros(1920, np.float32), ["hi"]), "tiny", "NATF2", "p", 1,
+                              SamplingParams(seed=1), 0.08)
+    assert not _documented(section, [*offline, *offline["sampling"], *offline["frames"][0]])
+    rec = CallRecording(tmp_path / "call", CallRequest("NATF2", "p", SamplingParams(seed=1)).recording_meta("c", "tiny"))
+    rec.add_caller(np.zeros(1920, np.int16))
+    rec.add_agent(np.zeros(1920, np.float32), "hi")
+    page = json.loads(rec.finish("hangup").transcript.read_text(encoding="utf-8"))
+    assert not _documented(section, [*page, *page["sampling"], *page["segments"][0]])
+    assert json.dumps(page["channels"]) in section
+    # How a call can end: a queued call that times out never goes live, so it has no recording.
+    assert not _documented(section, ["hangup", *END_MESSAGES.keys() - {"queue_timeout"}])
