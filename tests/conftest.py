@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import json
+import pkgutil
 from pathlib import Path
 
 import pytest
 import torch
 
 GOLDEN = Path(__file__).parent / "golden"
+
+
+def project_deprecations_as_errors() -> str:
+    """A PYTHONWARNINGS value under which a DeprecationWarning from the project's own code (a module of
+    personaplex_demo, or the script run as __main__) is an error; those from libraries stay warnings."""
+    import personaplex_demo
+
+    modules = ["__main__", *(m.name for m in pkgutil.walk_packages(personaplex_demo.__path__, "personaplex_demo."))]
+    return ",".join(f"error::DeprecationWarning:{m}" for m in modules)
 
 
 def golden(name: str) -> dict:

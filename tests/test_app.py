@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import pkgutil
 import socket
 import subprocess
 import sys
@@ -12,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import personaplex_demo
 from personaplex_demo.app import AppConfig, parse_config
 from personaplex_demo.options import specs
+
+from .conftest import project_deprecations_as_errors
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = specs(AppConfig)
@@ -96,17 +96,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _project_modules() -> list[str]:
-    return ["__main__", *(m.name for m in pkgutil.walk_packages(personaplex_demo.__path__, "personaplex_demo."))]
-
-
 @pytest.mark.slow
 def test_app_start_logs_are_quiet_and_say_where_it_serves(tiny_cache_dir, tmp_path) -> None:
     """The README's start command with the tiny model: no request-by-request httpx lines, no Gradio hint
     about launch(share=True), and no DeprecationWarning from the project's own code (it would be an error)."""
     port = _free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", PERSONAPLEX_CACHE=str(tiny_cache_dir),
-               PYTHONWARNINGS=",".join(f"error::DeprecationWarning:{m}" for m in _project_modules()))
+               PYTHONWARNINGS=project_deprecations_as_errors())
     for var in ("HF_TOKEN", "SPACE_ID", "PERSONAPLEX_VERBOSE", "PERSONAPLEX_SHARE"):
         env.pop(var, None)
     log = tmp_path / "app.log"

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from .conftest import project_deprecations_as_errors
+
 ROOT = Path(__file__).resolve().parent.parent
 # What a wheel is built from; copied, so the build leaves nothing behind in the checkout.
 SOURCES = ("pyproject.toml", "README.md", "requirements.txt", "personaplex_demo")
@@ -77,7 +79,8 @@ def test_personaplex_offline_runs_from_another_folder(installed, tiny_cache_dir,
     result = subprocess.run([installed / "personaplex-offline", "--input", "caller.wav", "--output", "agent.wav",
                              "--transcript", "agent.json", "--model", "tiny", "--cache-dir", str(tiny_cache_dir),
                              "--seed", "7", "--quiet"],
-                            cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=300)
+                            cwd=tmp_path, env=dict(_clean_env(), PYTHONWARNINGS=project_deprecations_as_errors()),
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     info = sf.info(tmp_path / "agent.wav")
     assert (info.samplerate, info.channels, info.frames) == (24000, 1, 24000)
