@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -121,6 +122,8 @@ class PoolMetrics:
     engine_errors: int = 0  # exceptions from engine.step / start_session
     calls_started: int = 0  # calls that went live
     calls_refused: int = 0  # PoolFullError raised
+    # Calls ended, by reason: hangup, idle, time_limit, queue_timeout, shutdown, error (any "error: ...").
+    calls_ended: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float | int]:
         return dataclasses.asdict(self)
@@ -320,6 +323,8 @@ class SlotPool:
         self._engine_errors = 0
         self._calls_started = 0
         self._calls_refused = 0
+        self._calls_ended: collections.Counter[str] = collections.Counter()
+        self._tick_listeners: list[Callable[[float, list[float]], None]] = []
         self._tick_times: collections.deque[float] = collections.deque(maxlen=_TICK_WINDOW)
         self._latencies: collections.deque[float] = collections.deque(maxlen=_LATENCY_WINDOW)
         self._added_latencies: collections.deque[float] = collections.deque(maxlen=_LATENCY_WINDOW)
@@ -422,6 +427,7 @@ class SlotPool:
         was_queued = call.state == "queued"
         call.state = "ended"
         call.end_reason = reason
+        self._calls_ended[reason.partition(":")[0]] += 1  # "error: <details>" counts as "error"
         call.queue_position = None
         call._inbox.clear()
         if was_queued:
@@ -545,6 +551,7 @@ class SlotPool:
             return
         step_seconds = clock.monotonic() - step_start
         bound = self.config.output_queue_frames
+        latencies: list[float] = []
         with self._lock:
             self._tick += 1
             now = clock.monotonic()
@@ -558,10 +565,22 @@ class SlotPool:
                 call._outbox.append(SlotOutput(out_pcm[slot].copy(), str(out.text[slot]), self._tick))
                 call.frames_out += 1
                 if stamp is not None:
+                    latencies.append(now - stamp)
                     self._latencies.append(now - stamp)
                     self._added_latencies.append(now - stamp - step_seconds)
                 call._wake_locked()
             self._tick_times.append(now - start)
+        for listener in self._tick_listeners:
+            try:
+                listener(now - start, latencies)
+            except Exception:
+                logger.exception("tick listener failed")
+
+    def add_tick_listener(self, listener: Callable[[float, list[float]], None]) -> None:
+        """Call `listener(tick_seconds, frame_latencies_seconds)` after every step, on the ticker
+        thread, so it must be quick (a histogram update). Unlike the windows behind `snapshot()`,
+        it sees every sample, however long between two readers."""
+        self._tick_listeners.append(listener)
 
     def _fail_rows(self, calls: list[Call], exc: Exception) -> None:
         logger.exception("engine.step failed; ending %d call(s) live in this tick", len(calls), exc_info=exc)
@@ -670,6 +689,7 @@ class SlotPool:
                 "engine_errors": self._engine_errors,
                 "calls_started": self._calls_started,
                 "calls_refused": self._calls_refused,
+                "calls_ended": dict(self._calls_ended),
                 "queue_length": len(self._queue),
             }
 
