@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from .engine import SamplingParams
 from .handler import CallHandler, FinalUpdates, RoomMetrics, room_line
+from .ice import server_configuration
 from .pool import SlotPool
 from .recording import RecordingStore
 from .rtc_audio import answering_with_packet_time
@@ -159,6 +160,8 @@ def build_ui(runtime, pool: SlotPool, options: PageOptions | None = None,
                              server_rtc_configuration=options.server_rtc_configuration, elem_id="call")
                 # Ask the browser for 40 ms packets: half the per-packet work per caller (rtc_audio.py).
                 rtc.handle_offer = answering_with_packet_time(rtc.handle_offer)
+                # fastrtc's own conversion drops iceTransportPolicy; this one keeps a relay-only setting.
+                rtc.server_rtc_configuration = server_configuration(options.server_rtc_configuration)
                 status = gr.Markdown(f"Ready · {room_line(pool.snapshot())}", elem_id="status-line")
                 transcript = gr.Textbox(label="Transcript (the agent's words)", lines=8, max_lines=16,
                                         interactive=False, autoscroll=True, elem_id="transcript-box")
