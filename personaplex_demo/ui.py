@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from .deeplink import SEED_RANGE, LinkRules, NumberRule, add_deep_links, number_rule
 from .engine import SamplingParams
 from .handler import CallHandler, FinalUpdates, RoomMetrics, room_line
 from .ice import server_configuration
@@ -137,6 +138,7 @@ def build_ui(runtime, pool: SlotPool, options: PageOptions | None = None,
             gr.Markdown(f"**Offline demo model.** {runtime.banner}", elem_id="banner")
         if options.notice:
             gr.Markdown(f"**Note.** {options.notice}", elem_id="notice")
+        link_notice = gr.Markdown(visible=False, elem_id="link-notice")  # what a deep link could not set
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=320):
                 voice = gr.Dropdown(voices, value=DEFAULT_VOICE if DEFAULT_VOICE in voices else voices[0],
@@ -152,6 +154,13 @@ def build_ui(runtime, pool: SlotPool, options: PageOptions | None = None,
                     audio_temp = gr.Slider(0.0, 2.0, defaults.audio_temperature, step=0.05, label="Audio temperature")
                     audio_topk = gr.Slider(1, 2048, defaults.audio_top_k, step=1, label="Audio top-k")
                     seed = gr.Number(-1, precision=0, label="Seed (-1: a new random seed per call)")
+                add_deep_links(demo, dict(
+                    voice=voice, preset=preset, persona=persona, text_temperature=text_temp, text_top_k=text_topk,
+                    audio_temperature=audio_temp, audio_top_k=audio_topk, seed=seed), LinkRules(
+                    voices=tuple(voices), presets=presets, check_persona=engine.persona_tokens, numbers=dict(
+                        text_temperature=number_rule(text_temp, False), text_top_k=number_rule(text_topk, True),
+                        audio_temperature=number_rule(audio_temp, False), audio_top_k=number_rule(audio_topk, True),
+                        seed=NumberRule(*SEED_RANGE, integer=True))), link_notice)
             with gr.Column(scale=2, min_width=360):
                 gr.Markdown("🎧 **Use headphones.** The model listens while it talks; through speakers it hears "
                             "itself and answers its own voice.", elem_id="headphones")
