@@ -55,7 +55,7 @@ QUEUED_SILENCE_SECONDS = 5.0  # a queued caller sending no audio for this long h
 END_MESSAGES = {
     "time_limit": "Time is up for this call. Thanks for talking! Press Record to start a new one.",
     "idle": "The call ended: no microphone audio arrived for a few seconds.",
-    "shutdown": "The server is shutting down. Please try again in a minute.",
+    "shutdown": "The server is restarting. Please try again in a minute.",
     "queue_timeout": "Still no free slot after a long wait, sorry. Please try again in a few minutes.",
 }
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from .lifecycle import recordings_prefix
+
 logger = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
@@ -188,7 +190,8 @@ class RecordingStore:
 
     def __init__(self, root: Path | str | None = None, max_age_seconds: float = 3600.0,
                  max_recordings: int = 256) -> None:
-        self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="personaplex-calls-"))
+        # The pid in the name lets the next start tell a crashed app's folder from a running one's.
+        self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix=recordings_prefix()))
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_age_seconds = max_age_seconds
         self.max_recordings = max_recordings
