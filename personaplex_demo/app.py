@@ -26,6 +26,13 @@ OTHER_ENV = {
     "HF_TOKEN": "a Hugging Face token: fetches the gated weights and TURN relay credentials",
     "SPACE_ID": "set by Hugging Face Spaces: the host defaults to 0.0.0.0",
     "PERSONAPLEX_LOOPBACK_ICE": "1: WebRTC on 127.0.0.1 only, without STUN (browser and server on one machine)",
+    "PERSONAPLEX_ICE_SERVERS": "your own STUN/TURN servers for the page and the server, as JSON RTCIceServer "
+                               "objects (instead of HF_TOKEN's)",
+    "PERSONAPLEX_TURN_URL": "your own TURN server's URL, or several separated by commas",
+    "PERSONAPLEX_TURN_USERNAME": "its username",
+    "PERSONAPLEX_TURN_CREDENTIAL": "its password",
+    "PERSONAPLEX_STUN_URL": "your own STUN server's URL",
+    "PERSONAPLEX_ICE_RELAY_ONLY": "1: page and server use TURN relay candidates only",
 }
 
 # Loggers that report every internal request at INFO; --verbose shows them.
@@ -79,23 +86,16 @@ def setup_logging(verbose: bool = False) -> None:
     install_secret_filter()
 
 
-def rtc_configs():
-    """TURN relays for Spaces and share links; direct host candidates otherwise."""
-    if not os.environ.get("HF_TOKEN"):
-        return None, None
-    from fastrtc import get_cloudflare_turn_credentials, get_cloudflare_turn_credentials_async
-
-    try:
-        server = get_cloudflare_turn_credentials(ttl=360_000)
-    except Exception as e:  # no network to the TURN service: the page can still try direct routes
-        log.warning("TURN credentials unavailable (%s); calls need a direct route", type(e).__name__)
-        return None, None
-    return get_cloudflare_turn_credentials_async, server
-
-
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
     setup_logging(cfg.verbose)
+    from .ice import IceConfigError, rtc_configs
+
+    try:
+        rtc, server_rtc = rtc_configs()  # before the model loads: a typo here should fail fast
+    except IceConfigError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     if os.environ.get("PERSONAPLEX_LOOPBACK_ICE") == "1":
         # Testing and offline use on one machine: aioice skips 127.0.0.1 unless told otherwise.
@@ -111,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     install_packet_encoder()  # agent audio in 40 ms Opus packets: half the per-packet work per caller
 
     from .errors import CheckpointError
+    from .lifecycle import StopSignals, exit_now, remove_stale_recordings, shut_down, wait_until
     from .loading import RuntimeOptions, build_runtime, check_placement
+    from .metrics import metrics_routes
     from .pool import PoolConfig, SlotPool
     from .recording import RecordingStore
     from .ui import PageOptions, build_ui, status_routes
@@ -132,37 +134,60 @@ def main(argv: list[str] | None = None) -> int:
     pool = SlotPool(runtime.engine, PoolConfig(idle_release_seconds=cfg.idle_release, time_limit_seconds=cfg.time_limit,
                                                max_queue=cfg.max_queue))
     pool.start()
-    rtc, server_rtc = rtc_configs()
-    if os.environ.get("PERSONAPLEX_LOOPBACK_ICE") == "1" and server_rtc is None:
-        # No STUN on loopback: aiortc's default STUN host costs a DNS lookup per call, and on a
-        # closed network that lookup can hang in an executor thread.
-        server_rtc = {"iceServers": []}
     notice = None
     if rtc is None and (os.environ.get("SPACE_ID") or cfg.share):
-        notice = ("No TURN relay is configured (set HF_TOKEN; on a Space, as a secret), so calls from most networks "
-                  "will not connect.")
+        notice = ("No TURN relay is configured (set HF_TOKEN, on a Space as a secret, or PERSONAPLEX_ICE_SERVERS), "
+                  "so calls from most networks will not connect.")
         log.warning("%s", notice)
+    remove_stale_recordings()
     recordings = RecordingStore()  # per-call WAV + transcript for the download buttons, deleted on exit
     demo = build_ui(runtime, pool, PageOptions(time_limit=cfg.time_limit, max_queue=cfg.max_queue,
                                                rtc_configuration=rtc, server_rtc_configuration=server_rtc,
                                                notice=notice), recordings)
+    stop = StopSignals()
+    stop.install()
     try:
-        # One server for the page, fastrtc's endpoints and the JSON status route, with or without --share.
+        # One server for the page, fastrtc's endpoints and the JSON routes, with or without --share.
         # quiet: Gradio's own prints (its URL, and a hint about launch(share=True)) give way to the lines below.
         try:
             demo.launch(server_name=cfg.host, server_port=cfg.port, share=cfg.share, quiet=not cfg.verbose,
-                        prevent_thread_lock=True, app_kwargs={"routes": status_routes(runtime, pool)})
+                        prevent_thread_lock=True,
+                        app_kwargs={"routes": status_routes(runtime, pool) + metrics_routes(pool)})
         except OSError:
             log.error("cannot serve on %s:%d: the port is in use or the address is not this machine's; "
                       "choose another with --port or --host", cfg.host, cfg.port)
+            pool.shutdown()
+            recordings.close()
             return 1
-        log.info("serving on http://%s:%d (status: /api/status)", cfg.host, cfg.port)
+        log.info("serving on http://%s:%d (status: /api/status, metrics: /metrics)", cfg.host, cfg.port)
         if demo.share_url:
             log.info("public link: %s", demo.share_url)
-        demo.block_thread()
-    finally:
+        received = stop.wait()
+    except BaseException:
         pool.shutdown()
         recordings.close()
+        raise
+    from fastrtc import WebRTC
+
+    calls = next(b for b in demo.blocks.values() if isinstance(b, WebRTC)).pcs
+    log.info("%s: ending %d call(s) with a message, then exiting", received, len(calls))
+
+    def stop_web_server() -> None:
+        from gradio.tunneling import CURRENT_TUNNELS
+
+        if demo.server is not None:
+            demo.server.force_exit = True  # an open tab keeps an event stream open: do not wait for it
+        demo.close(verbose=False)
+        for tunnel in CURRENT_TUNNELS:  # the --share link's process, as Gradio's own Ctrl-C path does
+            tunnel.kill()
+
+    shut_down([("end the calls and stop the pool", lambda: pool.shutdown(join_timeout=3.0)),
+               # Each handler sends its caller the message and closes; give that a moment to arrive.
+               ("let the callers hear why", lambda: wait_until(lambda: not calls, 3.0)),
+               ("stop the web server", stop_web_server),
+               ("delete the recordings", recordings.close)],
+              on_timeout=recordings.close)
+    exit_now(0)
     return 0
 
 

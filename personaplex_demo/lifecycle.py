@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 RECORDINGS_PREFIX = "personaplex-calls-"
-SHUTDOWN_SECONDS = 9.0  # a supervisor's usual grace is 10 s before SIGKILL
+SHUTDOWN_SECONDS = 8.0  # within the usual 10 s a supervisor gives before SIGKILL
 LEGACY_MAX_AGE_SECONDS = 3600.0  # folders named without a pid are removed once untouched this long
 _OWNED = re.compile(re.escape(RECORDINGS_PREFIX) + r"(\d+)-")
 
@@ -110,18 +111,20 @@ def shut_down(steps: list[tuple[str, Callable[[], object]]], deadline_seconds: f
     """Run the clean-up steps in order, each one logged, an exception in one not stopping the next.
 
     A watchdog ends the process (exit 0, after `on_timeout`, e.g. deleting the recordings) if the
-    steps and the interpreter's own exit take longer than `deadline_seconds`: a hung engine call or
-    a stuck thread must not turn a restart into a SIGKILL."""
+    steps take longer than `deadline_seconds`: a hung engine call or a stuck thread must not turn a
+    restart into a SIGKILL."""
+    finished = threading.Event()
+
     def watchdog() -> None:
-        time.sleep(deadline_seconds)
+        if finished.wait(deadline_seconds):
+            return
         log.error("clean shutdown took more than %.0f s; exiting now", deadline_seconds)
         if on_timeout is not None:
             try:
                 on_timeout()
             except Exception:
                 log.exception("last clean-up step failed")
-        logging.shutdown()
-        os._exit(0)
+        exit_now(0)
 
     threading.Thread(target=watchdog, name="shutdown-watchdog", daemon=True).start()
     for name, step in steps:
@@ -131,6 +134,20 @@ def shut_down(steps: list[tuple[str, Callable[[], object]]], deadline_seconds: f
         except Exception:
             log.exception("shutdown: %s failed", name)
         log.info("shutdown: %s (%.1f s)", name, time.monotonic() - began)
+    finished.set()
+
+
+def exit_now(code: int = 0) -> None:
+    """End the process once the clean-up is done, skipping the interpreter's own finalization: with
+    torch, PyAV and aiortc loaded it was measured to take from 1 to over 20 s, past a supervisor's
+    grace period, and there is nothing left for it to do."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def wait_until(predicate: Callable[[], bool], seconds: float, interval: float = 0.05) -> bool:

@@ -2,178 +2,157 @@
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
 import time
+import urllib.error
 import urllib.request
-from pathlib import Path
+from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 import pytest
 
+from .browser_support import (
+    ARTIFACTS,
+    INBOUND_BYTES,
+    OUTBOUND_PACKETS,
+    RECORD_PCS,
+    chromium,
+    launched_app,
+    make_mic_wav,
+    missing_tools,
+    require,
+    start_call,
+    stop_call,
+)
+
 pytestmark = pytest.mark.browser
-
-ROOT = Path(__file__).resolve().parent.parent
-ARTIFACTS = ROOT / "artifacts"
-CHROMIUM = "/usr/bin/chromium"
-IN_CI = os.environ.get("CI") == "true"
-
-RECORD_PCS = """
-(() => {
-  const O = window.RTCPeerConnection;
-  window.__pcs = [];
-  window.RTCPeerConnection = function (...args) { const pc = new O(...args); window.__pcs.push(pc); return pc; };
-  window.RTCPeerConnection.prototype = O.prototype;
-  Object.setPrototypeOf(window.RTCPeerConnection, O);
-})();
-"""
-
-INBOUND_BYTES = """
-async () => {
-  const pc = window.__pcs.at(-1);
-  if (!pc) return -1;
-  let n = 0;
-  (await pc.getStats()).forEach(r => { if (r.type === "inbound-rtp" && r.kind === "audio") n += r.bytesReceived; });
-  return n;
-}
-"""
-
-OUTBOUND_PACKETS = """
-async () => {
-  let n = 0;
-  (await window.__pcs.at(-1).getStats()).forEach(r => {
-    if (r.type === "outbound-rtp" && r.kind === "audio") n += r.packetsSent;
-  });
-  return n;
-}
-"""
-
-
-def _missing() -> list[str]:
-    missing = [p for p in (CHROMIUM,) if not Path(p).exists()]
-    missing += [t for t in ("espeak-ng", "sox") if shutil.which(t) is None]
-    try:
-        import playwright  # noqa: F401
-    except ImportError:
-        missing.append("playwright")
-    return missing
 
 
 @pytest.fixture(scope="module")
 def need_browser():
-    missing = _missing()
-    if missing:
-        msg = f"browser test needs {', '.join(missing)} (apt-get install -y chromium espeak-ng sox)"
-        if IN_CI:
-            pytest.fail(msg)
-        pytest.skip(msg)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _status(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=2) as r:
-        return json.loads(r.read())
+    require(missing_tools())
 
 
 @pytest.fixture(scope="module")
-def app_server(need_browser, tiny_cache_dir, tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("app") / "app.log"
-    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1", PERSONAPLEX_LOOPBACK_ICE="1")
-    env.pop("HF_TOKEN", None)
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "app.py", "--model", "tiny", "--slots", "2", "--host", "127.0.0.1",
-                                 "--port", str(port), "--cache-dir", str(tiny_cache_dir)],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                _status(port)
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"the app did not start:\n{log.read_text()[-3000:]}")
-                time.sleep(0.5)
-        yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+def app(need_browser, tiny_cache_dir, tmp_path_factory):
+    with launched_app(tmp_path_factory.mktemp("app"), tiny_cache_dir, args=["--slots", "2"]) as launched:
+        yield launched
 
 
 @pytest.fixture(scope="module")
-def mic_wav(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("mic")
-    raw, wav = d / "speech_raw.wav", d / "mic.wav"
-    subprocess.run(["espeak-ng", "-w", str(raw), "Hello there. Can you tell me about the weather on Mars today?"],
-                   check=True)
-    subprocess.run(["sox", str(raw), "-r", "48000", "-c", "1", "-b", "16", str(wav), "pad", "0.5", "1.0"], check=True)
-    return wav
+def mic_wav(need_browser, tmp_path_factory):
+    return make_mic_wav(tmp_path_factory.mktemp("mic"))
 
 
-def test_a_call_in_chromium(app_server, mic_wav, tmp_path):
-    from playwright.sync_api import sync_playwright
-
-    port = app_server
+def test_a_call_in_chromium(app, mic_wav, tmp_path):
     ARTIFACTS.mkdir(exist_ok=True)
-    flags = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-             f"--use-file-for-fake-audio-capture={mic_wav}", "--autoplay-policy=no-user-gesture-required",
-             "--allow-loopback-in-peer-connection"]
-    with sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(str(tmp_path / "udd"), executable_path=CHROMIUM, headless=True,
-                                                   args=flags, ignore_default_args=["--mute-audio"],
-                                                   permissions=["microphone"])
-        try:
-            page = ctx.new_page()
-            page.add_init_script(RECORD_PCS)
-            page.goto(f"http://127.0.0.1:{port}/", wait_until="networkidle")
-            assert "tiny offline model" in page.locator("#banner").inner_text()
-            assert page.locator("#voice input").input_value() == "NATF2"
-            page.locator('[title="grant webcam access"]').click()
-            page.locator('button[aria-label="start stream"]').first.click()
-            page.wait_for_function("window.__pcs.length && window.__pcs.at(-1).connectionState === 'connected'",
-                                   timeout=20_000)
-            first, sent_before, since = page.evaluate(INBOUND_BYTES), page.evaluate(OUTBOUND_PACKETS), time.monotonic()
-            transcript = page.locator("#transcript-box textarea")
-            deadline = time.monotonic() + 25
-            texts, later = [""], first
-            while time.monotonic() < deadline and not (len(set(texts)) >= 3 and later > first + 5000):
-                page.wait_for_timeout(300)
-                texts.append(transcript.input_value())
-                later = page.evaluate(INBOUND_BYTES)
-            assert later > first + 5000, (first, later)  # agent audio keeps arriving
-            # The answer asks for 40 ms packets (a=ptime:40), and Chromium sends them: 25 a second, not 50.
-            rate = (page.evaluate(OUTBOUND_PACKETS) - sent_before) / (time.monotonic() - since)
-            assert 18 < rate < 32, f"{rate:.1f} microphone packets a second"
-            assert len(set(texts)) >= 3, f"the transcript did not keep changing: {texts[-3:]}"
-            assert texts[-1].startswith(texts[1])  # it streams: each update extends the last one
-            assert _status(port)["slots_live"] == 1
-            assert "Live" in page.locator("#status-line").inner_text()
-            page.screenshot(path=str(ARTIFACTS / "browser-call.png"), full_page=True)
-            page.locator('button[aria-label="start stream"]').first.click()  # the same button stops the call
-            stopped = time.monotonic()
-            while _status(port)["slots_free"] < 2:
-                assert time.monotonic() - stopped < 3.0, "Stop did not free the slot within 3 s"
-                time.sleep(0.1)
-            # The recording of the call is offered for download once it is written.
-            page.locator("#download-wav a.download-link").first.wait_for(timeout=8_000)
-            assert page.locator("#download-wav .filename").first.inner_text().strip().endswith(".wav")
-            page.locator("#download-json a.download-link").first.wait_for(timeout=2_000)
-            assert page.locator("#download-json .filename").first.inner_text().strip().endswith(".json")
-            assert "Call ended" in page.locator("#status-line").inner_text()
-            page.screenshot(path=str(ARTIFACTS / "browser-after-call.png"), full_page=True)
-        finally:
-            ctx.close()
+    with chromium(tmp_path / "udd", mic_wav) as ctx:
+        page = ctx.new_page()
+        page.add_init_script(RECORD_PCS)
+        page.goto(app.base_url + "/", wait_until="networkidle")
+        assert "tiny offline model" in page.locator("#banner").inner_text()
+        assert page.locator("#voice input").input_value() == "NATF2"
+        start_call(page)
+        first, sent_before, since = page.evaluate(INBOUND_BYTES), page.evaluate(OUTBOUND_PACKETS), time.monotonic()
+        transcript = page.locator("#transcript-box textarea")
+        deadline = time.monotonic() + 25
+        texts, later = [""], first
+        while time.monotonic() < deadline and not (len(set(texts)) >= 3 and later > first + 5000):
+            page.wait_for_timeout(300)
+            texts.append(transcript.input_value())
+            later = page.evaluate(INBOUND_BYTES)
+        assert later > first + 5000, (first, later)  # agent audio keeps arriving
+        # The answer asks for 40 ms packets (a=ptime:40), and Chromium sends them: 25 a second, not 50.
+        rate = (page.evaluate(OUTBOUND_PACKETS) - sent_before) / (time.monotonic() - since)
+        assert 18 < rate < 32, f"{rate:.1f} microphone packets a second"
+        assert len(set(texts)) >= 3, f"the transcript did not keep changing: {texts[-3:]}"
+        assert texts[-1].startswith(texts[1])  # it streams: each update extends the last one
+        assert app.status()["slots_live"] == 1
+        assert "Live" in page.locator("#status-line").inner_text()
+        page.screenshot(path=str(ARTIFACTS / "browser-call.png"), full_page=True)
+        stop_call(page)
+        stopped = time.monotonic()
+        while app.status()["slots_free"] < 2:
+            assert time.monotonic() - stopped < 3.0, "Stop did not free the slot within 3 s"
+            time.sleep(0.1)
+        # The recording of the call is offered for download once it is written.
+        page.locator("#download-wav a.download-link").first.wait_for(timeout=8_000)
+        assert page.locator("#download-wav .filename").first.inner_text().strip().endswith(".wav")
+        page.locator("#download-json a.download-link").first.wait_for(timeout=2_000)
+        assert page.locator("#download-json .filename").first.inner_text().strip().endswith(".json")
+        assert "Call ended" in page.locator("#status-line").inner_text()
+        page.screenshot(path=str(ARTIFACTS / "browser-after-call.png"), full_page=True)
+
+
+def controls(page) -> dict[str, str]:
+    """The page's voice, preset, persona and sampling controls, as the page shows them."""
+    page.locator("#persona textarea").wait_for()
+    values = {"voice": page.locator("#voice input").input_value(), "preset": page.locator("#preset input").input_value(),
+              "persona": page.locator("#persona textarea").input_value()}
+    labels = {"text_temperature": "Text temperature", "text_top_k": "Text top-k",
+              "audio_temperature": "Audio temperature", "audio_top_k": "Audio top-k"}
+    for name, label in labels.items():
+        values[name] = page.locator(f'input[aria-label="number input for {label}"]').input_value()
+    values["seed"] = page.locator('input[aria-label^="Seed"]').input_value()
+    return values
+
+
+PERSONA = "You are Ada, a patient chess coach. Explain one idea at a time & ask what the student thinks?"
+
+
+def test_a_deep_link_sets_the_controls_and_the_copy_button_gives_it_back(app, mic_wav, tmp_path):
+    query = {"voice": "NATM1", "persona": PERSONA, "text_temperature": "0.9", "text_top_k": "40",
+             "audio_temperature": "0.65", "audio_top_k": "300", "seed": "1234"}
+    long_persona = "Tell long stories about the sea, the wind and the ships that sail far away. " * 60
+    # Over the persona's 4,000 characters (a 100 KB one does not even get a page: see test_deeplink.py).
+    hostile = {"voice": "../../etc/passwd", "persona": "<script>window.__pwned = 1</script>" + "x" * 5000,
+               "text_temperature": "NaN", "audio_top_k": "1e9", "seed": "<img src=x onerror=window.__pwned=1>",
+               "callback": "javascript:alert(1)"}
+    with chromium(tmp_path / "udd", mic_wav, permissions=("microphone", "clipboard-read", "clipboard-write")) as ctx:
+        page = ctx.new_page()
+        page.add_init_script(RECORD_PCS)
+        page.goto(f"{app.base_url}/?{urlencode(query, quote_via=quote)}", wait_until="networkidle")
+        page.wait_for_function("document.querySelector('#voice input').value === 'NATM1'", timeout=10_000)
+        shown = controls(page)
+        assert shown == {**query, "preset": "Assistant (teacher)", "text_temperature": "0.9", "seed": "1234"}, shown
+        assert not page.locator("#link-notice").is_visible()  # nothing was refused
+        # The call uses what the link set.
+        start_call(page)
+        page.wait_for_function("document.querySelector('#status-line').innerText.startsWith('Live')", timeout=15_000)
+        stop_call(page)
+
+        # The button gives the same setup back as a link (in the box and on the clipboard).
+        page.locator("#copy-link").click()
+        page.wait_for_function("document.querySelector('#setup-link textarea').value.startsWith('http')")
+        link = page.locator("#setup-link textarea").input_value()
+        assert link == page.evaluate("navigator.clipboard.readText()")
+        assert parse_qs(urlsplit(link).query) == {k: [v] for k, v in query.items()}
+        again = ctx.new_page()
+        again.goto(link, wait_until="networkidle")
+        again.wait_for_function("document.querySelector('#voice input').value === 'NATM1'", timeout=10_000)
+        assert controls(again) == shown
+
+        # A preset travels by name; a persona too long for a link is cut, with a notice.
+        again.locator("#persona textarea").fill(long_persona)
+        again.locator("#copy-link").click()
+        again.wait_for_function("document.querySelector('#copy-notice').innerText.includes('cut')")
+        cut = again.locator("#setup-link textarea").input_value()
+        assert 1900 < len(cut) <= 2000, len(cut)
+        assert long_persona.startswith(parse_qs(urlsplit(cut).query)["persona"][0])
+
+        # A 100 KB link is refused by the web server before any of it reaches the page.
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{app.base_url}/?persona={'x' * 100_000}", timeout=10)
+        assert refused.value.code == 400 and app.status()["slots_total"] == 2
+
+        # Hostile parameters: each falls back to its default, the notice says so, and nothing runs.
+        bad = ctx.new_page()
+        bad.goto(f"{app.base_url}/?{urlencode(hostile, quote_via=quote)}", wait_until="networkidle")
+        bad.locator("#link-notice").wait_for(state="visible", timeout=10_000)
+        notice = bad.locator("#link-notice").inner_text()
+        for name in ("voice", "persona", "text_temperature", "audio_top_k", "seed", "1 unknown parameter"):
+            assert name in notice, notice
+        assert "script" not in notice and "passwd" not in notice
+        fallback = controls(bad)
+        assert fallback["voice"] == "NATF2" and fallback["persona"].startswith("You are a wise and friendly teacher")
+        assert fallback["text_temperature"] == "0.7" and fallback["audio_top_k"] == "250" and fallback["seed"] == "-1"
+        assert bad.evaluate("window.__pwned") is None
+        bad.screenshot(path=str(ARTIFACTS / "browser-deep-link-refused.png"), full_page=True)
