@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import pkgutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -43,3 +45,22 @@ def tiny_repo(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_cache_dir(tiny_repo):
     return tiny_repo.parent
+
+
+@pytest.fixture
+def recordings(tmp_path):
+    """A recordings store of its own for a test, deleted afterwards."""
+    from personaplex_demo.recording import RecordingStore
+
+    store = RecordingStore(tmp_path / "calls")
+    yield store
+    store.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_left_in_the_temp_folder():
+    """Every recordings folder this test process made (its name carries the pid) is gone at the end;
+    the launched apps are checked the same way by tests/browser_support.py."""
+    yield
+    left = sorted(Path(tempfile.gettempdir()).glob(f"personaplex-calls-{os.getpid()}-*"))
+    assert not left, f"the tests left recordings folders behind: {left}"

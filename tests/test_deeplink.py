@@ -90,14 +90,12 @@ def test_copy_link_script_carries_the_presets_and_the_limit():
     assert '{"It\'s <b>": "a \\"quoted\\" </script> text"}' in js  # JSON: strings stay strings
 
 
-def test_the_load_event_applies_a_link(tiny_cache_dir, tmp_path):
+def test_the_load_event_applies_a_link(tiny_cache_dir, recordings):
     from personaplex_demo.loading import RuntimeOptions, build_runtime
     from personaplex_demo.pool import PoolConfig, SlotPool
-    from personaplex_demo.recording import RecordingStore
     from personaplex_demo.ui import build_ui
 
     runtime = build_runtime(RuntimeOptions(model="tiny", slots=1, cache_dir=tiny_cache_dir))
-    recordings = RecordingStore(tmp_path / "calls")
     demo = build_ui(runtime, SlotPool(runtime.engine, PoolConfig()), recordings=recordings)
     load = next(fn for fn in demo.fns.values() if any(event == "load" for _, event in fn.targets))
 
@@ -115,4 +113,3 @@ def test_the_load_event_applies_a_link(tiny_cache_dir, tmp_path):
     limit = runtime.engine.max_persona_tokens
     *_, notice = apply({"persona": "word " * (limit + 50)})
     assert notice["visible"] and f"the limit is {limit} tokens" in notice["value"]
-    recordings.close()

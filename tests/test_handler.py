@@ -135,13 +135,17 @@ def started_pool(runtime, **config):
 @contextlib.asynccontextmanager
 async def serving(runtime, limit: int):
     """A started pool, a fastrtc Stream mounted on FastAPI, and an in-process HTTP client."""
+    recordings = RecordingStore()
     with started_pool(runtime, time_limit_seconds=60) as pool:
-        stream = Stream(CallHandler(pool), modality="audio", mode="send-receive", concurrency_limit=limit,
-                        server_rtc_configuration=NO_ICE_SERVERS)
+        stream = Stream(CallHandler(pool, recordings), modality="audio", mode="send-receive",
+                        concurrency_limit=limit, server_rtc_configuration=NO_ICE_SERVERS)
         app = FastAPI()
         stream.mount(app)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-            yield pool, stream, http
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+                yield pool, stream, http
+        finally:
+            recordings.close()
 
 
 async def test_two_callers_each_get_their_own_audio_and_transcript_and_hang_up_frees_slots(runtime):
@@ -252,13 +256,6 @@ async def wait_all_free(pool: SlotPool, seconds: float = 3.0) -> None:
     while time.monotonic() < deadline and pool.snapshot().slots_free < pool.slots_total:
         await asyncio.sleep(0.05)
     assert pool.snapshot().slots_free == pool.slots_total
-
-
-@pytest.fixture
-def recordings(tmp_path):
-    store = RecordingStore(tmp_path / "calls")
-    yield store
-    store.close()
 
 
 async def test_time_limit_ends_the_call_with_a_message_and_the_downloads(runtime, recordings):

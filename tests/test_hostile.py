@@ -15,6 +15,7 @@ from personaplex_demo.handler import CallHandler
 from personaplex_demo.hub import install_secret_filter
 from personaplex_demo.loading import RuntimeOptions, build_runtime
 from personaplex_demo.pool import PoolConfig, SlotPool
+from personaplex_demo.recording import RecordingStore
 
 ARGS = ["__webrtc_value__", "id", "NATF2", "", 0.7, 25, 0.8, 250, 1]
 
@@ -32,8 +33,8 @@ def pool(runtime):
     p.shutdown()
 
 
-async def started_handler(pool: SlotPool, args=ARGS) -> CallHandler:
-    h = CallHandler(pool).copy()
+async def started_handler(pool: SlotPool, recordings: RecordingStore, args=ARGS) -> CallHandler:
+    h = CallHandler(pool, recordings).copy()
 
     async def no_args():
         return None
@@ -53,8 +54,8 @@ async def drain_until(h: CallHandler, predicate, seconds: float = 5.0):
     return None
 
 
-async def test_malformed_offers_are_refused_without_a_slot(pool):
-    stream = Stream(CallHandler(pool), modality="audio", mode="send-receive", concurrency_limit=4,
+async def test_malformed_offers_are_refused_without_a_slot(pool, recordings):
+    stream = Stream(CallHandler(pool, recordings), modality="audio", mode="send-receive", concurrency_limit=4,
                     server_rtc_configuration={"iceServers": []})
     app = FastAPI()
     stream.mount(app)
@@ -69,19 +70,19 @@ async def test_malformed_offers_are_refused_without_a_slot(pool):
     assert getattr(stream.handlers.get("x"), "call", None) is None
 
 
-async def test_unknown_voice_and_oversize_persona_end_the_call_with_the_reason(pool):
-    h = await started_handler(pool, ARGS[:2] + ["../../x"] + ARGS[3:])
+async def test_unknown_voice_and_oversize_persona_end_the_call_with_the_reason(pool, recordings):
+    h = await started_handler(pool, recordings, ARGS[:2] + ["../../x"] + ARGS[3:])
     out = await h.emit()
     assert isinstance(out, CloseStream) and "NATF2" in out.msg
-    h = await started_handler(pool, ARGS[:3] + ["word " * 700] + ARGS[4:])
+    h = await started_handler(pool, recordings, ARGS[:3] + ["word " * 700] + ARGS[4:])
     out = await h.emit()
     assert isinstance(out, CloseStream) and "tokens" in out.msg
     assert pool.snapshot().slots_free == 2
 
 
-async def test_wrong_sample_rate_ends_only_that_call(pool):
-    good = await started_handler(pool)
-    bad = await started_handler(pool)
+async def test_wrong_sample_rate_ends_only_that_call(pool, recordings):
+    good = await started_handler(pool, recordings)
+    bad = await started_handler(pool, recordings)
     await good.call.wait_live(10)
     await bad.call.wait_live(10)
     await bad.receive((48000, np.zeros((1, 960), np.int16)))

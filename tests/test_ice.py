@@ -91,21 +91,18 @@ def test_the_app_refuses_to_start_with_unusable_ice_settings(monkeypatch, caplog
     assert 'a TURN server needs a "username" and a "credential"' in caplog.text
 
 
-def test_the_page_and_server_get_the_relay_policy(tiny_cache_dir, tmp_path):
+def test_the_page_and_server_get_the_relay_policy(tiny_cache_dir, recordings):
     from fastrtc import WebRTC
 
     from personaplex_demo.loading import RuntimeOptions, build_runtime
     from personaplex_demo.pool import SlotPool
-    from personaplex_demo.recording import RecordingStore
     from personaplex_demo.ui import PageOptions, build_ui
 
     config = {"iceServers": [TURN], "iceTransportPolicy": "relay"}
     runtime = build_runtime(RuntimeOptions(model="tiny", slots=1, cache_dir=tiny_cache_dir))
-    recordings = RecordingStore(tmp_path / "calls")
     demo = build_ui(runtime, SlotPool(runtime.engine), PageOptions(rtc_configuration=config,
                                                                    server_rtc_configuration=config), recordings)
     rtc = next(b for b in demo.blocks.values() if isinstance(b, WebRTC))
     assert rtc.rtc_configuration["iceTransportPolicy"] == "relay"
     assert rtc.server_rtc_configuration.iceTransportPolicy == RTCIceTransportPolicy.RELAY
-    recordings.close()
 

@@ -64,8 +64,6 @@ def test_a_store_names_its_folder_after_the_process():
     store = RecordingStore()
     try:
         assert store.root.name.startswith(f"personaplex-calls-{os.getpid()}-")
-        assert remove_stale_recordings(store.root.parent) == [] or store.root.exists()
-        assert store.root.exists()
     finally:
         store.close()
     assert not store.root.exists()
