@@ -83,10 +83,10 @@ async def test_hf_token_gives_cloudflare_turn_and_relay_only_wraps_it(monkeypatc
 
 
 def test_the_app_refuses_to_start_with_unusable_ice_settings(monkeypatch, caplog):
-    import app
+    from personaplex_demo import app
 
     monkeypatch.setenv("PERSONAPLEX_ICE_SERVERS", '[{"urls": "turn:t.example.com"}]')
-    monkeypatch.setattr(app, "setup_logging", lambda: None)
+    monkeypatch.setattr(app, "setup_logging", lambda verbose=False: None)
     assert app.main(["--model", "tiny"]) == 2
     assert 'a TURN server needs a "username" and a "credential"' in caplog.text
 
