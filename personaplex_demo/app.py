@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
 
     install_packet_encoder()  # agent audio in 40 ms Opus packets: half the per-packet work per caller
 
+    from starlette.middleware import Middleware
+
+    from .deeplink import RefuseLongQueries
     from .errors import CheckpointError
     from .lifecycle import StopSignals, exit_now, remove_stale_recordings, shut_down, wait_until
     from .loading import RuntimeOptions, build_runtime, check_placement
@@ -152,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             demo.launch(server_name=cfg.host, server_port=cfg.port, share=cfg.share, quiet=not cfg.verbose,
                         prevent_thread_lock=True,
-                        app_kwargs={"routes": status_routes(runtime, pool) + metrics_routes(pool)})
+                        app_kwargs={"routes": status_routes(runtime, pool) + metrics_routes(pool),
+                                    "middleware": [Middleware(RefuseLongQueries)]})
         except OSError:
             log.error("cannot serve on %s:%d: the port is in use or the address is not this machine's; "
                       "choose another with --port or --host", cfg.host, cfg.port)

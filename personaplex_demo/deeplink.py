@@ -22,6 +22,7 @@ import gradio as gr
 from .errors import CallerError
 
 MAX_LINK_CHARS = 2000
+MAX_QUERY_BYTES = 8192  # longer query strings are refused before they reach Gradio (RefuseLongQueries)
 SAMPLING = ("text_temperature", "text_top_k", "audio_temperature", "audio_top_k")
 PARAMS = ("voice", "preset", "persona", *SAMPLING, "seed")
 SEED_RANGE = (-1, 2**32 - 1)  # -1: a new random seed per call, as in the page's seed box
@@ -120,6 +121,26 @@ def read_link(items: Iterable[tuple[str, str]], rules: LinkRules) -> LinkSetup:
     if unknown:
         setup.ignored.append(f"{unknown} unknown parameter{'s' if unknown > 1 else ''}")
     return setup
+
+
+class RefuseLongQueries:
+    """ASGI middleware: a request whose query string is over `MAX_QUERY_BYTES` gets a one-line 414.
+
+    Gradio's page handler parses the whole URL and fails on a very long one with a 500 and a
+    traceback in the log; no link this page makes comes near the limit."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and len(scope.get("query_string", b"")) > MAX_QUERY_BYTES:
+            body = (f"This address is too long: its query part is limited to {MAX_QUERY_BYTES} bytes.\n").encode()
+            await send({"type": "http.response.start", "status": 414,
+                        "headers": [(b"content-type", b"text/plain; charset=utf-8"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
 
 
 def _short(message: str, limit: int = 160) -> str:

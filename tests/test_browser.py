@@ -138,10 +138,11 @@ def test_a_deep_link_sets_the_controls_and_the_copy_button_gives_it_back(app, mi
         assert 1900 < len(cut) <= 2000, len(cut)
         assert long_persona.startswith(parse_qs(urlsplit(cut).query)["persona"][0])
 
-        # A 100 KB link is refused by the web server before any of it reaches the page.
+        # A 100 KB link is refused with a one-line answer before any of it reaches the page.
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(f"{app.base_url}/?persona={'x' * 100_000}", timeout=10)
-        assert refused.value.code == 400 and app.status()["slots_total"] == 2
+        assert refused.value.code == 414 and "too long" in refused.value.read().decode()
+        assert app.status()["slots_total"] == 2
 
         # Hostile parameters: each falls back to its default, the notice says so, and nothing runs.
         bad = ctx.new_page()

@@ -113,3 +113,21 @@ def test_the_load_event_applies_a_link(tiny_cache_dir, recordings):
     limit = runtime.engine.max_persona_tokens
     *_, notice = apply({"persona": "word " * (limit + 50)})
     assert notice["visible"] and f"the limit is {limit} tokens" in notice["value"]
+
+
+async def test_an_overlong_query_is_refused_before_the_app():
+    from personaplex_demo.deeplink import MAX_QUERY_BYTES, RefuseLongQueries
+
+    seen, sent = [], []
+
+    async def page(scope, receive, send):
+        seen.append(len(scope["query_string"]))
+
+    async def send(message):
+        sent.append(message)
+
+    guard = RefuseLongQueries(page)
+    for size in (MAX_QUERY_BYTES, 100_000):  # at the limit; a 100 KB persona
+        await guard({"type": "http", "path": "/", "query_string": b"persona=" + b"x" * (size - 8)}, None, send)
+    assert seen == [MAX_QUERY_BYTES]
+    assert sent[0]["status"] == 414 and sent[1]["body"].startswith(b"This address is too long")
