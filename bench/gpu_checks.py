@@ -14,6 +14,7 @@ On a CPU the same code runs (graphs are then off on both sides), which is what `
 from __future__ import annotations
 
 import base64
+import gc
 import json
 import tempfile
 from dataclasses import dataclass, replace
@@ -198,6 +199,8 @@ def graphs_equal_eager(lm, mimi, tokenizer, voices, device: torch.device, dtype:
         worst_pcm = max(worst_pcm, float(np.abs(a.pcm - b.pcm).max()))
     graphed = engines[0].core._graphed_live_tick
     captured = len(graphed._graphs) if graphed.enabled else 0
+    del engines, a, b
+    gc.collect()  # free their KV rings and graphs before the next check
     mode = f"{captured} tick graphs captured" if captured else "graphs unavailable here: both eager"
     return Check(f"CUDA graphs = eager, B = {batch}", True,
                  f"{ticks} ticks, a recycle every {recycle_every}: tokens equal, max |dPCM| {worst_pcm:.2g}; {mode}")

@@ -64,7 +64,10 @@ def safety_margin(total_bytes: int) -> int:
 
 
 def gib(n: float) -> str:
-    return f"{n / GiB:.2f} GiB"
+    """A byte count for people: GiB from 1 GiB up, MiB below."""
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.0f} MiB" if abs(n) >= 10 * MiB else f"{n / MiB:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ class SlotPlan:
         c = self.cost
         n = f"{self.slots} slot{'' if self.slots == 1 else 's'}"
         per_slot = (f"{gib(c.total)} per slot (KV {gib(c.kv)} at {self.context_seconds:g} s = {self.context_frames} "
-                    f"frames, Mimi {c.mimi / MiB:.0f} MiB, activations {c.activations / MiB:.0f} MiB)")
+                    f"frames, Mimi {gib(c.mimi)}, activations {gib(c.activations)})")
         if self.mode == "auto-cpu":
             return f"{n} on the CPU (the CPU default, --max-slots {self.max_slots}); {per_slot}"
         if self.free_bytes is None:

@@ -8,6 +8,7 @@ and on CUDA a short probe that runs a tick at two batch sizes and reads the allo
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 
@@ -93,10 +94,11 @@ def probe_tick_bytes(lm, mimi, device: torch.device, dtype: torch.dtype) -> tupl
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
             res = core.step(mimi.encode_step(pcm, state))
-            mimi.decode_step(res.frame[:, 1:9].clamp(max=2047), state)
+            mimi.decode_step(res.frame[:, 1:9].clamp(0, 2047), state)
             torch.cuda.synchronize(device)
             peaks.append(torch.cuda.max_memory_allocated(device) - base)
         del core, state, res
+    gc.collect()  # the core and its graph wrapper refer to each other
     torch.cuda.empty_cache()
     (b1, p1), (b2, p2) = zip(PROBE_BATCHES, peaks)
     per_slot = max(0, (p2 - p1) // (b2 - b1))
@@ -113,6 +115,7 @@ def device_memory(device: torch.device) -> DeviceMemory | None:
     """Free and total bytes of a CUDA device (after returning the allocator's cached blocks)."""
     if device.type != "cuda":
         return None
+    gc.collect()  # engines refer to themselves through their graph wrappers: free any dropped one first
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return DeviceMemory(int(free), int(total))
