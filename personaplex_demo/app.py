@@ -47,7 +47,7 @@ class AppConfig:
     slots: int | str = option("auto", "simultaneous conversations, one batch row each; auto: as many as the GPU "
                               "memory holds (4 on a CPU)", env="PERSONAPLEX_SLOTS", parse=parse_slots, metavar="N")
     max_slots: int = option(DEFAULT_MAX_SLOTS, "the most slots --slots auto may choose", env="PERSONAPLEX_MAX_SLOTS",
-                            check=at_least(1))
+                            check=at_least(1), metavar="N")
     context: float | None = option(None, "seconds of conversation the model attends to; shorter holds less memory "
                                    "per slot, so more callers fit; longer calls keep running", env="PERSONAPLEX_CONTEXT",
                                    check=between(MIN_CONTEXT_SECONDS, MODEL_CONTEXT_SECONDS),
