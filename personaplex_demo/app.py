@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from .capacity import DEFAULT_MAX_SLOTS, FRAME_RATE, MIN_CONTEXT_SECONDS, context_frames, parse_slots
 from .hub import CACHE_DIR_DEFAULT, CACHE_DIR_HELP, DEFAULT_HF_REPO, MODEL_CHOICES
+from .model.config import LMConfig
 from .options import at_least, between, build_parser, config_from, env_help, option, positive
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,8 @@ OTHER_ENV = {
     "PERSONAPLEX_ICE_RELAY_ONLY": "1: page and server use TURN relay candidates only",
 }
 
+MODEL_CONTEXT_SECONDS = LMConfig().context / FRAME_RATE  # 240 s
+
 # Loggers that report every internal request at INFO; --verbose shows them.
 CHATTY_LOGGERS = ("httpx", "httpcore")
 
@@ -47,8 +51,14 @@ class AppConfig:
     device: str = option("auto", "auto, cpu, cuda or cuda:N", env="PERSONAPLEX_DEVICE")
     dtype: str = option("auto", "auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16 or float16",
                         env="PERSONAPLEX_DTYPE")
-    slots: int = option(4, "simultaneous conversations, one batch row each", env="PERSONAPLEX_SLOTS",
-                        check=at_least(1))
+    slots: int | str = option("auto", "simultaneous conversations, one batch row each; auto: as many as the GPU "
+                              "memory holds (4 on a CPU)", env="PERSONAPLEX_SLOTS", parse=parse_slots, metavar="N")
+    max_slots: int = option(DEFAULT_MAX_SLOTS, "the most slots --slots auto may choose", env="PERSONAPLEX_MAX_SLOTS",
+                            check=at_least(1), metavar="N")
+    context: float | None = option(None, "seconds of conversation the model attends to; shorter holds less memory "
+                                   "per slot, so more callers fit; longer calls keep running", env="PERSONAPLEX_CONTEXT",
+                                   check=between(MIN_CONTEXT_SECONDS, MODEL_CONTEXT_SECONDS),
+                                   shown_default=f"{MODEL_CONTEXT_SECONDS:g}, the model's window", metavar="SECONDS")
     time_limit: float = option(300.0, "seconds per call, counted from the moment it is live (waiting in the "
                                "queue does not count)", env="PERSONAPLEX_TIME_LIMIT", check=positive, metavar="SECONDS")
     idle_release: float = option(2.0, "free a slot after this many seconds without microphone audio (a closed tab)",
@@ -89,13 +99,20 @@ def setup_logging(verbose: bool = False) -> None:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
     setup_logging(cfg.verbose)
+    from .preflight import EXIT_PREFLIGHT, START_ERRORS, check_model_files, check_port
+
+    try:  # seconds after the start, not after a model load, and before torch is imported
+        check_port(cfg.host, cfg.port)
+    except START_ERRORS as exc:
+        log.error("%s", exc)
+        return EXIT_PREFLIGHT
     from .ice import IceConfigError, rtc_configs
 
     try:
         rtc, server_rtc = rtc_configs()  # before the model loads: a typo here should fail fast
     except IceConfigError as exc:
         log.error("cannot start: %s", exc)
-        return 2
+        return EXIT_PREFLIGHT
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     if os.environ.get("PERSONAPLEX_LOOPBACK_ICE") == "1":
         # Testing and offline use on one machine: aioice skips 127.0.0.1 unless told otherwise.
@@ -124,11 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     def progress(message: str, fraction: float) -> None:
         log.info("loading: %s (%d%%)", message, round(100 * fraction))
 
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     try:
         check_placement(cfg.device, cfg.dtype)
+        check_model_files(cfg.model, cfg.hf_repo, cache_dir, cfg.device)
         runtime = build_runtime(RuntimeOptions(model=cfg.model, device=cfg.device, dtype=cfg.dtype, slots=cfg.slots,
-                                               hf_repo=cfg.hf_repo,
-                                               cache_dir=Path(cfg.cache_dir) if cfg.cache_dir else None), progress)
+                                               max_slots=cfg.max_slots, hf_repo=cfg.hf_repo, cache_dir=cache_dir,
+                                               context=context_frames(cfg.context, LMConfig().context)), progress)
+    except START_ERRORS as exc:  # before any model is loaded, or no room for one slot
+        log.error("%s", exc)
+        return EXIT_PREFLIGHT
     except (ValueError, CheckpointError) as exc:
         log.error("cannot start: %s", exc)
         return 1

@@ -448,6 +448,25 @@ _CONTROL = {c for c in range(32) if chr(c) not in "\n\t"} | set(range(127, 160))
 MAX_PERSONA_CHARS = 4000
 
 
+def persona_token_ids(tokenizer, persona: str, max_tokens: int = MAX_PERSONA_TOKENS) -> list[int]:
+    """Token ids of the persona's system prompt; raises a CallerError when it is unusable."""
+    if not isinstance(persona, str):
+        raise CallerError("the persona must be text")
+    if len(persona) > MAX_PERSONA_CHARS:
+        raise PersonaTooLongError(f"the persona is {len(persona)} characters long; the limit is "
+                                  f"{MAX_PERSONA_CHARS} characters ({max_tokens} tokens)")
+    persona = persona.replace("\r\n", "\n").replace("\r", "\n")
+    bad = sorted({f"U+{ord(c):04X}" for c in persona if ord(c) in _CONTROL})
+    if bad:
+        raise CallerError(f"the persona contains control characters ({', '.join(bad[:5])}); "
+                          "use plain text, newlines and tabs only")
+    ids = tokenizer.encode_persona(persona)
+    if len(ids) > max_tokens:
+        raise PersonaTooLongError(f"the persona is {len(ids)} tokens long with its <system> tags; the limit "
+                                  f"is {max_tokens} tokens")
+    return ids
+
+
 @dataclass
 class EngineStats:
     sanitized_frames: int = 0  # frames with NaN/inf or out-of-range samples that were cleaned
@@ -495,21 +514,7 @@ class LockstepEngine:
 
     def persona_tokens(self, persona: str) -> list[int]:
         """Token ids of the persona's system prompt; raises a CallerError when it is unusable."""
-        if not isinstance(persona, str):
-            raise CallerError("the persona must be text")
-        if len(persona) > MAX_PERSONA_CHARS:
-            raise PersonaTooLongError(f"the persona is {len(persona)} characters long; the limit is "
-                                      f"{MAX_PERSONA_CHARS} characters ({self.max_persona_tokens} tokens)")
-        persona = persona.replace("\r\n", "\n").replace("\r", "\n")
-        bad = sorted({f"U+{ord(c):04X}" for c in persona if ord(c) in _CONTROL})
-        if bad:
-            raise CallerError(f"the persona contains control characters ({', '.join(bad[:5])}); "
-                              "use plain text, newlines and tabs only")
-        ids = self.tokenizer.encode_persona(persona)
-        if len(ids) > self.max_persona_tokens:
-            raise PersonaTooLongError(f"the persona is {len(ids)} tokens long with its <system> tags; the limit "
-                                      f"is {self.max_persona_tokens} tokens")
-        return ids
+        return persona_token_ids(self.tokenizer, persona, self.max_persona_tokens)
 
     def validate_request(self, voice: str, persona: str, sampling: SamplingParams) -> None:
         self.voices.check_name(voice)

@@ -26,7 +26,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import tqdm as hf_tqdm
 
-from .errors import ModelDownloadError
+from .errors import CallerError, ModelDownloadError
 from .model.config import ModelFiles
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,10 @@ CACHE_DIR_HELP = ("folder for the model files: the tiny model is built there, an
 CACHE_DIR_DEFAULT = "~/.cache/personaplex-live (tiny model), HF_HOME (real model)"
 
 ProgressFn = Callable[[str, float], None]
+# Called with the model folder once the tokenizer and the voices are there, before the weights are
+# fetched; a CallerError it raises stops everything (a typo in a voice name must not cost 17 GB).
+SmallFilesCheck = Callable[[Path], None]
+_CHECK_AFTER = "voices"  # the last of the small files in _DOWNLOADS
 
 # Download order and rough sizes (spec §A): the small files first, so that a 401 or a missing
 # licence acceptance fails in a second rather than after a 16 GB download; the sizes only weight
@@ -143,21 +147,27 @@ def _have_token() -> bool:
         return False
 
 
+def access_denied(exc: BaseException, repo: str) -> str | None:
+    """For a gated, 401 or 403 answer: what to do about it (token-free); None for other failures."""
+    status = None
+    if isinstance(exc, HfHubHTTPError) and getattr(exc, "response", None) is not None:
+        status = exc.response.status_code
+    if not (isinstance(exc, (GatedRepoError, RepositoryNotFoundError)) or status in (401, 403)):
+        return None
+    token = "HF_TOKEN is set" if _have_token() else "HF_TOKEN is not set"
+    kind = "the gated repository" if isinstance(exc, GatedRepoError) else "the repository"
+    return (f"access denied to {kind} ({status or 'gated'}; {token}): accept the model licence at "
+            f"https://huggingface.co/{repo} and set HF_TOKEN to a read token of that account")
+
+
 def _describe_failure(exc: BaseException, repo: str, offline: bool) -> str:
     """A short, token-free reason for a failed download."""
     if offline and isinstance(exc, (LocalEntryNotFoundError, FileNotFoundError, ConnectionError)):
         return "HF_HUB_OFFLINE=1 is set and the files are not in the local cache"
+    denied = access_denied(exc, repo)
+    if denied:
+        return denied
     token = "HF_TOKEN is set" if _have_token() else "HF_TOKEN is not set"
-    status = None
-    if isinstance(exc, HfHubHTTPError) and getattr(exc, "response", None) is not None:
-        status = exc.response.status_code
-    if isinstance(exc, GatedRepoError):
-        return (
-            f"access denied to the gated repository ({status or 'gated'}; {token}): accept the model "
-            f"licence at https://huggingface.co/{repo} with the account of the token"
-        )
-    if isinstance(exc, RepositoryNotFoundError) or status == 401:
-        return f"{status or 401}: not authorised or not found ({token})"
     if isinstance(exc, LocalEntryNotFoundError):
         return f"no network connection to the Hub and no cached copy ({token})"
     detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -182,7 +192,8 @@ def _make_tqdm(on_bytes: Callable[[int, int | None], None]) -> type[hf_tqdm]:
     return _ReportingTqdm
 
 
-def _download_real(repo: str, cache_dir: Path | None, progress: ProgressFn | None) -> Path:
+def _download_real(repo: str, cache_dir: Path | None, progress: ProgressFn | None,
+                   check: SmallFilesCheck | None = None) -> Path:
     files = ModelFiles()
     offline = hub_offline()
     total_weight = sum(w for _, w in _DOWNLOADS)
@@ -235,6 +246,8 @@ def _download_real(repo: str, cache_dir: Path | None, progress: ProgressFn | Non
                 f"{filename} landed in {path.parent}, not beside the others in {directory}"
             )
         done_weight += weight
+        if check is not None and kind == _CHECK_AFTER:
+            check(directory)
     report(f"{repo} is ready", 1.0, force=True)
     assert directory is not None
     return directory
@@ -245,21 +258,25 @@ def resolve_model(
     hf_repo: str = DEFAULT_HF_REPO,
     cache_dir: Path | None = None,
     progress: ProgressFn | None = None,
+    check: SmallFilesCheck | None = None,
 ) -> ModelSource:
     """Find or fetch the files of model `name` ("auto", "personaplex-7b-v1" or "tiny").
 
     "auto" falls back to the tiny model, with `fallback_reason` set, when the real files cannot
     be had; an explicit "personaplex-7b-v1" raises `ModelDownloadError` instead.
-    `progress(message, fraction)` is called while the real files download.
+    `progress(message, fraction)` is called while the real files download; `check(folder)` once
+    the tokenizer and the voices are in `folder`, before the weights are fetched.
     """
     if name not in MODEL_CHOICES:
         raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODEL_CHOICES)}")
     if name == TINY_MODEL:
-        return _tiny_source(cache_dir, None)
+        return _tiny_source(cache_dir, None, check)
 
     offline = hub_offline()
     try:
-        directory = _download_real(hf_repo, cache_dir, progress)
+        directory = _download_real(hf_repo, cache_dir, progress, check)
+    except CallerError:
+        raise
     except Exception as exc:
         reason = _describe_failure(exc, hf_repo, offline)
         if name == REAL_MODEL:
@@ -272,15 +289,17 @@ def resolve_model(
             f"the gated repository {hf_repo} could not be fetched ({reason}): running the tiny offline model"
         )
         logger.warning("%s", fallback)
-        return _tiny_source(cache_dir, fallback)
+        return _tiny_source(cache_dir, fallback, check)
     logger.info("model %s from %s", REAL_MODEL, directory)
     return ModelSource(name=REAL_MODEL, directory=directory, is_tiny=False)
 
 
-def _tiny_source(cache_dir: Path | None, reason: str | None) -> ModelSource:
+def _tiny_source(cache_dir: Path | None, reason: str | None, check: SmallFilesCheck | None = None) -> ModelSource:
     from .tiny import ensure_tiny_repo  # imported late: it builds weights only when asked
 
     directory = Path(ensure_tiny_repo(cache_dir))
+    if check is not None:
+        check(directory)
     return ModelSource(name=TINY_MODEL, directory=directory, is_tiny=True, fallback_reason=reason)
 
 
@@ -289,6 +308,7 @@ __all__ = [
     "CACHE_DIR_HELP",
     "DEFAULT_HF_REPO",
     "MODEL_CHOICES",
+    "access_denied",
     "ModelSource",
     "REAL_MODEL",
     "SECRET_ENV_VARS",

@@ -32,11 +32,12 @@ import numpy as np
 import soundfile as sf
 from tqdm import tqdm
 
-from .engine import LockstepEngine, SamplingParams
+from .engine import LockstepEngine, SamplingParams, persona_token_ids
 from .errors import CallerError, CheckpointError
 from .hub import CACHE_DIR_DEFAULT, CACHE_DIR_HELP, DEFAULT_HF_REPO, MODEL_CHOICES, install_secret_filter
 from .loading import RuntimeOptions, build_runtime, check_placement
-from .voices import DEFAULT_VOICE
+from .tokenizer import TextTokenizer
+from .voices import DEFAULT_VOICE, VoiceCatalog
 
 log = logging.getLogger(__name__)
 
@@ -323,15 +324,18 @@ def run(args: argparse.Namespace) -> int:
     except CallerError as exc:
         raise OfflineError(str(exc)) from None
 
-    runtime = build_runtime(RuntimeOptions(model=args.model, device=args.device, dtype=args.dtype, slots=1,
-                                           hf_repo=args.hf_repo, cache_dir=args.cache_dir))
+    def check_request(tokenizer: TextTokenizer, voices: VoiceCatalog) -> None:
+        voices.check_name(args.voice)
+        persona_token_ids(tokenizer, args.persona)
+
+    try:  # the voice and the persona are checked before the weights are fetched or loaded
+        runtime = build_runtime(RuntimeOptions(model=args.model, device=args.device, dtype=args.dtype, slots=1,
+                                               hf_repo=args.hf_repo, cache_dir=args.cache_dir), check=check_request)
+    except CallerError as exc:
+        raise OfflineError(str(exc)) from None
     if runtime.banner:  # a warning when "auto" fell back to the tiny model, a note when it was asked for
         log.log(logging.INFO if args.model == "tiny" else logging.WARNING, "%s", runtime.banner)
     engine = runtime.engine
-    try:
-        engine.validate_request(args.voice, args.persona, sampling)
-    except CallerError as exc:
-        raise OfflineError(str(exc)) from None
     if (args.seed is None or args.seed == -1) and not args.greedy:
         log.info("seed %d (pass --seed %d to repeat this run)", seed, seed)
 

@@ -30,13 +30,15 @@ class Option:
     check: Check | None = None
     shown_default: str | None = None  # what --help and the docs show when the default is a placeholder (None)
     metavar: str | None = None
+    parse: Callable[[str], Any] | None = None  # text to value for a type of its own; a ValueError says what is wrong
 
 
 def option(default: Any, help: str, *, env: str | None = None, choices: tuple[str, ...] | None = None,
-           check: Check | None = None, shown_default: str | None = None, metavar: str | None = None) -> Any:
+           check: Check | None = None, shown_default: str | None = None, metavar: str | None = None,
+           parse: Callable[[str], Any] | None = None) -> Any:
     """A dataclass field that is also a command-line flag (`--field-name`) and, with `env`, a variable."""
     return dataclasses.field(default=default,
-                             metadata={"option": Option(help, env, choices, check, shown_default, metavar)})
+                             metadata={"option": Option(help, env, choices, check, shown_default, metavar, parse)})
 
 
 def at_least(minimum: float) -> Check:
@@ -77,10 +79,15 @@ class Spec:
     def convert(self, text: str) -> Any:
         """Text from the command line or the environment to a checked value; argparse reports the error."""
         text = text.strip()
-        if self.kind is bool:
+        if self.option.parse is not None:
+            try:
+                value: Any = self.option.parse(text)
+            except ValueError as exc:
+                raise argparse.ArgumentTypeError(str(exc)) from None
+        elif self.kind is bool:
             if text.lower() not in _TRUE + _FALSE:
                 raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(_TRUE + _FALSE)}")
-            value: Any = text.lower() in _TRUE
+            value = text.lower() in _TRUE
         else:
             try:
                 value = self.kind(text)

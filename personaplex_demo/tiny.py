@@ -12,10 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .model.checkpoint import meta_lm, meta_mimi, write_hash_checkpoint
 from .model.config import LMConfig, MimiConfig, ModelFiles
-from .tokenizer import build_tiny_tokenizer
-from .voices import tiny_voice_prompts, write_voices_archive
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +30,11 @@ def default_cache_dir() -> Path:
 
 def build_tiny_repo(directory: Path) -> Path:
     """Write the four model files into `directory`."""
+    # Imported here: finding the tiny model's folder (start-up checks) must not wait for torch.
+    from .model.checkpoint import meta_lm, meta_mimi, write_hash_checkpoint
+    from .tokenizer import build_tiny_tokenizer
+    from .voices import tiny_voice_prompts, write_voices_archive
+
     files = ModelFiles()
     directory.mkdir(parents=True, exist_ok=True)
     lm_cfg = LMConfig.tiny()
@@ -44,10 +46,18 @@ def build_tiny_repo(directory: Path) -> Path:
     return directory
 
 
+def tiny_repo_path(cache_dir: Path | None = None) -> Path:
+    return Path(cache_dir or default_cache_dir()) / f"tiny-{RECIPE}"
+
+
+def tiny_repo_ready(cache_dir: Path | None = None) -> bool:
+    return (tiny_repo_path(cache_dir) / _MARKER).is_file()
+
+
 def ensure_tiny_repo(cache_dir: Path | None = None) -> Path:
     """The tiny model's directory, built once (atomically) under the cache directory."""
-    target = Path(cache_dir or default_cache_dir()) / f"tiny-{RECIPE}"
-    if (target / _MARKER).is_file():
+    target = tiny_repo_path(cache_dir)
+    if tiny_repo_ready(cache_dir):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("building the tiny offline model in %s", target)

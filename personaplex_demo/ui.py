@@ -59,8 +59,9 @@ def load_presets() -> dict[str, str]:
 
 def status_payload(runtime, pool: SlotPool) -> dict[str, Any]:
     """What `GET /api/status` returns: the model and the pool's live metrics."""
+    capacity = getattr(runtime, "capacity", None)
     return {"model": runtime.model_name, "tiny": bool(runtime.is_tiny), "banner": runtime.banner,
-            **pool.snapshot().as_dict()}
+            "capacity": capacity.as_dict() if capacity else None, **pool.snapshot().as_dict()}
 
 
 def status_routes(runtime, pool: SlotPool) -> list[Route]:

@@ -44,7 +44,7 @@ def test_a_space_listens_on_every_interface_unless_told_otherwise() -> None:
 
 
 @pytest.mark.parametrize(("env", "complaint"), [
-    ({"PERSONAPLEX_SLOTS": "many"}, "PERSONAPLEX_SLOTS: 'many' is not a whole number"),
+    ({"PERSONAPLEX_SLOTS": "many"}, "PERSONAPLEX_SLOTS: 'many' is neither auto nor a whole number"),
     ({"PERSONAPLEX_SLOTS": "0"}, "PERSONAPLEX_SLOTS: must be at least 1, not 0"),
     ({"PERSONAPLEX_IDLE_RELEASE": "-2"}, "PERSONAPLEX_IDLE_RELEASE: must be greater than 0, not -2"),
     ({"PERSONAPLEX_SHARE": "maybe"}, "PERSONAPLEX_SHARE: 'maybe' is not one of 1, true, yes, on, 0, false"),

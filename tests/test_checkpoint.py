@@ -7,7 +7,14 @@ import torch
 from safetensors.torch import save_file
 
 from personaplex_demo.errors import CheckpointError
-from personaplex_demo.model.checkpoint import expected_shapes, load_checkpoint, load_lm, meta_lm, meta_mimi
+from personaplex_demo.model.checkpoint import (
+    expected_shapes,
+    load_checkpoint,
+    load_lm,
+    meta_lm,
+    meta_mimi,
+    write_hash_checkpoint,
+)
 from personaplex_demo.model.config import LMConfig, MimiConfig
 
 from .conftest import golden
@@ -66,3 +73,20 @@ def test_loader_casts_to_the_requested_dtype_without_random_init():
     lm = load_checkpoint(meta_lm(LMConfig.tiny()), tiny_lm_file(), torch.bfloat16)
     assert {p.dtype for p in lm.parameters()} == {torch.bfloat16}
     assert not any(p.is_meta for p in lm.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streamed_hash_checkpoint_holds_make_tensor_across_piece_boundaries(tmp_path, dtype):
+    from safetensors import safe_open
+
+    from personaplex_demo.model.hashinit import make_tensor
+
+    path = write_hash_checkpoint(meta_lm(LMConfig.tiny()), tmp_path / "model.safetensors", "lm", 1242, dtype,
+                                 chunk=1000)  # tensors of up to 2 M elements: many pieces each
+    shapes = expected_shapes(meta_lm(LMConfig.tiny()))
+    with safe_open(str(path), framework="pt") as f:
+        assert set(f.keys()) == set(shapes) and f.metadata()["recipe"] == "hash-v1"
+        for key, shape in shapes.items():
+            t = f.get_tensor(key)
+            assert t.dtype == dtype and tuple(t.shape) == shape
+            assert torch.equal(t, torch.from_numpy(make_tensor("lm", key, shape, 1242)).to(dtype)), key

@@ -6,18 +6,20 @@ real checkpoint is never preceded by a random initialisation (spec §A).
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 from .config import LMConfig, MimiConfig
-from .hashinit import make_tensor
+from .hashinit import tensor_chunks
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +85,33 @@ def load_checkpoint(module: nn.Module, path: Path | str, dtype: torch.dtype | No
     return module
 
 
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
 def write_hash_checkpoint(module: nn.Module, path: Path | str, kind: str, seed: int,
-                          dtype: torch.dtype = torch.float32) -> Path:
-    """Write hash-v1 weights for every key of `module` (shapes only; meta is fine)."""
+                          dtype: torch.dtype = torch.float32, chunk: int = 1 << 24) -> Path:
+    """Write hash-v1 weights for every key of `module` (shapes only; meta is fine) as a
+    safetensors file, streamed: at most `chunk` elements are in memory at a time, so a full-size
+    checkpoint (17 GB) is written with a few hundred MB."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: torch.from_numpy(make_tensor(kind, k, shape, seed)).to(dtype)
-               for k, shape in expected_shapes(module).items()}
+    shapes = expected_shapes(module)
+    itemsize = torch.finfo(dtype).bits // 8
+    header: dict[str, dict] = {}
+    end = 0
+    for key, shape in shapes.items():
+        size = math.prod(shape) * itemsize
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [end, end + size]}
+        end += size
+    header["__metadata__"] = {"format": "pt", "recipe": "hash-v1", "seed": str(seed)}  # type: ignore[assignment]
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     tmp = path.with_suffix(path.suffix + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt", "recipe": "hash-v1", "seed": str(seed)})
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for key, shape in shapes.items():
+            for piece in tensor_chunks(kind, key, shape, seed, chunk):
+                f.write(torch.from_numpy(piece).to(dtype).view(torch.uint8).numpy().tobytes())
     tmp.replace(path)
     return path
 

@@ -1,0 +1,240 @@
+"""Correctness checks of the GPU acceptance run (`bash bench/gpu.sh`), on any device.
+
+- the public golden fixtures (tests/golden) replayed on the device in fp32, token for token:
+  the LM sessions (stepwise and fast prefill, a wrapping context), the batched recycle timeline,
+  and Mimi streaming (codes exact, PCM within the fixtures' tolerance);
+- the bf16 engine on the golden sessions: where it first leaves each reference (a diagnostic:
+  bf16 has exact logit ties);
+- CUDA-graph ticks against eager ticks of the same engine, with recycles;
+- `--slots auto` on the device: the plan, and an engine of that many slots that must run.
+
+On a CPU the same code runs (graphs are then off on both sides), which is what `--dry-run` checks.
+"""
+
+from __future__ import annotations
+
+import base64
+import gc
+import json
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from personaplex_demo.engine import LockstepCore, LockstepEngine, SamplingParams, VoiceTokens
+from personaplex_demo.model.checkpoint import load_lm, load_mimi, meta_lm, meta_mimi, write_hash_checkpoint
+from personaplex_demo.model.config import LMConfig, MimiConfig
+from personaplex_demo.model.hashinit import hash_tensor, mimi_input
+
+GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden"
+GREEDY = SamplingParams(greedy=True)
+PCM_ATOL = 1e-5  # the fixtures' fp32 tolerance for decoded audio (tests/golden/README.md)
+
+
+def golden(name: str) -> dict:
+    return json.loads((GOLDEN / name).read_text())
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None  # None: a diagnostic, reported but not judged
+    detail: str
+
+
+class GoldenModels:
+    """The fixtures' tiny LM and Mimi (hash-v1 files written once, then loaded per device/dtype)."""
+
+    def __init__(self, workdir: Path):
+        self.lm_seed = golden("lm-tiny.config.json")["weights"]["seed"]
+        self.mimi_seed = golden("mimi-tiny.config.json")["weights"]["seed"]
+        self.lm_file = write_hash_checkpoint(meta_lm(LMConfig.tiny()), workdir / "lm.safetensors", "lm", self.lm_seed)
+        self.mimi_file = write_hash_checkpoint(meta_mimi(MimiConfig.tiny()), workdir / "mimi.safetensors", "mimi",
+                                               self.mimi_seed)
+
+    def lm(self, device: torch.device, dtype: torch.dtype, context: int | None = None):
+        cfg = LMConfig.tiny() if context is None else LMConfig.tiny().with_context(context)
+        return load_lm(cfg, self.lm_file, dtype, device)
+
+    def mimi(self, device: torch.device):
+        return load_mimi(MimiConfig.tiny(), self.mimi_file, device)
+
+
+def golden_voice(name: str, dtype: torch.dtype) -> VoiceTokens:
+    spec = golden("lm-tiny.voices.json")["voices"][name]
+    e = spec["embeddings"]
+    emb = torch.from_numpy(hash_tensor(e["key"], e["seed"], e["shape"], e["offset"], e["scale"]))
+    return VoiceTokens(name, emb.view(emb.shape[0], -1).to(dtype), torch.tensor(spec["cache"][0], dtype=torch.long))
+
+
+def first_divergence(core: LockstepCore, g: dict, stepwise: bool) -> tuple[int | None, int]:
+    """Play a golden LM session on `core` (slot 0); (first o whose frame differs or None, frames compared)."""
+    core.start(0, golden_voice(g["inputs"]["voice"], core.dtype), g["inputs"]["persona"], GREEDY, seed=0,
+               stepwise=stepwise)
+    first = g["summary"]["first_conversation_o"]
+    user = g["inputs"]["user_codes"]
+    ticks = {t["o"]: t for t in g["ticks"]}
+    compared = 0
+    for o in range(0 if stepwise else first, g["ticks"][-1]["o"] + 1):
+        res = core.step(torch.tensor([user[o - first] if o >= first else [0] * 8], dtype=torch.long))
+        rec = ticks.get(o)
+        if rec is not None and rec["emitted"]:
+            if res.frame[0].tolist() != rec["out"]:
+                return o, compared
+            compared += 1
+    return None, compared
+
+
+def lm_sessions(models: GoldenModels, device: torch.device) -> list[Check]:
+    checks = []
+    for fixture in ("lm-greedy.json", "lm-wrap.json"):
+        g = golden(fixture)
+        context = g["model"]["config_overrides"].get("context") if g["model"]["config_overrides"] else None
+        lm = models.lm(device, torch.float32, context)
+        for stepwise in (True, False):
+            core = LockstepCore(lm, 1, device, torch.float32, context=lm.cfg.context)
+            diff, n = first_divergence(core, g, stepwise)
+            how = "stepwise" if stepwise else "fast prefill"
+            checks.append(Check(f"golden {fixture.removesuffix('.json')}, {how}, fp32", diff is None,
+                                f"{n} frames equal" if diff is None else f"differs at o={diff} after {n} equal"))
+    return checks
+
+
+def batched_recycle(models: GoldenModels, device: torch.device) -> Check:
+    g = golden("batched-recycle.json")
+    sessions = {s["id"]: s for s in g["sessions"]}
+    core = LockstepCore(models.lm(device, torch.float32), g["B"], device, torch.float32)
+
+    def start(slot: int, sid: str) -> None:
+        s = sessions[sid]
+        core.start(slot, golden_voice(s["voice"], torch.float32), s["persona"], GREEDY, seed=0, stepwise=True)
+
+    start(0, "s0")
+    start(1, "s1")
+    checked = 0
+    for row in g["timeline"]:
+        for slot, entry in enumerate(row["slots"]):
+            if entry["step"] == "dead" and row["g"] > 0:
+                start(slot, entry["s"])
+        codes = torch.tensor([e.get("user", [0] * 8) for e in row["slots"]], dtype=torch.long)
+        res = core.step(codes)
+        for slot, entry in enumerate(row["slots"]):
+            if entry["out"] is not None:
+                if res.frame[slot].tolist() != entry["out"]:
+                    return Check("golden batched-recycle, B = 2, fp32", False,
+                                 f"differs at g={row['g']} slot {slot} after {checked} equal frames")
+                checked += 1
+    return Check("golden batched-recycle, B = 2, fp32", checked > 200, f"{checked} frames equal")
+
+
+def mimi_stream(models: GoldenModels, device: torch.device) -> list[Check]:
+    g = golden("mimi-stream.json")
+    mimi = models.mimi(device)
+    signal = torch.from_numpy(mimi_input(g["encode"]["input"]["n_frames"], g["encode"]["input"]["seed"])).to(device)
+    state = mimi.init_state(1, device=device)
+    with torch.no_grad():
+        codes = torch.stack([mimi.encode_step(f[None], state)[0] for f in signal]).cpu().numpy()
+    expected = np.array(g["encode"]["codes"], dtype=np.int64)
+    bad = np.nonzero((codes != expected).any(axis=1))[0]
+    enc = Check("golden mimi-stream encode, fp32", bad.size == 0,
+                f"{len(codes)} frames of codes equal" if bad.size == 0 else f"codes differ from frame {bad[0]}")
+    dec_codes = torch.tensor(g["decode"]["codes"], dtype=torch.long, device=device)
+    pcm_ref = np.stack([np.frombuffer(base64.b64decode(p), dtype="<f4") for p in g["decode"]["pcm"]])
+    state = mimi.init_state(1, device=device)
+    with torch.no_grad():
+        pcm = torch.stack([mimi.decode_step(c[None], state)[0] for c in dec_codes]).cpu().numpy()
+    err = float(np.abs(pcm - pcm_ref).max())
+    dec = Check("golden mimi-stream decode, fp32", err <= PCM_ATOL, f"max |dPCM| {err:.2g} (limit {PCM_ATOL:g})")
+    return [enc, dec]
+
+
+def bf16_sessions(models: GoldenModels, device: torch.device) -> list[Check]:
+    """Where the bf16 engine first leaves the bf16 and the fp32 reference sessions."""
+    lm = models.lm(device, torch.bfloat16)
+    out = []
+    for fixture in ("lm-greedy-bf16.json", "lm-greedy.json"):
+        g = golden(fixture)
+        core = LockstepCore(lm, 1, device, torch.bfloat16, skip_user_steps=False)
+        diff, n = first_divergence(core, g, stepwise=True)
+        first = g["summary"]["first_conversation_o"]
+        where = "no divergence" if diff is None else f"first divergence at o={diff} ({diff - first} ticks into the call)"
+        out.append(Check(f"bf16 engine vs {fixture.removesuffix('.json')}", None, f"{where}; {n} frames equal before"))
+    return out
+
+
+def goldens_on(device: torch.device) -> list[Check]:
+    with tempfile.TemporaryDirectory(prefix="pp-goldens-") as tmp:
+        models = GoldenModels(Path(tmp))
+        return [*lm_sessions(models, device), batched_recycle(models, device), *mimi_stream(models, device),
+                *bf16_sessions(models, device)]
+
+
+# ---- graphs against eager -----------------------------------------------------------------------
+
+
+def graphs_equal_eager(lm, mimi, tokenizer, voices, device: torch.device, dtype: torch.dtype, batch: int,
+                       ticks: int, recycle_every: int, persona: str) -> Check:
+    """Two engines on the same weights, one capturing CUDA graphs and one eager, fed the same
+    audio and the same sessions (a slot recycled every `recycle_every` ticks): every emitted
+    token must agree."""
+    engines = [LockstepEngine(lm, mimi, tokenizer, voices, batch, device, dtype, cuda_graphs=graphs)
+               for graphs in (True, False)]
+    names = voices.names
+    rng = np.random.default_rng(0)
+    worst_pcm = 0.0
+    for t in range(ticks):
+        if t % recycle_every == 0:
+            # At 0 every slot starts; later one slot is recycled, with a new persona (a real prefill).
+            for slot in range(batch) if t == 0 else [(t // recycle_every) % batch]:
+                text = persona if t == 0 else f"{persona} This is call {t}."
+                for eng in engines:
+                    eng.start_session(slot, names[(slot + t) % len(names)], text, SamplingParams(seed=1000 * t + slot))
+        pcm = (0.1 * rng.standard_normal((batch, 1920))).astype(np.float32)
+        a, b = (eng.step(pcm) for eng in engines)
+        if not np.array_equal(a.tokens, b.tokens):
+            row = int(np.nonzero((a.tokens != b.tokens).any(axis=1))[0][0])
+            return Check(f"CUDA graphs = eager, B = {batch}", False, f"tokens differ at tick {t}, slot {row}")
+        worst_pcm = max(worst_pcm, float(np.abs(a.pcm - b.pcm).max()))
+    graphed = engines[0].core._graphed_live_tick
+    captured = len(graphed._graphs) if graphed.enabled else 0
+    del engines, a, b
+    gc.collect()  # free their KV rings and graphs before the next check
+    mode = f"{captured} tick graphs captured" if captured else "graphs unavailable here: both eager"
+    return Check(f"CUDA graphs = eager, B = {batch}", True,
+                 f"{ticks} ticks, a recycle every {recycle_every}: tokens equal, max |dPCM| {worst_pcm:.2g}; {mode}")
+
+
+# ---- --slots auto -------------------------------------------------------------------------------
+
+
+def slots_auto_on(lm, mimi, tokenizer, voices, device: torch.device, dtype: torch.dtype, persona: str,
+                  ticks: int) -> tuple[Check, object, object]:
+    """The `--slots auto` plan on this device, uncapped (to test the arithmetic's own fit) and capped
+    as served; then an engine of the uncapped number of slots, every slot live and reading its
+    whole ring: it must run without running out of memory. Returns (check, uncapped plan, served plan)."""
+    from personaplex_demo.capacity import DEFAULT_MAX_SLOTS
+    from personaplex_demo.slot_memory import plan_for
+
+    plan = plan_for(lm, mimi, voices, slots="auto", max_slots=1 << 20, frames=lm.cfg.context, device=device,
+                    dtype=dtype, prefix_cache_size=8, cuda_graphs=True)
+    served = replace(plan, slots=min(plan.slots, DEFAULT_MAX_SLOTS), max_slots=DEFAULT_MAX_SLOTS)
+    name = "--slots auto: that many slots run"
+    try:
+        eng = LockstepEngine(lm, mimi, tokenizer, voices, plan.slots, device, dtype)
+        eng.core.attend_filled = False  # the most memory a tick can take
+        for slot in range(plan.slots):
+            eng.start_session(slot, voices.names[slot % len(voices.names)], persona, SamplingParams(seed=slot))
+        pcm = np.zeros((plan.slots, 1920), np.float32)
+        for _ in range(ticks):
+            eng.step(pcm)
+        free = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            free = torch.cuda.mem_get_info(device)[0]
+        del eng
+    except torch.cuda.OutOfMemoryError as e:
+        return Check(name, False, f"{plan.slots} slots ran out of memory: {str(e).splitlines()[0]}"), plan, served
+    left = f"; {free / 2**30:.1f} GiB still free" if free is not None else ""
+    return Check(name, True, f"{plan.slots} slots ({plan.mode}), all live, {ticks} ticks{left}"), plan, served
