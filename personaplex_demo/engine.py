@@ -27,6 +27,7 @@ from .errors import AudioFormatError, CallerError, PersonaTooLongError
 from .model.config import LMConfig
 from .model.lm import PersonaPlexLM
 from .sampling import SamplingState, sample
+from .sampling_params import SamplingParams
 from .tokens import AUDIO_INITIAL, SILENCE_CODES, SILENCE_FRAMES, SINE_CODES, TEXT_INITIAL, TEXT_PAD
 
 log = logging.getLogger(__name__)
@@ -36,28 +37,6 @@ log = logging.getLogger(__name__)
 VISIBLE_BUCKET = 256
 
 MAX_PERSONA_TOKENS = 512
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    text_temperature: float = 0.7
-    text_top_k: int = 25
-    audio_temperature: float = 0.8
-    audio_top_k: int = 250
-    seed: int | None = None
-    greedy: bool = False
-
-    def validate(self) -> None:
-        for name in ("text_temperature", "audio_temperature"):
-            v = getattr(self, name)
-            if not (0.0 <= v <= 5.0) or v != v:
-                raise CallerError(f"{name} must be between 0 and 5, got {v}")
-        if not (1 <= self.text_top_k <= 32000):
-            raise CallerError(f"text_top_k must be between 1 and 32000, got {self.text_top_k}")
-        if not (1 <= self.audio_top_k <= 2048):
-            raise CallerError(f"audio_top_k must be between 1 and 2048, got {self.audio_top_k}")
-        if self.seed is not None and not (0 <= self.seed < 2**32):
-            raise CallerError(f"seed must be between 0 and 4294967295, got {self.seed}")
 
 
 @dataclass

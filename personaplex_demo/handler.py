@@ -31,12 +31,12 @@ from typing import Any
 import numpy as np
 from fastrtc import AdditionalOutputs, AsyncStreamHandler, CloseStream, get_current_context
 
-from .engine import SamplingParams
 from .errors import CallerError
 from .pool import Call, CallEnded, PoolClosedError, PoolFullError, PoolMetrics, SlotPool
 from .recording import CallRecording, RecordingFiles, RecordingStore
 from .rtc_audio import output_frame_samples
-from .voices import DEFAULT_VOICE
+from .sampling_params import SamplingParams
+from .voice_names import DEFAULT_VOICE
 
 log = logging.getLogger(__name__)
 

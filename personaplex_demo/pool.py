@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from personaplex_demo.clock import Clock, FakeClock, RealClock
-from personaplex_demo.engine import SamplingParams
 from personaplex_demo.errors import AudioFormatError, CallerError
+from personaplex_demo.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     # Only for annotations: the pool drives any object with the LockstepEngine thread API.

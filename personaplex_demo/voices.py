@@ -28,17 +28,10 @@ import torch
 
 from .errors import UnknownVoiceError, VoiceArchiveError, VoiceFileError
 from .model.hashinit import hash_ints, hash_tensor
+from .voice_names import DEFAULT_VOICE, VOICE_NAME_RE, VOICE_NAMES
 
 logger = logging.getLogger(__name__)
 
-VOICE_NAMES: tuple[str, ...] = (
-    *(f"NATF{i}" for i in range(4)),
-    *(f"NATM{i}" for i in range(4)),
-    *(f"VARF{i}" for i in range(5)),
-    *(f"VARM{i}" for i in range(5)),
-)
-DEFAULT_VOICE = "NATF2"
-VOICE_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 VOICES_FOLDER = "voices"
 
 CACHE_SHAPE = (1, 17, 4)  # [batch, token rows, staging ring columns] (spec §E)
