@@ -373,11 +373,13 @@ class SlotPool:
 
     # ---- admission -----------------------------------------------------------------------------
 
-    def acquire(self, voice: str, persona: str, sampling: SamplingParams = _DEFAULT_SAMPLING) -> Call:
+    def acquire(self, voice: str, persona: str, sampling: SamplingParams = _DEFAULT_SAMPLING,
+                queue: bool = True) -> Call:
         """Take a free slot (state "prefill") or a place in the queue (state "queued").
 
         Non-blocking. Raises a CallerError subclass for a bad request, PoolFullError when the queue
-        is full, PoolClosedError after shutdown."""
+        is full (or, with `queue=False`, when no slot is free: for a caller who may try another
+        engine first), PoolClosedError after shutdown."""
         if self._closed:
             raise PoolClosedError("the pool has been shut down; no new calls are taken")
         self.engine.validate_request(voice, persona, sampling)
@@ -389,6 +391,8 @@ class SlotPool:
             # Newcomers never jump the queue, even if a slot is free for an instant.
             if free is not None and not self._queue:
                 self._assign_locked(call, free)
+            elif not queue:
+                raise PoolFullError(f"all {self.slots_total} slots busy")
             elif self.config.max_queue is None or len(self._queue) < self.config.max_queue:
                 self._queue.append(call)
                 call.queue_position = len(self._queue)

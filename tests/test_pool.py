@@ -194,6 +194,16 @@ def test_burst_of_50_connects_against_4_slots_and_a_queue_of_32():
     assert (m.slots_prefill, m.queue_length, m.calls_refused) == (4, 32, 14)
 
 
+def test_acquire_without_queueing_takes_a_free_slot_or_refuses_without_counting_a_refusal():
+    pool, _, _ = make(batch=1, max_queue=4)
+    first = pool.acquire("NATF0", "p", queue=False)
+    assert first.state == "prefill"
+    with pytest.raises(PoolFullError, match="all 1 slots busy"):
+        pool.acquire("NATF0", "p", queue=False)
+    m = pool.snapshot()
+    assert (m.queue_length, m.calls_refused) == (0, 0)  # a probe for another engine, not a refusal
+
+
 def test_caller_error_from_validation_takes_nothing():
     pool, _, _ = make()
     with pytest.raises(UnknownVoiceError) as info:
