@@ -27,6 +27,8 @@ from personaplex_demo.loading import RuntimeOptions, build_runtime
 from personaplex_demo.pool import PoolConfig, SlotPool
 from personaplex_demo.recording import RecordingStore
 
+from .callers import wait_all_free
+
 NO_ICE_SERVERS = {"iceServers": []}  # loopback peers need no STUN (see Client)
 
 
@@ -249,13 +251,6 @@ def page_updates(outs: list) -> list[tuple]:
         if isinstance(extra, AdditionalOutputs):
             found.append(extra.args)
     return found
-
-
-async def wait_all_free(pool: SlotPool, seconds: float = 3.0) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and pool.snapshot().slots_free < pool.slots_total:
-        await asyncio.sleep(0.05)
-    assert pool.snapshot().slots_free == pool.slots_total
 
 
 async def test_time_limit_ends_the_call_with_a_message_and_the_downloads(runtime, recordings):

@@ -1,0 +1,142 @@
+"""Message channels between this app's processes, from the standard library only.
+
+A `Channel` wraps one `multiprocessing.connection.Connection` (a socket pair made for a child
+process, or an AF_UNIX connection opened with an authkey) so that event loops and real-time
+threads can use it without ever blocking on it:
+
+- `send` only queues; a sender thread writes whatever has queued up as ONE pickled batch, so a
+  burst of frames (every call's output of one engine tick) costs one write and one wake-up on
+  the other side, not one per frame;
+- a reader thread receives the batches and hands each to `on_batch` (in that thread);
+- when the other side goes away (EOF, a reset, a killed process) `on_close` runs once.
+
+Messages are tuples of plain values and numpy arrays. Nothing here knows what they mean.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+MAX_BATCH = 256  # messages per write; a longer backlog goes out in several writes
+
+
+class Channel:
+    def __init__(self, conn: Connection, name: str, on_batch: Callable[[list[Any]], None],
+                 on_close: Callable[[], None] | None = None) -> None:
+        self.conn = conn
+        self.name = name
+        self._on_batch = on_batch
+        self._on_close = on_close
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._close_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name=f"{name}-writer", daemon=True)
+
+    def start(self) -> Channel:
+        self._reader.start()
+        self._writer.start()
+        return self
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def send(self, message: Any) -> None:
+        """Queue one message; never blocks. Dropped once the channel is closed."""
+        if not self._closed.is_set():
+            self._outbox.put(message)
+
+    def close(self) -> None:
+        """Close both directions (idempotent); `on_close` runs if it has not yet."""
+        self._finish()
+
+    # ---- threads -------------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        try:
+            while True:
+                batch = self.conn.recv()
+                try:
+                    self._on_batch(batch)
+                except Exception:  # a bad message must not silence the channel
+                    log.exception("%s: handling a message failed", self.name)
+        except (EOFError, OSError):
+            pass  # the other side is gone, or close() shut the socket down
+        except Exception:
+            log.exception("%s: receiving failed", self.name)
+        self._finish()
+        # Only now, with both threads done with it, may the descriptor be closed (and reused).
+        self._writer.join(5.0)
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+    def _write(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is _STOP:
+                return
+            batch = [item]
+            while len(batch) < MAX_BATCH:
+                try:
+                    item = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is _STOP:
+                    self._send(batch)
+                    return
+                batch.append(item)
+            if not self._send(batch):
+                return
+
+    def _send(self, batch: list[Any]) -> bool:
+        try:
+            self.conn.send(batch)
+            return True
+        except (OSError, ValueError):  # the other side is gone (or we closed)
+            self._finish()
+            return False
+
+    def _finish(self) -> None:
+        with self._close_lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+        self._outbox.put(_STOP)
+        _shutdown(self.conn)  # wakes the reader if it is blocked in recv
+        if self._on_close is not None:
+            try:
+                self._on_close()
+            except Exception:
+                log.exception("%s: on_close failed", self.name)
+
+
+def _shutdown(conn: Connection) -> None:
+    """Shut a socket-backed connection down in both directions: a blocked recv or send returns."""
+    try:
+        fd = conn.fileno()
+    except OSError:
+        return  # already closed
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        sock = None
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.close()

@@ -1,0 +1,128 @@
+"""The engine across a process boundary: EngineServer <-> RemoteEngine / EngineRouter.
+
+Both ends run in this process here (the channel is the same AF_UNIX socket either way); the
+tests in test_media_workers.py run them in separate processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+
+import numpy as np
+import pytest
+
+from personaplex_demo.engine import SamplingParams
+from personaplex_demo.engine_client import ENGINE_LOST, EngineRouter, RemoteEngine
+from personaplex_demo.engine_server import EngineServer
+from personaplex_demo.errors import AudioFormatError, CallerError
+from personaplex_demo.loading import RuntimeOptions, build_runtime
+from personaplex_demo.pool import CallEnded, PoolConfig, PoolFullError, SlotPool
+
+from .callers import wait_all_free
+
+KEY = secrets.token_bytes(16)
+TONE = (0.3 * 32767 * np.sin(2 * np.pi * 220 * np.arange(1920) / 24000)).astype(np.int16)
+
+
+@pytest.fixture(scope="module")
+def runtimes(tiny_cache_dir):
+    return [build_runtime(RuntimeOptions(model="tiny", slots=1, cache_dir=tiny_cache_dir)) for _ in range(2)]
+
+
+@contextlib.contextmanager
+def served(runtime, address: str, name: str, **config):
+    pool = SlotPool(runtime.engine, PoolConfig(**{"time_limit_seconds": 60, **config}))
+    pool.start()
+    server = EngineServer(pool, address, KEY, name=name).start()
+    try:
+        yield pool, server
+    finally:
+        server.close()
+        pool.shutdown()
+
+
+async def talk(call, seconds: float) -> list:
+    """Push a tone in real time and collect the outputs."""
+    outs = []
+    t0 = time.monotonic()
+    n = 0
+    while time.monotonic() - t0 < seconds:
+        call.push_frame(TONE)
+        n += 1
+        while (out := await call.next_output(timeout=max(0.0, t0 + n * 0.08 - time.monotonic()))) is not None:
+            outs.append(out)
+    return outs
+
+
+async def test_a_remote_call_talks_queues_refuses_and_frees_its_slot(runtimes, tmp_path):
+    with served(runtimes[0], str(tmp_path / "e.sock"), "e0", max_queue=1) as (pool, _):
+        engine = RemoteEngine(str(tmp_path / "e.sock"), KEY)
+        assert (engine.name, engine.slots_total, engine.config.max_queue) == ("e0", 1, 1)
+        with pytest.raises(CallerError, match="voice"):
+            await engine.acquire("NOPE", "", SamplingParams())
+        call = await engine.acquire("NATF2", "You enjoy having a good conversation.", SamplingParams(seed=3))
+        waiting = await engine.acquire("NATM1", "", SamplingParams(seed=4))
+        with pytest.raises(PoolFullError):
+            await engine.acquire("NATM1", "", SamplingParams(seed=5))
+        assert (waiting.state, waiting.queue_position) == ("queued", 1)
+        await call.wait_live(10)
+        assert call.slot == 0 and 59 < call.time_left() <= 60
+        with pytest.raises(AudioFormatError):
+            call.push_frame(np.zeros(100, np.int16))
+        outs = await talk(call, 2.0)
+        assert len(outs) >= 8 and all(o.pcm.shape == (1920,) and o.pcm.dtype == np.float32 for o in outs)
+        assert "".join(o.text for o in outs)  # the tiny model babbles
+        assert [o.tick for o in outs] == sorted(o.tick for o in outs)
+        assert pool.snapshot().latency_p50_ms > 0  # the frames went through the pool's jitter buffer
+        call.release()
+        assert call.state == "ended" and call.end_reason == "hangup"
+        with pytest.raises(CallEnded):
+            await call.next_output(0.1)
+        await waiting.wait_live(10)  # the freed slot goes to the queue's head
+        assert waiting.slot == 0
+        waiting.release()
+        await wait_all_free(pool)
+        engine.close()
+
+
+async def test_a_lost_client_frees_its_slots_and_a_lost_engine_ends_its_calls(runtimes, tmp_path):
+    address = str(tmp_path / "e.sock")
+    with served(runtimes[0], address, "e0") as (pool, server):
+        engine = RemoteEngine(address, KEY)
+        call = await engine.acquire("NATF2", "", SamplingParams(seed=1))
+        await call.wait_live(10)
+        engine.close()  # as if its process had died
+        await wait_all_free(pool)
+        assert server.clients == 0
+
+        engine = RemoteEngine(address, KEY)
+        call = await engine.acquire("NATF2", "", SamplingParams(seed=1))
+        await call.wait_live(10)
+        server.close()  # the engine's end goes away
+        with pytest.raises(CallEnded) as ended:
+            await asyncio.wait_for(talk(call, 5.0), 5.0)
+        assert ended.value.reason == ENGINE_LOST and not engine.alive
+
+
+async def test_the_router_fills_free_slots_on_every_engine_before_queueing(runtimes, tmp_path):
+    with contextlib.ExitStack() as stack:
+        pools = [stack.enter_context(served(rt, str(tmp_path / f"e{i}.sock"), f"e{i}"))[0]
+                 for i, rt in enumerate(runtimes)]
+        router = EngineRouter([RemoteEngine(str(tmp_path / f"e{i}.sock"), KEY) for i in range(2)])
+        assert router.slots_total == 2 and router.config.max_queue == 64
+        calls = [await router.acquire("NATF2", "", SamplingParams(seed=i)) for i in range(3)]
+        assert sorted(c.engine.name for c in calls[:2]) == ["e0", "e1"]  # one on each engine
+        assert calls[2].state == "queued"
+        for call in calls[:2]:
+            await call.wait_live(10)
+        await asyncio.sleep(0.7)  # the engines' room figures arrive twice a second
+        room = router.snapshot()
+        assert (room.slots_total, room.slots_live, room.queue_length) == (2, 2, 1)
+        assert [s["name"] for s in router.engine_status()] == ["e0", "e1"]
+        for call in calls:
+            call.release()
+        for pool in pools:
+            await wait_all_free(pool)
+        router.close()
