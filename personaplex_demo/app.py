@@ -74,6 +74,14 @@ class AppConfig:
                           metavar="REPO")
     cache_dir: str | None = option(None, CACHE_DIR_HELP, env="PERSONAPLEX_CACHE", shown_default=CACHE_DIR_DEFAULT,
                                    metavar="DIR")
+    devices: str | None = option(None, "several engines, one process per device: cuda:0,cuda:1,... or all (every "
+                                 "GPU); cpu,cpu runs two tiny engines. --slots counts per engine",
+                                 env="PERSONAPLEX_DEVICES", shown_default="one engine on --device", metavar="LIST")
+    media_workers: int | None = option(None, "processes that carry the callers' WebRTC media and call handlers "
+                                       "(Opus, RTP, page updates); 0 keeps them in this process",
+                                       env="PERSONAPLEX_MEDIA_WORKERS", check=at_least(0),
+                                       shown_default="0 on a CPU; on a CUDA host cores - 2, at most one per slot",
+                                       metavar="N")
     verbose: bool = option(False, "also log each internal HTTP request and Gradio's own startup messages",
                            env="PERSONAPLEX_VERBOSE")
 
@@ -114,28 +122,20 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot start: %s", exc)
         return EXIT_PREFLIGHT
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    if os.environ.get("PERSONAPLEX_LOOPBACK_ICE") == "1":
-        # Testing and offline use on one machine: aioice skips 127.0.0.1 unless told otherwise.
-        import aioice.ice
+    from .media_settings import apply_media_settings, loopback_requested
 
-        aioice.ice.get_host_addresses = lambda use_ipv4=True, use_ipv6=False: ["127.0.0.1"]
-    import aioice.ice
-
-    # Notice a closed tab in ~4 s instead of ~30 s, so its slot frees quickly.
-    aioice.ice.CONSENT_INTERVAL, aioice.ice.CONSENT_FAILURES = 1, 4
-    from .rtc_audio import install_packet_encoder
-
-    install_packet_encoder()  # agent audio in 40 ms Opus packets: half the per-packet work per caller
+    apply_media_settings(loopback_requested())  # the media workers apply the same settings
 
     from starlette.middleware import Middleware
 
     from .deeplink import RefuseLongQueries
     from .errors import CheckpointError
     from .lifecycle import StopSignals, exit_now, remove_stale_recordings, shut_down, wait_until
-    from .loading import RuntimeOptions, build_runtime, check_placement
+    from .loading import RuntimeOptions, check_placement
     from .metrics import metrics_routes
-    from .pool import PoolConfig, SlotPool
+    from .pool import PoolConfig
     from .recording import RecordingStore
+    from .topology import TopologyOptions, default_media_workers, resolve_devices, start_topology
     from .ui import PageOptions, build_ui, status_routes
 
     def progress(message: str, fraction: float) -> None:
@@ -143,32 +143,43 @@ def main(argv: list[str] | None = None) -> int:
 
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     try:
-        check_placement(cfg.device, cfg.dtype)
-        check_model_files(cfg.model, cfg.hf_repo, cache_dir, cfg.device)
-        runtime = build_runtime(RuntimeOptions(model=cfg.model, device=cfg.device, dtype=cfg.dtype, slots=cfg.slots,
-                                               max_slots=cfg.max_slots, hf_repo=cfg.hf_repo, cache_dir=cache_dir,
-                                               context=context_frames(cfg.context, LMConfig().context)), progress)
+        devices = resolve_devices(cfg.devices, cfg.device)
+        for device in devices:
+            check_placement(device, cfg.dtype)
+        check_model_files(cfg.model, cfg.hf_repo, cache_dir, devices[0])
+        slots_total = len(devices) * (cfg.slots if isinstance(cfg.slots, int) else cfg.max_slots)
+        topology = start_topology(TopologyOptions(
+            RuntimeOptions(model=cfg.model, device=cfg.device, dtype=cfg.dtype, slots=cfg.slots,
+                           max_slots=cfg.max_slots, hf_repo=cfg.hf_repo, cache_dir=cache_dir,
+                           context=context_frames(cfg.context, LMConfig().context)),
+            PoolConfig(idle_release_seconds=cfg.idle_release, time_limit_seconds=cfg.time_limit,
+                       max_queue=cfg.max_queue),
+            devices=tuple(devices),
+            media_workers=(cfg.media_workers if cfg.media_workers is not None
+                           else default_media_workers(devices, slots_total)),
+            server_rtc_configuration=server_rtc, loopback_ice=loopback_requested()), progress)
     except START_ERRORS as exc:  # before any model is loaded, or no room for one slot
         log.error("%s", exc)
         return EXIT_PREFLIGHT
-    except (ValueError, CheckpointError) as exc:
+    except (ValueError, CheckpointError, RuntimeError) as exc:
         log.error("cannot start: %s", exc)
         return 1
+    runtime, pool = topology.runtime, topology.pool
     if runtime.banner:
         log.warning("%s", runtime.banner)
-    pool = SlotPool(runtime.engine, PoolConfig(idle_release_seconds=cfg.idle_release, time_limit_seconds=cfg.time_limit,
-                                               max_queue=cfg.max_queue))
-    pool.start()
     notice = None
     if rtc is None and (os.environ.get("SPACE_ID") or cfg.share):
         notice = ("No TURN relay is configured (set HF_TOKEN, on a Space as a secret, or PERSONAPLEX_ICE_SERVERS), "
                   "so calls from most networks will not connect.")
         log.warning("%s", notice)
     remove_stale_recordings()
-    recordings = RecordingStore()  # per-call WAV + transcript for the download buttons, deleted on exit
-    demo = build_ui(runtime, pool, PageOptions(time_limit=cfg.time_limit, max_queue=cfg.max_queue,
+    # Per-call WAV + transcript for the download buttons, deleted on exit (the media workers keep
+    # them when there are any).
+    recordings = topology.recordings or RecordingStore()
+    demo = build_ui(runtime, pool, PageOptions(time_limit=cfg.time_limit, max_queue=pool.config.max_queue or 0,
                                                rtc_configuration=rtc, server_rtc_configuration=server_rtc,
                                                notice=notice), recordings)
+    topology.attach(demo)
     stop = StopSignals()
     stop.install()
     try:
@@ -177,12 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             demo.launch(server_name=cfg.host, server_port=cfg.port, share=cfg.share, quiet=not cfg.verbose,
                         prevent_thread_lock=True,
-                        app_kwargs={"routes": status_routes(runtime, pool) + metrics_routes(pool),
+                        app_kwargs={"routes": status_routes(runtime, pool, topology.status) + metrics_routes(pool),
                                     "middleware": [Middleware(RefuseLongQueries)]})
         except OSError:
             log.error("cannot serve on %s:%d: the port is in use or the address is not this machine's; "
                       "choose another with --port or --host", cfg.host, cfg.port)
-            pool.shutdown()
+            topology.close()
             recordings.close()
             return 1
         log.info("serving on http://%s:%d (status: /api/status, metrics: /metrics)", cfg.host, cfg.port)
@@ -190,12 +201,14 @@ def main(argv: list[str] | None = None) -> int:
             log.info("public link: %s", demo.share_url)
         received = stop.wait()
     except BaseException:
-        pool.shutdown()
+        topology.close()
         recordings.close()
         raise
     from fastrtc import WebRTC
 
-    calls = next(b for b in demo.blocks.values() if isinstance(b, WebRTC)).pcs
+    rtc_component = next(b for b in demo.blocks.values() if isinstance(b, WebRTC))
+    # A call is a peer connection here, or a connection mirrored from a media worker.
+    calls = rtc_component.pcs or rtc_component.connections
     log.info("%s: ending %d call(s) with a message, then exiting", received, len(calls))
 
     def stop_web_server() -> None:
@@ -207,11 +220,13 @@ def main(argv: list[str] | None = None) -> int:
         for tunnel in CURRENT_TUNNELS:  # the --share link's process, as Gradio's own Ctrl-C path does
             tunnel.kill()
 
-    shut_down([("end the calls and stop the pool", lambda: pool.shutdown(join_timeout=3.0)),
+    shut_down([("end the calls and stop the pool", lambda: topology.end_calls(join_timeout=3.0)),
                # Each handler sends its caller the message and closes; give that a moment to arrive.
-               ("let the callers hear why", lambda: wait_until(lambda: not calls, 3.0)),
+               ("let the callers hear why",
+                lambda: wait_until(lambda: not rtc_component.pcs and not rtc_component.connections, 3.0)),
                ("stop the web server", stop_web_server),
-               ("delete the recordings", recordings.close)],
+               ("delete the recordings", recordings.close),
+               ("stop the media workers and engines", topology.close)],
               on_timeout=recordings.close)
     exit_now(0)
     return 0

@@ -21,7 +21,9 @@ The wire protocol (tuples; only numpy frames and small dicts cross):
                        ("refused", rid, kind, message)    kind: caller | busy | full | closed
                        ("state", rid, state, queue position, slot, time left, end reason)
                        ("out", rid, float32 pcm [1920], text, tick)
-                       ("room", PoolMetrics dict)          twice a second
+                       ("room", PoolMetrics dict, [(tick seconds, [frame latencies])])
+                                                           twice a second: the figures, and every
+                                                           tick since the last time (for /metrics)
 
 `rid` is chosen by the client and names the call from then on. Everything a RemoteEngine and its
 calls do after the first `acquire` happens on that call's event loop: use one loop per client.
@@ -35,6 +37,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Client
 from typing import Any
 
@@ -181,6 +184,7 @@ class RemoteEngine:
         self.config = PoolConfig(**info["config"])
         self.room = PoolMetrics(**info["room"])
         self.alive = True
+        self._tick_listeners: list[Callable[[float, list[float]], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
@@ -192,6 +196,11 @@ class RemoteEngine:
 
     def snapshot(self) -> PoolMetrics:
         return self.room
+
+    def add_tick_listener(self, listener: Callable[[float, list[float]], None]) -> None:
+        """As `SlotPool.add_tick_listener`, but called on this client's reader thread, twice a
+        second for the ticks in between."""
+        self._tick_listeners.append(listener)
 
     def send(self, message: tuple) -> None:
         self._channel.send(message)
@@ -231,6 +240,7 @@ class RemoteEngine:
         for message in batch:
             if message[0] == "room":
                 self.room = PoolMetrics(**message[1])
+                self._tell_listeners(message[2])
             else:
                 rest.append(message)
         loop = self._loop
@@ -239,6 +249,15 @@ class RemoteEngine:
                 loop.call_soon_threadsafe(self._dispatch, rest)
             except RuntimeError:
                 pass  # that loop has closed: nobody is left to tell
+
+    def _tell_listeners(self, samples: list[tuple[float, list[float]]]) -> None:
+        for listener in self._tick_listeners:
+            for tick_seconds, latencies in samples:
+                try:
+                    listener(tick_seconds, latencies)
+                except Exception:
+                    log.exception("tick listener failed")
+                    break
 
     def _dispatch(self, messages: list[tuple]) -> None:
         for message in messages:
@@ -294,7 +313,10 @@ def combine_metrics(metrics: list[PoolMetrics]) -> PoolMetrics:
     values: dict[str, Any] = {}
     for f in dataclasses.fields(PoolMetrics):
         column = [getattr(m, f.name) for m in metrics]
-        values[f.name] = max(column) if isinstance(column[0], float) else sum(column)
+        if isinstance(column[0], dict):  # counts by reason
+            values[f.name] = dict(sum((collections.Counter(c) for c in column), collections.Counter()))
+        else:
+            values[f.name] = max(column) if isinstance(column[0], float) else sum(column)
     return PoolMetrics(**values)
 
 
@@ -316,6 +338,10 @@ class EngineRouter:
 
     def snapshot(self) -> PoolMetrics:
         return combine_metrics([e.snapshot() for e in self.engines if e.alive])
+
+    def add_tick_listener(self, listener: Callable[[float, list[float]], None]) -> None:
+        for engine in self.engines:
+            engine.add_tick_listener(listener)
 
     def engine_status(self) -> list[dict[str, Any]]:
         """Per engine, for /api/status: its name, whether it runs, and its pool's figures."""

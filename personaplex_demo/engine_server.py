@@ -27,7 +27,8 @@ from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-ROOM_SECONDS = 0.5  # how often every client gets the pool's figures
+ROOM_SECONDS = 0.5  # how often every client gets the pool's figures (and the ticks since the last time)
+MAX_SAMPLES = 1000  # ticks kept between two room messages (12.5 a second are due)
 STATE_POLL_SECONDS = 0.5  # a waiting call's queue position is re-read this often
 CLIENT_GONE = "media worker lost"
 
@@ -138,6 +139,10 @@ class EngineServer:
         self._clients: list[_Client] = []
         self._lock = threading.Lock()
         self._numbers = itertools.count(1)
+        # Every tick's time and frame latencies, for the clients' own listeners (their /metrics).
+        self._samples: list[tuple[float, list[float]]] = []
+        self._samples_lock = threading.Lock()
+        pool.add_tick_listener(self._on_tick)
         self.loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._run_loop, name=f"{name}-relay", daemon=True)
         self._accept_thread = threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True)
@@ -221,12 +226,19 @@ class EngineServer:
         finally:
             self.loop.close()
 
+    def _on_tick(self, tick_seconds: float, latencies: list[float]) -> None:
+        with self._samples_lock:
+            if len(self._samples) < MAX_SAMPLES:  # nobody collects them when no client is connected
+                self._samples.append((tick_seconds, latencies))
+
     async def _room(self) -> None:
         while True:
             await asyncio.sleep(ROOM_SECONDS)
             with self._lock:
                 clients = list(self._clients)
+            with self._samples_lock:
+                samples, self._samples = self._samples, []
             if clients:
-                room = ("room", self.pool.snapshot().as_dict())
+                room = ("room", self.pool.snapshot().as_dict(), samples)
                 for client in clients:
                     client.send(room)

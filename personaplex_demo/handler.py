@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import logging
 import secrets
 import threading
@@ -26,7 +27,7 @@ import time
 import uuid
 import weakref
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from fastrtc import AdditionalOutputs, AsyncStreamHandler, CloseStream, get_current_context
@@ -37,6 +38,9 @@ from .recording import CallRecording, RecordingFiles, RecordingStore
 from .rtc_audio import output_frame_samples
 from .sampling_params import SamplingParams
 from .voice_names import DEFAULT_VOICE
+
+if TYPE_CHECKING:  # the same surfaces for an engine in another process
+    from .engine_client import EngineRouter, RemoteCall
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +170,7 @@ class CallHandler(AsyncStreamHandler):
     Page updates are `AdditionalOutputs(transcript, status, call_id, files)`, where `files` is
     None or the (WAV, JSON) paths of the finished recording."""
 
-    def __init__(self, pool: SlotPool, recordings: RecordingStore | None = None, *,
+    def __init__(self, pool: SlotPool | EngineRouter, recordings: RecordingStore | None = None, *,
                  max_wait_seconds: float | None = 600.0, model_name: str | None = None):
         super().__init__(expected_layout="mono", output_sample_rate=SAMPLE_RATE, input_sample_rate=SAMPLE_RATE)
         # fastrtc paces agent audio in frames of this length; one frame makes one Opus packet (rtc_audio.py).
@@ -175,7 +179,7 @@ class CallHandler(AsyncStreamHandler):
         self.recordings = recordings if recordings is not None else RecordingStore()
         self.max_wait_seconds = max_wait_seconds
         self.model_name = model_name
-        self.call: Call | None = None
+        self.call: Call | RemoteCall | None = None
         self.call_id = uuid.uuid4().hex[:12]
         self.webrtc_id: str | None = None
         self.close_message: str | None = None
@@ -213,7 +217,9 @@ class CallHandler(AsyncStreamHandler):
             log.info("call %s: no page inputs within %.0f s, using the defaults", self.call_id, ARGS_TIMEOUT)
         try:
             req = CallRequest.from_args(list(self.latest_args or []))
-            self.call = self.pool.acquire(req.voice, req.persona, req.sampling)
+            call = self.pool.acquire(req.voice, req.persona, req.sampling)
+            # An engine in another process answers asynchronously (engine_client).
+            self.call = await call if inspect.isawaitable(call) else call
         except CallerError as e:
             self.close_message = f"This call cannot start: {e}"
             log.info("call %s refused: %s", self.call_id, e)

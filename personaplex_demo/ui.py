@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,9 +65,13 @@ def status_payload(runtime, pool: SlotPool) -> dict[str, Any]:
             "capacity": capacity.as_dict() if capacity else None, **pool.snapshot().as_dict()}
 
 
-def status_routes(runtime, pool: SlotPool) -> list[Route]:
+def status_routes(runtime, pool: SlotPool, extra: Callable[[], dict[str, Any]] | None = None) -> list[Route]:
+    """`extra`: more fields for the payload (per engine and per media worker, when there are several)."""
     async def status(_: Request) -> JSONResponse:
-        return JSONResponse(status_payload(runtime, pool), headers={"Cache-Control": "no-store"})
+        payload = status_payload(runtime, pool)
+        if extra is not None:
+            payload.update(extra())
+        return JSONResponse(payload, headers={"Cache-Control": "no-store"})
 
     return [Route("/api/status", status, methods=["GET"])]
 

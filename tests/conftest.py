@@ -64,3 +64,12 @@ def _nothing_left_in_the_temp_folder():
     yield
     left = sorted(Path(tempfile.gettempdir()).glob(f"personaplex-calls-{os.getpid()}-*"))
     assert not left, f"the tests left recordings folders behind: {left}"
+
+
+@pytest.fixture
+def loopback_ice(monkeypatch):
+    """aioice skips 127.0.0.1; peers in this process (and the app's, told by PERSONAPLEX_LOOPBACK_ICE)
+    meet on loopback only."""
+    import aioice.ice
+
+    monkeypatch.setattr(aioice.ice, "get_host_addresses", lambda use_ipv4=True, use_ipv6=False: ["127.0.0.1"])

@@ -38,11 +38,22 @@ def app(need_browser, tiny_cache_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def app_with_media_workers(need_browser, tiny_cache_dir, tmp_path_factory):
+    with launched_app(tmp_path_factory.mktemp("app"), tiny_cache_dir,
+                      args=["--slots", "2", "--media-workers", "2"]) as launched:
+        yield launched
+
+
+@pytest.fixture(scope="module")
 def mic_wav(need_browser, tmp_path_factory):
     return make_mic_wav(tmp_path_factory.mktemp("mic"))
 
 
-def test_a_call_in_chromium(app, mic_wav, tmp_path):
+# The page is the same whether the calls' media runs in the app's process or in media workers.
+@pytest.mark.parametrize("mode", ["embedded", "media-workers"])
+def test_a_call_in_chromium(mode, request, mic_wav, tmp_path):
+    app = request.getfixturevalue("app" if mode == "embedded" else "app_with_media_workers")
+    shot = "" if mode == "embedded" else f"-{mode}"
     ARTIFACTS.mkdir(exist_ok=True)
     with chromium(tmp_path / "udd", mic_wav) as ctx:
         page = ctx.new_page()
@@ -67,7 +78,7 @@ def test_a_call_in_chromium(app, mic_wav, tmp_path):
         assert texts[-1].startswith(texts[1])  # it streams: each update extends the last one
         assert app.status()["slots_live"] == 1
         assert "Live" in page.locator("#status-line").inner_text()
-        page.screenshot(path=str(ARTIFACTS / "browser-call.png"), full_page=True)
+        page.screenshot(path=str(ARTIFACTS / f"browser-call{shot}.png"), full_page=True)
         stop_call(page)
         stopped = time.monotonic()
         while app.status()["slots_free"] < 2:
@@ -79,7 +90,7 @@ def test_a_call_in_chromium(app, mic_wav, tmp_path):
         page.locator("#download-json a.download-link").first.wait_for(timeout=2_000)
         assert page.locator("#download-json .filename").first.inner_text().strip().endswith(".json")
         assert "Call ended" in page.locator("#status-line").inner_text()
-        page.screenshot(path=str(ARTIFACTS / "browser-after-call.png"), full_page=True)
+        page.screenshot(path=str(ARTIFACTS / f"browser-after-call{shot}.png"), full_page=True)
 
 
 def controls(page) -> dict[str, str]:

@@ -7,18 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fractions
 import json
 import time
 import wave
 
-import aioice.ice
 import httpx
 import numpy as np
 import pytest
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
-from aiortc.mediastreams import MediaStreamTrack
-from av import AudioFrame
 from fastapi import FastAPI
 from fastrtc import AdditionalOutputs, CloseStream, Stream
 
@@ -27,79 +22,28 @@ from personaplex_demo.loading import RuntimeOptions, build_runtime
 from personaplex_demo.pool import PoolConfig, SlotPool
 from personaplex_demo.recording import RecordingStore
 
-from .callers import wait_all_free
+from .callers import Caller, wait_all_free
 
 NO_ICE_SERVERS = {"iceServers": []}  # loopback peers need no STUN (see Client)
+pytestmark = pytest.mark.usefixtures("loopback_ice")
 
 
-@pytest.fixture(autouse=True)
-def _loopback_ice(monkeypatch):
-    # aioice skips 127.0.0.1; both peers live in this process, so loopback is the only route.
-    monkeypatch.setattr(aioice.ice, "get_host_addresses", lambda use_ipv4=True, use_ipv6=False: ["127.0.0.1"])
+class Client(Caller):
+    """A caller through `Stream.mount`'s endpoint; it answers "send_input" with `stream.set_input`."""
 
-
-class ToneTrack(MediaStreamTrack):
-    """A 48 kHz microphone playing a tone in real time, 20 ms per frame."""
-
-    kind = "audio"
-
-    def __init__(self, freq: float):
-        super().__init__()
-        self.freq, self.n, self.t0 = freq, 0, None
-
-    async def recv(self) -> AudioFrame:
-        if self.t0 is None:
-            self.t0 = time.monotonic()
-        await asyncio.sleep(max(0.0, self.t0 + self.n * 0.02 - time.monotonic()))
-        t = (np.arange(960) + self.n * 960) / 48000
-        pcm = (0.3 * 32767 * np.sin(2 * np.pi * self.freq * t)).astype(np.int16)
-        frame = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
-        frame.sample_rate, frame.pts, frame.time_base = 48000, self.n * 960, fractions.Fraction(1, 48000)
-        self.n += 1
-        return frame
-
-
-class Client:
     def __init__(self, http: httpx.AsyncClient, stream: Stream, webrtc_id: str, persona: str, voice: str):
-        self.http, self.stream, self.id = http, stream, webrtc_id
-        self.args = [voice, persona, 0.7, 25, 0.8, 250, 7]
-        # No STUN server: the peers meet on loopback, and aiortc's default (a Google STUN host) means a
-        # DNS lookup in an executor thread that, on a closed network, can outlive the test's event loop.
-        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-        self.samples = 0
-        self.energy = 0.0
-        self.messages: list[str] = []
+        super().__init__(webrtc_id, voice, persona)
+        self.http, self.stream = http, stream
+
+    def on_message(self, message: str) -> None:
+        if "send_input" in message:
+            self.stream.set_input(self.id, *self.args)
+
+    async def send_offer(self, body: dict) -> dict:
+        return (await self.http.post("/webrtc/offer", json=body)).json()
 
     async def connect(self, freq: float) -> dict:
-        channel = self.pc.createDataChannel("text")
-
-        @channel.on("message")
-        def on_message(msg):
-            self.messages.append(msg)
-            if "send_input" in msg:
-                self.stream.set_input(self.id, *self.args)
-
-        @self.pc.on("track")
-        def on_track(track):
-            async def drain():
-                while True:
-                    try:
-                        frame = await track.recv()
-                    except Exception:
-                        return
-                    a = frame.to_ndarray().astype(np.float64)
-                    self.samples += frame.samples
-                    self.energy += float((a**2).sum())
-            asyncio.ensure_future(drain())
-
-        self.pc.addTrack(ToneTrack(freq))
-        await self.pc.setLocalDescription(await self.pc.createOffer())
-        r = await self.http.post("/webrtc/offer", json={"sdp": self.pc.localDescription.sdp,
-                                                        "type": "offer", "webrtc_id": self.id})
-        answer = r.json()
-        if "sdp" in answer:
-            await self.pc.setRemoteDescription(RTCSessionDescription(answer["sdp"], answer["type"]))
-        return answer
+        return await self.offer(freq)
 
 
 async def collect_outputs(stream: Stream, webrtc_id: str, into: list, seconds: float) -> None:

@@ -1,0 +1,155 @@
+"""Several processes: media workers, and several engines, with the app launched as a user starts it.
+
+Callers are aiortc peers that drive the page's own endpoints (see `callers.PageCaller`): the
+offer through Gradio's component server, the inputs through the `tick` event, the transcript and
+status through the page's relay on `state_change`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .browser_support import LaunchedApp, launched_app
+from .callers import PageCaller, PageConfig
+
+pytestmark = pytest.mark.usefixtures("loopback_ice")
+
+PERSONAS = ["You enjoy having a good conversation.", "You are a wise and friendly teacher.",
+            "You work for a bank and answer questions about accounts.", "You are an astronaut on Mars."]
+VOICES = ["NATF2", "VARM1", "NATM0", "VARF3"]
+
+
+def udp_ports_of(pid: int) -> set[int]:
+    """The local UDP ports of process `pid`'s sockets (Linux /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/udp", "/proc/net/udp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def answer_ports(caller: PageCaller) -> set[int]:
+    """The server's ICE candidate ports in the answer a caller got: where its media goes."""
+    return {int(line.split()[5]) for line in caller.pc.remoteDescription.sdp.splitlines()
+            if line.startswith("a=candidate:")}
+
+
+async def until(check, seconds: float, what: str, step: float = 0.2):
+    deadline = time.monotonic() + seconds
+    while True:
+        result = check()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"waited {seconds:.0f} s for {what}"
+        await asyncio.sleep(step)
+
+
+def is_live(caller: PageCaller) -> bool:
+    return caller.status.startswith("Live") and bool(caller.transcript) and caller.samples > 24000
+
+
+async def call_all(http: httpx.AsyncClient, count: int, first: int = 0) -> list[PageCaller]:
+    page = await PageConfig.fetch(http)
+    callers = [PageCaller(http, page, VOICES[i % 4], PERSONAS[i % 4], seed=i) for i in range(first, first + count)]
+    for i, caller in enumerate(callers):
+        answer = await caller.offer(200.0 + 70 * i)
+        assert "sdp" in answer, answer
+    for caller in callers:
+        await caller.wait_connected()
+    return callers
+
+
+@pytest.fixture(scope="module")
+def app_with_workers(tiny_cache_dir, tmp_path_factory) -> LaunchedApp:
+    with launched_app(tmp_path_factory.mktemp("app"), tiny_cache_dir, args=["--slots", "4", "--media-workers", "2"]) as app:
+        yield app
+
+
+async def test_four_callers_on_two_media_workers_and_a_killed_worker_ends_only_its_calls(app_with_workers):
+    app = app_with_workers
+    workers = app.status()["media_workers"]
+    assert len(workers) == 2 and all(w["alive"] for w in workers)
+    assert not any(w["torch_imported"] for w in workers)  # the media path never loads the model code
+    async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http:
+        callers = await call_all(http, 4)
+        await until(lambda: all(is_live(c) for c in callers), 30, "four live calls with transcripts")
+        status = app.status()
+        assert status["slots_live"] == 4
+        assert sorted(w["calls"] for w in status["media_workers"]) == [2, 2]  # the least-loaded worker
+
+        # Each caller's transcript is its own, and it streams: every page update extends the last.
+        await asyncio.sleep(2.0)
+        transcripts = [c.transcript for c in callers]
+        assert len(set(transcripts)) == 4 and all(transcripts)
+        for caller in callers:
+            texts = [t for t, _ in caller.updates if t]
+            assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False)), caller.id
+
+        # Hang-up frees the slot.
+        await callers[0].hang_up()
+        await until(lambda: app.status()["slots_free"] == 1, 5, "the hung-up caller's slot")
+
+        # SIGKILL the worker that carries two of the remaining three calls... or one of them.
+        pids = {w["pid"] for w in app.status()["media_workers"]}
+        victim_pid = max(pids, key=lambda pid: sum(answer_ports(c) <= udp_ports_of(pid) for c in callers[1:]))
+        ports = udp_ports_of(victim_pid)
+        victims = [c for c in callers[1:] if answer_ports(c) <= ports]
+        survivors = [c for c in callers[1:] if c not in victims]
+        assert victims and survivors and len(victims) + len(survivors) == 3
+        os.kill(victim_pid, signal.SIGKILL)
+        said = [len(c.transcript) for c in survivors]
+        # Its callers' pages are told; the engine frees their slots; the others keep talking (how
+        # fast is the benchmarks' business: here, that audio and words keep coming).
+        await until(lambda: all("media process" in c.status for c in victims), 10, "the victims' pages")
+        await until(lambda: app.status()["slots_live"] == len(survivors), 10, "the victims' slots")
+        heard = await asyncio.gather(*(c.audio_seconds_over(2.0) for c in survivors))
+        assert all(s > 0.25 for s in heard), heard
+        assert all(time.monotonic() - c.last_audio_at < 0.5 for c in survivors)
+        assert all(len(c.transcript) > n for c, n in zip(survivors, said, strict=True))
+        assert all(c.status.startswith("Live") for c in survivors)
+
+        # A replacement worker comes up and takes the next call.
+        await until(lambda: sum(w["alive"] for w in app.status()["media_workers"]) == 2, 90, "a replacement")
+        (newcomer,) = await call_all(http, 1, first=4)
+        await until(lambda: is_live(newcomer), 30, "a call on the replacement")
+        assert victim_pid not in {w["pid"] for w in app.status()["media_workers"]}
+        for caller in [*survivors, newcomer]:
+            await caller.hang_up()
+        for caller in victims:
+            await caller.hang_up()
+        await until(lambda: app.status()["slots_free"] == 4, 5, "every slot free")
+    log = app.log_text()
+    assert "media worker" in log and "ending its" in log  # the main process says what happened
+
+
+async def test_two_cpu_engines_each_take_a_call(tiny_cache_dir, tmp_path):
+    with launched_app(tmp_path, tiny_cache_dir, args=["--devices", "cpu,cpu", "--slots", "1"]) as app:
+        status = app.status()
+        assert [e["name"] for e in status["engines"]] == ["engine-0 (cpu)", "engine-1 (cpu)"]
+        assert status["slots_total"] == 2 and status["media_workers"] == []
+        async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http:
+            callers = await call_all(http, 2)
+            await until(lambda: all(is_live(c) for c in callers), 30, "two live calls")
+            await asyncio.sleep(1.0)  # the engines' figures reach the main process twice a second
+            engines = app.status()["engines"]
+            assert [e["slots_live"] for e in engines] == [1, 1]  # one call on each engine
+            assert callers[0].transcript != callers[1].transcript
+            for caller in callers:
+                await caller.hang_up()
+            await until(lambda: app.status()["slots_free"] == 2, 5, "both slots free")
