@@ -14,6 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+
+from personaplex_demo.topology import default_media_workers, resolve_devices
 
 from .browser_support import LaunchedApp, launched_app
 from .callers import PageCaller, PageConfig
@@ -153,3 +156,18 @@ async def test_two_cpu_engines_each_take_a_call(tiny_cache_dir, tmp_path):
             for caller in callers:
                 await caller.hang_up()
             await until(lambda: app.status()["slots_free"] == 2, 5, "both slots free")
+
+
+def test_devices_and_the_default_number_of_media_workers(monkeypatch):
+    assert resolve_devices(None, "cuda:1") == ["cuda:1"]
+    assert resolve_devices("cuda:0, cuda:1", "auto") == ["cuda:0", "cuda:1"]
+    gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    assert resolve_devices("all", "auto") == (gpus or ["cpu"])  # without a GPU: one engine on the CPU
+    with pytest.raises(ValueError, match="comma-separated"):
+        resolve_devices(" , ", "auto")
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert default_media_workers(["cpu"], 8) == 0  # on a CPU the media stays in the app's process
+    assert default_media_workers(["cuda:0"], 64) == 14  # a core each, two left for the page and engine
+    assert default_media_workers(["cuda:0", "cuda:1"], 4) == 4  # never more workers than slots
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert default_media_workers(["cuda:0"], 64) == 1
