@@ -26,6 +26,7 @@ import multiprocessing
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from .recording import RecordingFiles
 log = logging.getLogger(__name__)
 
 OFFER_TIMEOUT = 30.0
+MAX_RESTARTS, RESTART_WINDOW = 5, 60.0  # a worker that dies more often than this stays down
 WORKER_LOST = ("Call ended: the server's media process for this call stopped. Please press Record to "
                "call again.")
 
@@ -90,6 +92,7 @@ class MediaWorkers:
         self._last_update: dict[str, tuple] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self._restarts: dict[int, list[float]] = {}
         self.rtc = None
         self.recordings = RemoteRecordings(self)
 
@@ -101,9 +104,14 @@ class MediaWorkers:
         return self
 
     def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         for worker in list(self._workers):
-            if not worker.ready.wait(timeout):
-                raise RuntimeError(f"media worker {worker.index} did not start within {timeout:.0f} s")
+            while not worker.ready.wait(0.2):
+                if worker.gone:
+                    raise RuntimeError(f"media worker {worker.index} exited while starting (exit code "
+                                       f"{worker.process.exitcode}); see its log lines above")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"media worker {worker.index} did not start within {timeout:.0f} s")
         log.info("%d media worker(s) ready: pids %s", self.count, ", ".join(str(w.pid) for w in self._workers))
 
     def _spawn(self, index: int) -> _Worker:
@@ -281,11 +289,25 @@ class MediaWorkers:
                   worker.pid, worker.process.exitcode, len(worker.calls))
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._end_calls_of, worker)
-        if self.restart:
-            replacement = self._spawn(worker.index)
-            with self._lock:
-                self._workers = [replacement if w is worker else w for w in self._workers]
-            log.info("media worker %d: starting a replacement", worker.index)
+        if not self._may_restart(worker):
+            return
+        replacement = self._spawn(worker.index)
+        with self._lock:
+            self._workers = [replacement if w is worker else w for w in self._workers]
+        log.info("media worker %d: starting a replacement", worker.index)
+
+    def _may_restart(self, worker: _Worker) -> bool:
+        """Restart a worker that had worked, unless it keeps dying (then its share stays off)."""
+        if not self.restart or not worker.ready.is_set():
+            return False
+        now = time.monotonic()
+        recent = [t for t in self._restarts.get(worker.index, []) if now - t < RESTART_WINDOW]
+        if len(recent) >= MAX_RESTARTS:
+            log.error("media worker %d died %d times within %.0f s; not restarting it", worker.index,
+                      len(recent) + 1, RESTART_WINDOW)
+            return False
+        self._restarts[worker.index] = [*recent, now]
+        return True
 
     def _end_calls_of(self, worker: _Worker) -> None:
         for webrtc_id in list(worker.calls):
