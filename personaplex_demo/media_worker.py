@@ -41,6 +41,7 @@ from .ice import server_configuration
 from .ipc import Channel
 from .media_settings import apply_media_settings
 from .recording import RecordingStore
+from .rtc_audio import answering_with_packet_time
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,8 @@ class MediaHost(WebRTCConnectionMixin):
         self.rtc_configuration = None
         self.server_rtc_configuration = server_configuration(server_rtc_configuration)  # relay-only kept
         self._send = send
+        # As the page's component does: answers ask the browser for 40 ms packets (rtc_audio.py).
+        self.handle_offer = answering_with_packet_time(self.handle_offer)
 
     def outputs_to_main(self, webrtc_id: str):
         def relay(outputs: AdditionalOutputs) -> None:

@@ -72,7 +72,7 @@ async def call_all(http: httpx.AsyncClient, count: int, first: int = 0) -> list[
     callers = [PageCaller(http, page, VOICES[i % 4], PERSONAS[i % 4], seed=i) for i in range(first, first + count)]
     for i, caller in enumerate(callers):
         answer = await caller.offer(200.0 + 70 * i)
-        assert "sdp" in answer, answer
+        assert "a=ptime:40" in answer["sdp"], answer  # answered as the page's own component answers
     for caller in callers:
         await caller.wait_connected()
     return callers
