@@ -285,6 +285,9 @@ class MediaWorkers:
         if self._closing:
             return
         worker.process.join(2.0)
+        if worker.process.is_alive():  # its channel broke but it lingers: it must not serve half a call
+            worker.process.kill()
+            worker.process.join(2.0)
         log.error("media worker %d (pid %s) stopped (exit code %s); ending its %d call(s)", worker.index,
                   worker.pid, worker.process.exitcode, len(worker.calls))
         if self._loop is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import multiprocessing
 import os
 import sys
 import time
@@ -112,6 +113,9 @@ def _connect(spec: WorkerSpec) -> list[RemoteEngine]:
             except (FileNotFoundError, ConnectionRefusedError):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no engine at {address} within {spec.connect_timeout:.0f} s") from None
+                parent = multiprocessing.parent_process()
+                if parent is not None and not parent.is_alive():
+                    raise SystemExit("the main process is gone") from None
                 time.sleep(0.2)
     return engines
 
