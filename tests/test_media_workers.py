@@ -132,13 +132,20 @@ async def test_four_callers_on_two_media_workers_and_a_killed_worker_ends_only_i
         (newcomer,) = await call_all(http, 1, first=4)
         await until(lambda: is_live(newcomer), 30, "a call on the replacement")
         assert victim_pid not in {w["pid"] for w in app.status()["media_workers"]}
-        for caller in [*survivors, newcomer]:
-            await caller.hang_up()
         for caller in victims:
             await caller.hang_up()
-        await until(lambda: app.status()["slots_free"] == 4, 5, "every slot free")
-    log = app.log_text()
-    assert "media worker" in log and "ending its" in log  # the main process says what happened
+        await survivors[0].hang_up()
+        await until(lambda: app.status()["slots_free"] == 3, 5, "the hung-up callers' slots")
+        log = app.log_text()
+        assert "media worker" in log and "ending its" in log  # the main process says what happened
+
+        # SIGTERM (a restart): the live caller hears why, and every process exits.
+        worker_pids = [w["pid"] for w in app.status()["media_workers"]]
+        stopping = asyncio.get_running_loop().run_in_executor(None, app.stop)
+        await until(lambda: "restarting" in newcomer.status, 10, "the restart message on the page")
+        assert await stopping < 10 and app.proc.returncode == 0
+        await until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in worker_pids), 5, "the workers' exit")
+        await newcomer.hang_up()
 
 
 async def test_two_cpu_engines_each_take_a_call(tiny_cache_dir, tmp_path):
