@@ -124,24 +124,17 @@ def download_size(repo: str, kinds: list[str], explicit: bool) -> float | None:
 
     files = ModelFiles()
     total = 0.0
-    # httpx logs every request at INFO; these few are the check's business, not the user's.
-    quiet = logging.getLogger("httpx")
-    level = quiet.level
-    quiet.setLevel(max(level, logging.WARNING))
-    try:
-        for kind in kinds:
-            try:
-                meta = get_hf_file_metadata(hf_hub_url(repo, getattr(files, kind)), timeout=HUB_TIMEOUT_SECONDS)
-            except Exception as e:  # huggingface_hub raises many types; only access is decided here
-                denied = access_denied(e, repo)
-                if denied and explicit:
-                    raise PreflightError(f"cannot download {repo}: {denied} (or run the tiny offline model "
-                                         "with --model tiny)") from None
-                log.debug("preflight: no answer for %s (%s)", kind, type(e).__name__)
-                return None
-            total += meta.size or NOMINAL_SIZES[kind]
-    finally:
-        quiet.setLevel(level)
+    for kind in kinds:
+        try:
+            meta = get_hf_file_metadata(hf_hub_url(repo, getattr(files, kind)), timeout=HUB_TIMEOUT_SECONDS)
+        except Exception as e:  # huggingface_hub raises many types; only access is decided here
+            denied = access_denied(e, repo)
+            if denied and explicit:
+                raise PreflightError(f"cannot download {repo}: {denied} (or run the tiny offline model with "
+                                     "--model tiny)") from None
+            log.debug("preflight: no answer for %s (%s)", kind, type(e).__name__)
+            return None
+        total += meta.size or NOMINAL_SIZES[kind]
     return total
 
 
