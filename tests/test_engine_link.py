@@ -112,6 +112,8 @@ async def test_the_router_fills_free_slots_on_every_engine_before_queueing(runti
                  for i, rt in enumerate(runtimes)]
         router = EngineRouter([RemoteEngine(str(tmp_path / f"e{i}.sock"), KEY) for i in range(2)])
         assert router.slots_total == 2 and router.config.max_queue == 64
+        ticks = []  # what /metrics's histograms are fed: every tick of every engine, with its latencies
+        router.add_tick_listener(lambda seconds, latencies: ticks.append((seconds, latencies)))
         calls = [await router.acquire("NATF2", "", SamplingParams(seed=i)) for i in range(3)]
         assert sorted(c.engine.name for c in calls[:2]) == ["e0", "e1"]  # one on each engine
         assert calls[2].state == "queued"
@@ -121,8 +123,14 @@ async def test_the_router_fills_free_slots_on_every_engine_before_queueing(runti
         room = router.snapshot()
         assert (room.slots_total, room.slots_live, room.queue_length) == (2, 2, 1)
         assert [s["name"] for s in router.engine_status()] == ["e0", "e1"]
+        for call in calls[:2]:
+            call.push_frame(TONE)
+        await asyncio.sleep(0.7)
+        assert ticks and all(seconds > 0 for seconds, _ in ticks) and any(latencies for _, latencies in ticks)
         for call in calls:
             call.release()
         for pool in pools:
             await wait_all_free(pool)
+        await asyncio.sleep(0.7)
+        assert router.snapshot().calls_ended == {"hangup": 3}  # counts by reason add up across engines
         router.close()

@@ -160,6 +160,10 @@ async def test_two_cpu_engines_each_take_a_call(tiny_cache_dir, tmp_path):
             engines = app.status()["engines"]
             assert [e["slots_live"] for e in engines] == [1, 1]  # one call on each engine
             assert callers[0].transcript != callers[1].transcript
+            # /metrics adds up both engines, and their ticks reach its histograms.
+            metrics = dict(line.rsplit(" ", 1) for line in app.metrics().splitlines() if line[:1] not in ("#", ""))
+            assert float(metrics["personaplex_slots"]) == 2 and float(metrics["personaplex_slots_live"]) == 2
+            assert float(metrics["personaplex_tick_seconds_count"]) > 0
             for caller in callers:
                 await caller.hang_up()
             await until(lambda: app.status()["slots_free"] == 2, 5, "both slots free")
