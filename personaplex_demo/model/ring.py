@@ -1,6 +1,6 @@
 """The ring KV cache shared by every streaming transformer here (Mimi's two, the LM's temporal
-transformer and its depformer), and the ring-position rule, written once (docs/model.md § The
-ring rule).
+transformer and its depformer), and the ring-position rule, written once
+(docs/model.md § The ring rule).
 
 A `RingKV` holds the keys and values of all layers of one transformer, [L, 2, B, H, C, Dh], and
 one end offset per batch row: the number of keys ever written to the row. Key j of a row lives
@@ -10,7 +10,7 @@ per row serves all of them, and one `Attend` (mask, slots, positions) serves one
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -77,9 +77,9 @@ class RingKV:
 
     kv: Tensor  # [L, 2, B, H, C, Dh]
     end: Tensor  # [B] long: keys written to the row since its last reset
-    layers: list[RingLayer] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        # Views of each layer's slice; not a field, so that walking the fields counts each tensor once.
         self.layers = [RingLayer(self.kv[i, 0], self.kv[i, 1]) for i in range(self.kv.shape[0])]
 
     @classmethod
