@@ -109,7 +109,7 @@ class PersonaPlexLM(nn.Module):
 
         Returns the (rotated) keys and values of every layer, [layers, 2, H, L, Dh], equal to
         what L single steps would have written into a ring of `capacity` (default: the
-        context), ready for `RingKV.load_row` (docs/engine.md § Prefill)."""
+        context), ready for `RingKV.load_row` (docs/engine.md § System prompt and prefill)."""
         cfg = self.cfg
         L = x.shape[1]
         kv = self.new_kv(1, x.device, x.dtype, capacity=L)
