@@ -5,7 +5,7 @@
   `LockstepCore.step` at the mid-size LM config (no Mimi), at B = 1, 4, 16.
 - Prefill of one caller, mid-size LM, voice T = 50 (random embeddings), persona P = 60 tokens:
   stepwise (1 + T + 12 + P ticks of one row, the reference's way), fast (one parallel forward,
-  `compute_prefix`, then install) and cached (prefix-cache hit, install only).
+  `PrefixCache.compute`, then install) and cached (prefix-cache hit, install only).
 
     .venv/bin/python bench/engine.py [--quick] [--no-write]
 """
@@ -35,10 +35,12 @@ from bench.common import (
     replace_section,
 )
 from bench.model import LM_SEED, PERSONA_P, VOICE_T, bench_cache, bench_persona, bench_voice, hash_file
-from personaplex_demo.engine import LockstepCore, SamplingParams
+from personaplex_demo.engine import SamplingParams
 from personaplex_demo.loading import build_engine
+from personaplex_demo.lockstep import LockstepCore
 from personaplex_demo.model.checkpoint import load_lm, meta_lm
 from personaplex_demo.model.config import LMConfig
+from personaplex_demo.stepwise import StepwiseCore
 
 SECTION = "Engine: tick and prefill"
 PERSONA = ("You work for CitySan Services, a waste management company, and your name is Ayelen Lucero. "
@@ -114,31 +116,31 @@ def prefill(lm, stepwise_reps: int, reps: int) -> tuple[list, int, dict[str, Sta
     voice, persona = bench_voice(lm.cfg, VOICE_T), bench_persona(PERSONA_P)
     ticks = 1 + VOICE_T + 12 + PERSONA_P
     greedy = SamplingParams(greedy=True)
-    core = LockstepCore(lm, 1)
+    core, reference = LockstepCore(lm, 1), StepwiseCore(lm, 1)
     codes = torch.zeros(1, 8, dtype=torch.long)
 
     def stepwise() -> None:
-        core.start(0, voice, persona, greedy, 0, stepwise=True)
+        reference.start(0, voice, persona, greedy, 0)
         n = 0
-        while core.prompts:
-            core.step(codes)
+        while reference.prompts:
+            reference.step(codes)
             n += 1
         assert n == ticks, (n, ticks)
 
     def fast() -> None:
-        core.prefix_cache.clear()
+        core.prefixes.entries.clear()
         core.start(0, voice, persona, greedy, 0)
 
     def cached() -> None:
         core.start(0, voice, persona, greedy, 0)
 
     with torch.no_grad():
-        fast_only = Stats()  # compute_prefix alone, without the install
+        fast_only = Stats()  # PrefixCache.compute alone, without the install
         for _ in range(2):
-            core.compute_prefix(voice, persona)
+            core.prefixes.compute(voice, persona)
         for _ in range(max(3, reps // 2)):
             t0 = time.perf_counter()
-            core.compute_prefix(voice, persona)
+            core.prefixes.compute(voice, persona)
             fast_only.samples.append(time.perf_counter() - t0)
         st = interleave({"fast": fast, "cached": cached}, rounds=reps, per_round=1, warmup=2)
         step_st = interleave({"stepwise": stepwise}, rounds=stepwise_reps, per_round=1, warmup=0)["stepwise"]
@@ -147,9 +149,9 @@ def prefill(lm, stepwise_reps: int, reps: int) -> tuple[list, int, dict[str, Sta
         [f"stepwise: {ticks} ticks of one row (B=1 core)", fmt_ms(step_st.median), fmt_frac(step_st.budget()),
          f"{wall / 1000:.2f} s: one row per 80 ms tick; inside a batch the row rides along the others' ticks",
          step_st.n],
-        ["fast: `compute_prefix` (one causal forward over the T + 12 + P steps) + install", fmt_ms(st["fast"].median),
+        ["fast: `PrefixCache.compute` (one causal forward over the T + 12 + P steps) + install", fmt_ms(st["fast"].median),
          fmt_frac(st["fast"].budget()), "that long, once, between two ticks", st["fast"].n],
-        ["&nbsp;&nbsp;of which `compute_prefix` alone", fmt_ms(fast_only.median), fmt_frac(fast_only.budget()), "",
+        ["&nbsp;&nbsp;of which `PrefixCache.compute` alone", fmt_ms(fast_only.median), fmt_frac(fast_only.budget()), "",
          fast_only.n],
         ["cached: prefix-cache hit, install the KV and ring into the row", fmt_ms(st["cached"].median),
          fmt_frac(st["cached"].budget()), "that long, between two ticks", st["cached"].n],
@@ -167,7 +169,7 @@ CPU cores it leaves real time between B = 4 and B = 16, and the full model is a 
 (section "GPU (H200)"). Prefill: the stepwise prompt costs one tick per prompt step, so the caller
 waits (1 + T + 12 + P) x 80 ms before the first word; the fast path does the same work as one
 parallel forward, and the cached path only copies the stored keys, values and staging ring into
-the row, which is what makes the 300 ms first-audio target reachable (DESIGN §7)."""
+the row, which is what makes first agent audio within 300 ms of connecting reachable."""
 
 
 def main() -> int:

@@ -205,7 +205,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         res["recycle_s"] = time.perf_counter() - t0
         after, ok3 = tick_phase(engine, rng, args.ticks, [0, 1])
     res.update(first=first, both=both, after=after, sane=ok1 and ok2 and ok3, run_peak=run_mem.peak,
-               stats=engine.core.stats, context_frames=engine.core.context, voice_t=engine.voices.load(voices[0]).length)
+               stats=engine.core.prefixes.stats, context_frames=engine.core.context,
+               voice_t=engine.voices.load(voices[0]).length)
     print(f"ticks (s): one live {np.round(first, 2).tolist()}, two live {np.round(both, 2).tolist()}, after the "
           f"recycle {np.round(after, 2).tolist()}; outputs sane: {res['sane']}", flush=True)
     return res
@@ -238,7 +239,7 @@ def render(res: dict, args: argparse.Namespace) -> str:
               f"file (no meta tensor left: {res['mapped']}); files in the official names and key layout.\n"
             + f"- Engine: B = 2, `--context {args.context:g}` ({res['context_frames']} frames, to keep the KV small "
               f"beside the weights), voice T = {res['voice_t']}, persona \"{PERSONA}\"; prefills {s.prefills}, "
-              f"prefix-cache hits {s.prefix_hits}. Every output finite, tokens in range and both rows live: "
+              f"prefix-cache hits {s.hits}. Every output finite, tokens in range and both rows live: "
               f"**{'yes' if res['sane'] else 'NO'}**.\n"
             + "- The loader maps the safetensors file and assigns its bf16 tensors to the meta-built modules without "
               "a copy, so the load itself touches little; the weight pages come in at their first use (the first "

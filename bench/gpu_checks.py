@@ -23,10 +23,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from personaplex_demo.engine import LockstepCore, LockstepEngine, SamplingParams, VoiceTokens
+from personaplex_demo.engine import LockstepEngine, SamplingParams
+from personaplex_demo.lockstep import LockstepCore
 from personaplex_demo.model.checkpoint import load_lm, load_mimi, meta_lm, meta_mimi, write_hash_checkpoint
 from personaplex_demo.model.config import LMConfig, MimiConfig
 from personaplex_demo.model.hashinit import hash_tensor, mimi_input
+from personaplex_demo.prompt import VoiceTokens
+from personaplex_demo.stepwise import StepwiseCore
 
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden"
 GREEDY = SamplingParams(greedy=True)
@@ -70,9 +73,9 @@ def golden_voice(name: str, dtype: torch.dtype) -> VoiceTokens:
 
 
 def first_divergence(core: LockstepCore, g: dict, stepwise: bool) -> tuple[int | None, int]:
-    """Play a golden LM session on `core` (slot 0); (first o whose frame differs or None, frames compared)."""
-    core.start(0, golden_voice(g["inputs"]["voice"], core.dtype), g["inputs"]["persona"], GREEDY, seed=0,
-               stepwise=stepwise)
+    """Play a golden LM session on `core` (slot 0); (first o whose frame differs or None, frames compared).
+    With `stepwise` (a `StepwiseCore`), the prompt's frames are compared too."""
+    core.start(0, golden_voice(g["inputs"]["voice"], core.dtype), g["inputs"]["persona"], GREEDY, seed=0)
     first = g["summary"]["first_conversation_o"]
     user = g["inputs"]["user_codes"]
     ticks = {t["o"]: t for t in g["ticks"]}
@@ -94,7 +97,7 @@ def lm_sessions(models: GoldenModels, device: torch.device) -> list[Check]:
         context = g["model"]["config_overrides"].get("context") if g["model"]["config_overrides"] else None
         lm = models.lm(device, torch.float32, context)
         for stepwise in (True, False):
-            core = LockstepCore(lm, 1, device, torch.float32, context=lm.cfg.context)
+            core = (StepwiseCore if stepwise else LockstepCore)(lm, 1, device, torch.float32, context=lm.cfg.context)
             diff, n = first_divergence(core, g, stepwise)
             how = "stepwise" if stepwise else "fast prefill"
             checks.append(Check(f"golden {fixture.removesuffix('.json')}, {how}, fp32", diff is None,
@@ -105,11 +108,11 @@ def lm_sessions(models: GoldenModels, device: torch.device) -> list[Check]:
 def batched_recycle(models: GoldenModels, device: torch.device) -> Check:
     g = golden("batched-recycle.json")
     sessions = {s["id"]: s for s in g["sessions"]}
-    core = LockstepCore(models.lm(device, torch.float32), g["B"], device, torch.float32)
+    core = StepwiseCore(models.lm(device, torch.float32), g["B"], device, torch.float32)
 
     def start(slot: int, sid: str) -> None:
         s = sessions[sid]
-        core.start(slot, golden_voice(s["voice"], torch.float32), s["persona"], GREEDY, seed=0, stepwise=True)
+        core.start(slot, golden_voice(s["voice"], torch.float32), s["persona"], GREEDY, seed=0)
 
     start(0, "s0")
     start(1, "s1")
@@ -156,7 +159,7 @@ def bf16_sessions(models: GoldenModels, device: torch.device) -> list[Check]:
     out = []
     for fixture in ("lm-greedy-bf16.json", "lm-greedy.json"):
         g = golden(fixture)
-        core = LockstepCore(lm, 1, device, torch.bfloat16, skip_user_steps=False)
+        core = StepwiseCore(lm, 1, device, torch.bfloat16, skip_user_steps=False)
         diff, n = first_divergence(core, g, stepwise=True)
         first = g["summary"]["first_conversation_o"]
         where = "no divergence" if diff is None else f"first divergence at o={diff} ({diff - first} ticks into the call)"

@@ -6,9 +6,9 @@
   staging ring, temporal step, text sampling, 8 depformer steps), and the bare network of that
   tick (temporal + out_norm + text_linear + 8 depformer steps, greedy) at B = 1, 4, 16.
 
-When PyPI `moshi==0.2.13` is importable, it builds the same networks (spec §I) from the same
-safetensors file and runs in the same process, interleaved with ours, so both see the same CPU
-load. Its outputs are compared with ours before timing. The project never needs it.
+When PyPI `moshi==0.2.13` is importable, it builds the same networks from the same safetensors
+file and runs in the same process, interleaved with ours, so both see the same CPU load. Its
+outputs are compared with ours before timing. The project never needs it.
 
     .venv/bin/python bench/model.py [--quick] [--no-write] [--profile]
     /tmp/moshi-venv/bin/python bench/model.py      # with the reference installed (BENCHMARKS.md)
@@ -41,10 +41,12 @@ from bench.common import (
     reference_version,
     replace_section,
 )
-from personaplex_demo.engine import LockstepCore, SamplingParams, VoiceTokens
+from personaplex_demo.engine import SamplingParams
+from personaplex_demo.lockstep import LockstepCore
 from personaplex_demo.model.checkpoint import load_lm, load_mimi, meta_lm, meta_mimi, write_hash_checkpoint
 from personaplex_demo.model.config import LMConfig, MimiConfig
 from personaplex_demo.model.hashinit import mimi_input
+from personaplex_demo.prompt import VoiceTokens
 
 SECTION = "Model: Mimi and LM step"
 LM_SEED, MIMI_SEED = 1242, 4347
@@ -73,7 +75,7 @@ def reference_mimi(path: Path):
     from moshi.models import loaders
     from safetensors.torch import load_file
 
-    mimi = loaders.get_mimi(None, device="cpu")  # its _mimi_config equals NVIDIA's (spec §I)
+    mimi = loaders.get_mimi(None, device="cpu")  # its built-in config is PersonaPlex's Mimi
     mimi.load_state_dict(load_file(str(path)), strict=True)
     mimi.set_num_codebooks(8)
     return mimi.eval().requires_grad_(False)
@@ -89,7 +91,7 @@ def reference_lm(path: Path, cfg: LMConfig):
               depformer_dim=cfg.depformer_dim, depformer_num_heads=cfg.depformer_num_heads,
               depformer_num_layers=cfg.depformer_num_layers,
               depformer_dim_feedforward=cfg.depformer_dim_feedforward, dep_q=cfg.dep_q)
-    kw.pop("depformer_causal", None)  # collides with 0.2.13's own `causal` (spec §I)
+    kw.pop("depformer_causal", None)  # collides with 0.2.13's own `causal` argument
     with torch.device("meta"):
         lm = LMModel(**kw)
     # Its load pre-hook splits the fused in_proj_weight / out_proj.weight into per-step keys.
@@ -205,7 +207,7 @@ def lm_rows(batches: list[int], ref, rounds: int, cap_s: float, profile: bool) -
             prev = text_logits[:, 0, 0].float().argmax(-1)
             out = [prev]
             with theirs.depformer.streaming(B):
-                for s in range(8):  # 8 steps, as ours (the user steps 8..15 are skipped, spec §C.1)
+                for s in range(8):  # 8 steps, as ours (the user steps 8..15 are skipped, docs/model.md)
                     prev = theirs.forward_depformer(s, prev[:, None, None], h)[:, 0, 0].float().argmax(-1)
                     out.append(prev)
             return torch.stack(out, 1)
@@ -256,8 +258,9 @@ NOTES = """\
 **Columns.** Mimi "total" is encode + decode of one frame per row. LM "tick" is
 `LockstepCore.step` as served (staging ring, sampling with the default temperature and top-k,
 8 depformer steps); "net" is the bare network of one tick, greedy: embeddings, temporal step,
-out_norm, text_linear and 8 depformer steps. The reference can run only that part (its `LMGen`
-cannot run PersonaPlex, spec §I), so "net ours / ref" compares like with like and "tick / ref
+out_norm, text_linear and 8 depformer steps. The reference can run only that part (with 16
+depformer steps its `LMGen` generates the user's stream instead of taking it as input, so it
+cannot run PersonaPlex), so "net ours / ref" compares like with like and "tick / ref
 net" adds our lockstep and sampler on top of our network. "tick" and "net" attend the whole
 3000-slot ring (as calls past 240 s do, and as the reference always does); "tick, filled ring"
 is the served tick of calls younger than that, which attends only the filled slots (here about

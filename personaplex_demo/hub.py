@@ -1,4 +1,4 @@
-"""Where the model files come from: the Hugging Face Hub, or the tiny offline model (DESIGN §5).
+"""Where the model files come from: the Hugging Face Hub, or the tiny offline model (docs/model.md § Files).
 
 `resolve_model("auto")` tries the gated `nvidia/personaplex-7b-v1` repository and falls back to the
 tiny hash-v1 model with a human-readable reason; `resolve_model("personaplex-7b-v1")` never falls
@@ -46,7 +46,7 @@ ProgressFn = Callable[[str, float], None]
 SmallFilesCheck = Callable[[Path], None]
 _CHECK_AFTER = "voices"  # the last of the small files in _DOWNLOADS
 
-# Download order and rough sizes (spec §A): the small files first, so that a 401 or a missing
+# Download order and rough sizes (docs/model.md § Files): the small files first, so that a 401 or a missing
 # licence acceptance fails in a second rather than after a 16 GB download; the sizes only weight
 # the overall progress fraction.
 _DOWNLOADS: tuple[tuple[str, float], ...] = (
@@ -114,21 +114,10 @@ class ModelSource:
         """Path of one file: kind is "lm", "mimi", "tokenizer" or "voices"."""
         return self.directory / getattr(ModelFiles(), kind)
 
-    @property
-    def lm_path(self) -> Path:
-        return self.path("lm")
-
-    @property
-    def mimi_path(self) -> Path:
-        return self.path("mimi")
-
-    @property
-    def tokenizer_path(self) -> Path:
-        return self.path("tokenizer")
-
-    @property
-    def voices_path(self) -> Path:
-        return self.path("voices")
+    lm_path = property(lambda self: self.path("lm"))
+    mimi_path = property(lambda self: self.path("mimi"))
+    tokenizer_path = property(lambda self: self.path("tokenizer"))
+    voices_path = property(lambda self: self.path("voices"))
 
 
 def hub_offline() -> bool:

@@ -1,5 +1,5 @@
 """One conversation from an audio file: the caller's audio goes in, the agent's audio and the
-transcript come out (spec §F: NVIDIA's `offline.py`, trimmed or padded to the input length).
+transcript come out, as long as the input (docs/engine.md § System prompt and prefill).
 
     personaplex-offline --input in.wav --output out.wav --transcript out.json \\
         --voice NATF2 --persona "You enjoy having a good conversation."

@@ -1,7 +1,7 @@
 """Per-row sampling for a batch: temperature, top-k, greedy and a seed per conversation.
 
 The reference sampler divides the logits by the temperature, takes a softmax, keeps the
-top-k and picks argmax(p / q) with q ~ Exp(1) (spec §G). Its random draws come from one
+top-k and picks argmax(p / q) with q ~ Exp(1) (docs/engine.md § Sampling). Its random draws come from one
 global generator, so a caller's tokens would depend on who else is in the batch. Here each
 draw is a pure function of (row seed, row tick, stream, index): a counter-based hash that is
 batched, device independent and reproducible per call, with no per-row generator loop.
@@ -46,8 +46,16 @@ class SamplingState:
 
     @classmethod
     def empty(cls, batch: int, device: torch.device | str) -> SamplingState:
+        """Every row greedy (top-k 1, temperature 1, seed 0) until `set_row`."""
         return cls(torch.ones(batch, device=device), torch.ones(batch, dtype=torch.long, device=device),
                    torch.ones(batch, dtype=torch.bool, device=device), torch.zeros(batch, dtype=torch.long, device=device))
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        """Back to `empty`'s values for the rows of the bool mask `rows` [B]."""
+        self.temperature.masked_fill_(rows, 1.0)
+        self.top_k.masked_fill_(rows, 1)
+        self.greedy.masked_fill_(rows, True)
+        self.seed.masked_fill_(rows, 0)
 
     def set_row(self, row: int, temperature: float, top_k: int, greedy: bool, seed: int) -> None:
         self.temperature[row] = temperature

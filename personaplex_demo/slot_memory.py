@@ -15,7 +15,8 @@ import math
 import torch
 
 from .capacity import SlotCost, kv_ring_bytes, plan_slots, safety_margin
-from .engine import MAX_PERSONA_TOKENS, VISIBLE_BUCKET, LockstepCore
+from .engine import MAX_PERSONA_TOKENS
+from .lockstep import VISIBLE_BUCKET, LockstepCore
 from .model.config import LMConfig
 from .tokens import SILENCE_FRAMES
 from .voices import VoiceCatalog, read_voice_file

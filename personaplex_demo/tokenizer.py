@@ -1,4 +1,4 @@
-"""Text side of PersonaPlex: persona prompts in, transcript text out (spec §A, §E, §F).
+"""Text side of PersonaPlex: persona prompts in, transcript text out (docs/engine.md § Frame layout).
 
 The real model ships Kyutai's 32000-piece SentencePiece tokenizer (`tokenizer_spm_32k_3.model`,
 byte fallback, 0 = EPAD/`<unk>`, 1 = BOS, 2 = EOS, 3 = PAD). The tiny offline model needs a
@@ -23,13 +23,13 @@ from .tokens import HIDDEN_TEXT_IDS, TEXT_EPAD, TEXT_PAD
 logger = logging.getLogger(__name__)
 
 SYSTEM_TAG = "<system>"
-# The text head's size (spec §A): ids at or above it are input-only and never shown.
+# The text head's size (docs/model.md § The LM): ids at or above it are input-only and never shown.
 TEXT_CARD = 32000
-EPAD_ID, PAD_ID = TEXT_EPAD, TEXT_PAD  # carry no text, never shown (spec §E)
+EPAD_ID, PAD_ID = TEXT_EPAD, TEXT_PAD  # carry no text, never shown
 
 
 def wrap_with_system_tags(text: str) -> str:
-    """NVIDIA's rule (spec §F): strip, keep as is only if it starts *and* ends with `<system>`."""
+    """The reference's rule: strip, keep as is only if it starts *and* ends with `<system>`."""
     cleaned = text.strip()
     if cleaned.startswith(SYSTEM_TAG) and cleaned.endswith(SYSTEM_TAG):
         return cleaned
@@ -60,7 +60,7 @@ class TextTokenizer:
         """Persona ids as the model is prompted with them: `<system> ... <system>`, no BOS/EOS.
 
         An empty (or all-whitespace) persona gives no tokens at all: the reference server
-        crashes there, vLLM-Omni plays zero persona ticks (spec §F), and so do we.
+        crashes there, vLLM-Omni plays zero persona ticks, and so do we.
         """
         if not persona.strip():
             return []
@@ -117,7 +117,7 @@ class TranscriptDecoder:
     `push` shows exactly what `sp.decode` of all shown ids so far would show, but only once it
     is final: a trailing incomplete UTF-8 sequence built from byte-fallback pieces is held back
     until its last byte arrives (or `flush` is called at the end of the call). EPAD (0), PAD (3)
-    and ids at or above the text card or the vocabulary size are hidden (spec §E).
+    and ids at or above the text card or the vocabulary size are hidden (docs/engine.md § Frame layout).
 
     Each push costs O(length of one piece): pieces are looked up once and fed through Python's
     incremental UTF-8 decoder, which keeps at most 3 pending bytes, instead of re-decoding the

@@ -1,4 +1,4 @@
-"""Special token ids and fixed code frames of the PersonaPlex lockstep (spec §E, §F)."""
+"""Special token ids, fixed code frames and the row layout of a lockstep frame (docs/engine.md § Frame layout)."""
 
 from __future__ import annotations
 

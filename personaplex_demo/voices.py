@@ -1,4 +1,4 @@
-"""Voice prompts: the catalogue of `voices/NAME.pt` files from `voices.tgz` (spec §A, §A.3).
+"""Voice prompts: the catalogue of `voices/NAME.pt` files from `voices.tgz` (docs/model.md § Files).
 
 A voice prompt is `{"embeddings": Tensor[T, 1, 1, D], "cache": LongTensor[1, 17, 4]}`: the summed
 input embeddings that fed the temporal transformer while the voice was encoded, and the staging
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 VOICES_FOLDER = "voices"
 
-CACHE_SHAPE = (1, 17, 4)  # [batch, token rows, staging ring columns] (spec §E)
+CACHE_SHAPE = (1, 17, 4)  # [batch, token rows, staging ring columns] (docs/engine.md § Staging ring and delays)
 TEXT_CARD = 32000
 AUDIO_CARD = 2048
 TINY_VOICE_SEED = 20251202  # the golden fixtures' data seed
@@ -237,8 +237,8 @@ class VoiceCatalog:
         device: str | torch.device = "cpu",
         dim: int | None = None,
     ) -> VoicePrompt:
-        """The prompt `name` with its embeddings in `dtype` on `device` (spec §J.14: the file's
-        own dtype is whatever the model had when it was saved). `dim`, if given, must match D."""
+        """The prompt `name` with its embeddings in `dtype` on `device` (the file's own dtype is
+        whatever the model had when it was saved). `dim`, if given, must match D."""
         name = self.check_name(name)
         dev = torch.device(device)
         key = (name, dtype, str(dev))

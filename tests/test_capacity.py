@@ -134,7 +134,7 @@ def test_the_runtime_logs_and_reports_its_plan(tiny_cache_dir, caplog):
     with caplog.at_level(logging.INFO, logger="personaplex_demo.loading"):
         runtime = build_runtime(RuntimeOptions(model="tiny", cache_dir=tiny_cache_dir, context=context_frames(8, 3000)))
     assert runtime.engine.batch_size == 4 and runtime.capacity.slots == 4
-    assert runtime.engine.core.context == 100 and runtime.engine.core.kv[0].capacity == 100
+    assert runtime.engine.core.context == 100 and runtime.engine.core.state.kv.capacity == 100
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slots: ")]
     assert logged and "4 slots on the CPU" in logged[0] and "at 8 s = 100 frames" in logged[0]
     pool = SlotPool(runtime.engine, PoolConfig())

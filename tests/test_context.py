@@ -7,8 +7,10 @@ import pytest
 
 from bench.gpu_checks import first_divergence
 from personaplex_demo.capacity import context_frames
-from personaplex_demo.engine import LockstepCore, SamplingParams
+from personaplex_demo.engine import SamplingParams
 from personaplex_demo.loading import RuntimeOptions, build_runtime
+from personaplex_demo.lockstep import LockstepCore
+from personaplex_demo.stepwise import StepwiseCore
 
 from .conftest import golden
 from .lm_fixtures import tiny_lm
@@ -22,16 +24,16 @@ def test_a_short_context_equals_the_reference_with_that_context(stepwise):
     assert g["model"]["config_overrides"] == {"context": 20}
     lm = tiny_lm()
     assert lm.cfg.context == 3000
-    core = LockstepCore(lm, 1, context=context_frames(1.6, lm.cfg.context))
+    core = (StepwiseCore if stepwise else LockstepCore)(lm, 1, context=context_frames(1.6, lm.cfg.context))
     diff, compared = first_divergence(core, g, stepwise)
     assert diff is None, f"first difference at o={diff}"
-    assert compared >= 80 and int(core.kv[0].end[0]) > 5 * 20  # wrapped five times and more
+    assert compared >= 80 and int(core.state.kv.end[0]) > 5 * 20  # wrapped five times and more
 
 
 def test_a_call_runs_on_past_a_short_context(tiny_cache_dir):
     engine = build_runtime(RuntimeOptions(model="tiny", slots=2, cache_dir=tiny_cache_dir,
                                           context=context_frames(2, 3000))).engine
-    assert engine.core.kv[0].capacity == 25
+    assert engine.core.state.kv.capacity == 25
     engine.start_session(0, "NATF2", "You enjoy having a good conversation.", SamplingParams(seed=3))
     rng = np.random.default_rng(3)
     texts = []
@@ -40,6 +42,6 @@ def test_a_call_runs_on_past_a_short_context(tiny_cache_dir):
         assert bool(out.live[0]) and not bool(out.live[1])
         assert np.isfinite(out.pcm).all() and np.abs(out.pcm[0]).max() > 0
         texts.append(out.tokens[0].copy())
-    assert int(engine.core.kv[0].end[0]) > 4 * 25
+    assert int(engine.core.state.kv.end[0]) > 4 * 25
     # Still choosing tokens after the wraps, not stuck on one frame.
     assert len({t.tobytes() for t in texts[-25:]}) > 5

@@ -68,7 +68,7 @@ def test_fast_prefill_equals_stepwise_and_cache_is_reused(tiny_cache_dir):
     stepwise = make_engine(tiny_cache_dir, 1, stepwise_prefill=True)
     stepwise.start_session(0, "VARF3", PERSONA, GREEDY)
     warm = 0
-    while not stepwise.core.live[0]:
+    while not stepwise.core.is_live(0):
         stepwise.step(np.zeros((1, 1920), np.float32))
         warm += 1
     assert warm == 1 + stepwise.voices.load("VARF3").length + 12 + len(stepwise.persona_tokens(PERSONA))
@@ -77,9 +77,10 @@ def test_fast_prefill_equals_stepwise_and_cache_is_reused(tiny_cache_dir):
     fast = make_engine(tiny_cache_dir, 2)
     got = run_alone(fast, audio, "VARF3", PERSONA, GREEDY, slot=1)
     np.testing.assert_array_equal(got, ref)
-    assert fast.core.stats.prefix_misses == 1 and fast.core.stats.prefix_hits == 0
+    stats = fast.core.prefixes.stats
+    assert stats.misses == 1 and stats.hits == 0
     again = run_alone(fast, audio, "VARF3", PERSONA, GREEDY, slot=0)
-    assert fast.core.stats.prefix_hits == 1 and fast.core.stats.prefills == 1
+    assert stats.hits == 1 and stats.prefills == 1
     np.testing.assert_array_equal(again, ref)
 
 
@@ -92,7 +93,7 @@ def test_call_longer_than_the_context_keeps_running(tiny_cache_dir):
         out = engine.step(np.stack([x, np.zeros(1920, np.float32)]))
         assert np.isfinite(out.pcm).all()
         live_frames += int(out.live[0])
-    assert live_frames == 80 and int(engine.core.kv[0].end[0]) > 16 * 4
+    assert live_frames == 80 and int(engine.core.state.kv.end[0]) > 16 * 4
 
 
 def test_seed_makes_a_call_reproducible_and_knobs_matter(tiny_cache_dir):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from personaplex_demo.engine import LockstepCore, SamplingParams
+from personaplex_demo.engine import SamplingParams
+from personaplex_demo.lockstep import LockstepCore
+from personaplex_demo.stepwise import StepwiseCore
 
 from .conftest import golden
 from .lm_fixtures import golden_voice, tiny_lm
@@ -15,21 +17,21 @@ G = golden("batched-recycle.json")
 SESSIONS = {s["id"]: s for s in G["sessions"]}
 
 
-def start(core: LockstepCore, slot: int, sid: str, stepwise: bool) -> None:
+def start(core: LockstepCore, slot: int, sid: str) -> None:
     s = SESSIONS[sid]
-    core.start(slot, golden_voice(s["voice"]), s["persona"], GREEDY, seed=0, stepwise=stepwise)
+    core.start(slot, golden_voice(s["voice"]), s["persona"], GREEDY, seed=0)
 
 
 def test_timeline_stepwise_prompts():
     """Replays the timeline tick by tick: every frame matches, prefill frames included."""
-    core = LockstepCore(tiny_lm(), G["B"])
-    start(core, 0, "s0", True)
-    start(core, 1, "s1", True)
+    core = StepwiseCore(tiny_lm(), G["B"])
+    start(core, 0, "s0")
+    start(core, 1, "s1")
     checked = 0
     for row in G["timeline"]:
         for slot, entry in enumerate(row["slots"]):
             if entry["step"] == "dead" and row["g"] > 0:
-                start(core, slot, entry["s"], True)
+                start(core, slot, entry["s"])
         codes = torch.tensor([e.get("user", [0] * 8) for e in row["slots"]], dtype=torch.long)
         res = core.step(codes)
         for slot, entry in enumerate(row["slots"]):
@@ -49,13 +51,13 @@ def test_recycle_with_fast_prefill_at_every_phase(s1_ticks):
     plan = {0: ["s0"], 1: ["s1", "s2"]}
     n = {0: 0, 1: 0}
     current = {0: "s0", 1: "s1"}
-    start(core, 0, "s0", False)
-    start(core, 1, "s1", False)
+    start(core, 0, "s0")
+    start(core, 1, "s1")
     checked = {"s0": 0, "s1": 0, "s2": 0}
     for _ in range(60):
         if current[1] == "s1" and n[1] == s1_ticks:
             current[1], n[1] = "s2", 0
-            start(core, 1, "s2", False)
+            start(core, 1, "s2")
         codes = torch.tensor([SESSIONS[current[s]]["user_codes"][n[s]] for s in (0, 1)], dtype=torch.long)
         res = core.step(codes)
         for slot in (0, 1):

@@ -1,4 +1,4 @@
-"""Model resolution (DESIGN §5): Hub download, the tiny fallback, and secret redaction."""
+"""Model resolution (docs/model.md § Files): Hub download, the tiny fallback, and secret redaction."""
 
 from __future__ import annotations
 

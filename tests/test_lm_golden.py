@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from personaplex_demo.engine import LockstepCore, SamplingParams
+from personaplex_demo.engine import SamplingParams
+from personaplex_demo.lockstep import LockstepCore
 from personaplex_demo.model.hashinit import make_tensor
+from personaplex_demo.stepwise import StepwiseCore
 
 from .conftest import golden
 from .lm_fixtures import LM_SEED, golden_voice, tiny_lm
@@ -36,10 +38,8 @@ def run_session(fixture: str, stepwise: bool = True) -> tuple[list, list]:
     """Play a golden lm-session scenario; returns (expected, actual) frames per emitted tick."""
     g = golden(fixture)
     lm = tiny_lm(g["model"]["config_overrides"])
-    core = LockstepCore(lm, 1, context=lm.cfg.context)
-    voice = golden_voice(g["inputs"]["voice"])
-    persona = g["inputs"]["persona"]
-    core.start(0, voice, persona, GREEDY, seed=0, stepwise=stepwise)
+    core = (StepwiseCore if stepwise else LockstepCore)(lm, 1, context=lm.cfg.context)
+    core.start(0, golden_voice(g["inputs"]["voice"]), g["inputs"]["persona"], GREEDY, seed=0)
     user = g["inputs"]["user_codes"]
     first = g["summary"]["first_conversation_o"]
     expected, actual = [], []
@@ -76,9 +76,8 @@ def test_bf16_session_diagnostic():
     the prompt and the first 40 conversation ticks must still agree with the reference."""
     g = golden("lm-greedy-bf16.json")
     lm = tiny_lm(None, torch.bfloat16)
-    core = LockstepCore(lm, 1, dtype=torch.bfloat16, skip_user_steps=False)
-    core.start(0, golden_voice(g["inputs"]["voice"], torch.bfloat16), g["inputs"]["persona"], GREEDY, 0,
-               stepwise=True)
+    core = StepwiseCore(lm, 1, dtype=torch.bfloat16, skip_user_steps=False)
+    core.start(0, golden_voice(g["inputs"]["voice"], torch.bfloat16), g["inputs"]["persona"], GREEDY, 0)
     first = g["summary"]["first_conversation_o"]
     user = g["inputs"]["user_codes"]
     ticks = {t["o"]: t for t in g["ticks"]}

@@ -193,8 +193,8 @@ def test_meta_build_then_assign_load(tiny_weights: dict[str, np.ndarray], signal
 @pytest.mark.parametrize("bias", [True, False])
 def test_transposed_conv_matmul_path_equals_the_conv(monkeypatch: pytest.MonkeyPatch, bias: bool) -> None:
     """The matmul fast path of a streaming transposed conv gives the conv's output, carry included."""
-    import personaplex_demo.model.mimi as mimi_module
-    from personaplex_demo.model.mimi import StreamingConvTranspose1d
+    import personaplex_demo.model.seanet as seanet_module
+    from personaplex_demo.model.seanet import StreamingConvTranspose1d
 
     torch.manual_seed(0)
     layer = StreamingConvTranspose1d(24, 12, kernel_size=10, stride=5, bias=bias)
@@ -204,7 +204,7 @@ def test_transposed_conv_matmul_path_equals_the_conv(monkeypatch: pytest.MonkeyP
                                                  stride=5)[..., : 12 * 5]
     outs = {}
     for name, max_steps in (("matmul", 4), ("conv", 0)):
-        monkeypatch.setattr(mimi_module, "MATMUL_MAX_STEPS", max_steps)
+        monkeypatch.setattr(seanet_module, "MATMUL_MAX_STEPS", max_steps)
         state = layer.init_state(3, torch.device("cpu"), torch.float32)
         with torch.no_grad():
             outs[name] = torch.cat([layer.step(x[..., i: i + 2], state) for i in range(0, 12, 2)], dim=-1)

@@ -1,4 +1,4 @@
-"""Persona encoding (spec §F), the tiny tokenizer, and incremental transcript decoding (spec §E)."""
+"""Persona encoding, the tiny tokenizer, and incremental transcript decoding (docs/engine.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Voice catalogue: official archive layout, safe extraction, strict `.pt` loading (spec §A.3)."""
+"""Voice catalogue: official archive layout, safe extraction, strict `.pt` loading (docs/model.md § Files)."""
 
 from __future__ import annotations
 

@@ -1,1 +1,1 @@
-"""Native PyTorch PersonaPlex: temporal LM, depformer and the Mimi codec (spec §B-D)."""
+"""Native PyTorch PersonaPlex: temporal LM, depformer and the Mimi codec (docs/model.md)."""

@@ -1,7 +1,7 @@
 """Official-format checkpoint files: loading with key/shape checks, and hash-v1 tiny files.
 
 Models are built on the meta device and their tensors assigned from the file, so the 17 GB
-real checkpoint is never preceded by a random initialisation (spec §A).
+real checkpoint is never preceded by a random initialisation (docs/model.md).
 """
 
 from __future__ import annotations

@@ -6,15 +6,15 @@ config can be built from the kwargs stored next to a checkpoint (`from_kwargs`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
-# Row layout of one lockstep frame (spec §E): text, agent cb0..7, user cb0..7.
+# Delays of the rows of one frame: text, agent cb0..7, user cb0..7 (docs/engine.md § Frame layout).
 PERSONAPLEX_DELAYS = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
 
 
 def _feedforward_hidden(dim: int, dim_feedforward: int) -> int:
-    # NVIDIA's ActivationGating: 21/8 when the FFN is exactly 4x, else 2/3 of it (spec §J.4).
+    # The reference's gated feed-forward: 21/8 of the width when the FFN is exactly 4x, else 2/3 of it.
     if dim_feedforward == 4 * dim:
         return (21 * dim) // 8
     return (2 * dim_feedforward) // 3
@@ -22,27 +22,25 @@ def _feedforward_hidden(dim: int, dim_feedforward: int) -> int:
 
 @dataclass(frozen=True)
 class LMConfig:
+    # Temporal transformer
     dim: int = 4096
     num_heads: int = 32
     num_layers: int = 32
-    hidden_scale: float = 4.125
-    context: int = 3000
-    max_period: float = 10000.0
+    hidden_scale: float = 4.125  # dim_feedforward / dim
+    context: int = 3000  # frames of attention (240 s), and the KV ring's capacity
+    max_period: float = 10000.0  # RoPE
+    # Streams: text vocabulary, audio codes, audio streams in / generated per frame
     text_card: int = 32000
     card: int = 2048
     n_q: int = 16
     dep_q: int = 16
+    # Depformer
     depformer_dim: int = 1024
     depformer_num_heads: int = 16
     depformer_num_layers: int = 6
     depformer_dim_feedforward: int = int(4.125 * 1024)
-    delays: tuple[int, ...] = PERSONAPLEX_DELAYS
-    norm_eps: float = 1e-8
-
-    @property
-    def num_rows(self) -> int:
-        """Token rows per frame: text + n_q audio rows (17)."""
-        return 1 + self.n_q
+    delays: tuple[int, ...] = PERSONAPLEX_DELAYS  # per row of a frame
+    norm_eps: float = 1e-8  # of every RMSNorm
 
     @property
     def head_dim(self) -> int:
@@ -62,7 +60,7 @@ class LMConfig:
 
     @property
     def ring_columns(self) -> int:
-        """Staging ring width CT = max_delay + 3 (spec §E)."""
+        """Staging ring width CT = max_delay + 3 (docs/engine.md § Staging ring and delays)."""
         return self.max_delay + 3
 
     @classmethod
@@ -96,17 +94,16 @@ class LMConfig:
 
 @dataclass(frozen=True)
 class MimiConfig:
-    sample_rate: int = 24000
-    frame_rate: float = 12.5
+    sample_rate: int = 24000  # Hz
+    frame_rate: float = 12.5  # frames per second: 80 ms, 1920 samples
     channels: int = 1
     # SEANet
     n_filters: int = 64
-    dimension: int = 512
-    ratios: tuple[int, ...] = (8, 6, 5, 4)
+    dimension: int = 512  # the latent's channels
+    ratios: tuple[int, ...] = (8, 6, 5, 4)  # decoder upsampling; the encoder's strides reversed
     kernel_size: int = 7
     residual_kernel_size: int = 3
     last_kernel_size: int = 3
-    dilation_base: int = 2
     compress: int = 2
     # Transformers (encoder and decoder side)
     transformer_d_model: int = 512
@@ -152,8 +149,7 @@ class MimiConfig:
             sample_rate=m["sample_rate"], frame_rate=m["frame_rate"], channels=s["channels"],
             n_filters=s["n_filters"], dimension=s["dimension"], ratios=tuple(s["ratios"]),
             kernel_size=s["kernel_size"], residual_kernel_size=s["residual_kernel_size"],
-            last_kernel_size=s["last_kernel_size"], dilation_base=s["dilation_base"],
-            compress=s["compress"], transformer_d_model=t["d_model"],
+            last_kernel_size=s["last_kernel_size"], compress=s["compress"], transformer_d_model=t["d_model"],
             transformer_num_heads=t["num_heads"], transformer_num_layers=t["num_layers"],
             transformer_dim_feedforward=t["dim_feedforward"], transformer_context=t["context"],
             transformer_max_period=t["max_period"], quantizer_dimension=q["dimension"],
@@ -163,7 +159,7 @@ class MimiConfig:
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """File names of a PersonaPlex model repository (spec §A)."""
+    """File names of a PersonaPlex model repository (docs/model.md)."""
 
     lm: str = "model.safetensors"
     mimi: str = "tokenizer-e351c8d8-checkpoint125.safetensors"
@@ -171,8 +167,4 @@ class ModelFiles:
     voices: str = "voices.tgz"
 
 
-def config_dict(cfg: Any) -> dict[str, Any]:
-    return asdict(cfg)
-
-
-__all__ = ["LMConfig", "MimiConfig", "ModelFiles", "PERSONAPLEX_DELAYS", "config_dict"]
+__all__ = ["LMConfig", "MimiConfig", "ModelFiles", "PERSONAPLEX_DELAYS"]

@@ -1,22 +1,25 @@
-"""Transformer pieces of the PersonaPlex LM: RMSNorm, interleaved RoPE, a ring KV cache with
-per-row offsets, attention and the SwiGLU feed-forward (spec §B, §C, §J.2-4, §J.10).
+"""The streaming transformer used by Mimi and the LM: norms, interleaved RoPE, fused-QKV
+attention over a ring KV cache, and one pre-norm residual layer (docs/model.md § Transformers).
 
-Streaming state lives in `RingKV` objects owned by the caller, not in the modules, so that
-one batch row can be reset or overwritten without touching the others.
+Streaming state lives in `RingKV` objects owned by the caller, not in the modules, so that one
+batch row can be reset or overwritten without touching the others. A model's layer subclasses
+`TransformerLayer` with its own norms and feed-forward under the checkpoint's names.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .ring import Attend, RingKV, RingLayer
+
 
 class RMSNorm(nn.Module):
-    """`rms_norm_f32`: computed in fp32 with eps 1e-8, weight `alpha` of shape [1, 1, D]."""
+    """`rms_norm_f32`: computed in fp32, weight `alpha` of shape [1, 1, D]."""
 
     def __init__(self, dim: int, eps: float = 1e-8):
         super().__init__()
@@ -28,6 +31,17 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         var = self.eps + torch.mean(x32**2, dim=-1, keepdim=True)
         return (x32 * (self.alpha.float() * torch.rsqrt(var))).to(x.dtype)
+
+
+class LayerScale(nn.Module):
+    """A learnt per-channel scale of a residual branch (Mimi)."""
+
+    def __init__(self, dim: int, init: float = 0.01):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((dim,), init))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
 
 
 def rope_angles(positions: torch.Tensor, head_dim: int, max_period: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,87 +62,9 @@ def rotate(x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.
     return out.view(*out.shape[:-2], D)
 
 
-@dataclass
-class RingKV:
-    """Ring KV cache of one attention layer, with an end offset per batch row.
-
-    keys/values: [B, H, C, Dh]; end: [B] long, the number of keys ever written to the row.
-    Key j of a row lives at index j % C. Positions follow NVIDIA's rule (`delta <= 0`): once a
-    row has wrapped, the slot just after the newest key counts as a future position, so a query
-    sees C - 1 keys (spec §B "Streaming KV ring", §J.10). Kept for token parity.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    end: torch.Tensor
-
-    @classmethod
-    def empty(cls, batch: int, heads: int, capacity: int, head_dim: int,
-              device: torch.device | str, dtype: torch.dtype) -> RingKV:
-        shape = (batch, heads, capacity, head_dim)
-        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
-                   torch.zeros(batch, device=device, dtype=torch.long))
-
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[2]
-
-    def reset_rows(self, rows: torch.Tensor) -> None:
-        """Forget every key of the given rows (bool mask [B]); stale slots are masked as `idx >= end`."""
-        self.end.masked_fill_(rows, 0)
-
-    def append(self, k: torch.Tensor, v: torch.Tensor, active: torch.Tensor) -> None:
-        """Write one key per row at `end % C` and advance `end`, only where `active` [B] is true."""
-        B = k.shape[0]
-        rows = torch.arange(B, device=k.device)
-        idx = self.end % self.capacity
-        keep = active.view(B, 1, 1)
-        self.keys[rows, :, idx] = torch.where(keep, k[:, :, 0], self.keys[rows, :, idx])
-        self.values[rows, :, idx] = torch.where(keep, v[:, :, 0], self.values[rows, :, idx])
-        self.end += active.long()
-
-    def positions(self, visible: int | None = None) -> torch.Tensor:
-        """Stream position of every slot (of the first `visible` slots), -1 where empty: [B, C]."""
-        C = self.capacity
-        end = self.end.view(-1, 1)
-        idx = torch.arange(C if visible is None else visible, device=end.device).view(1, -1)
-        delta = idx - end % C
-        pos = torch.where(delta <= 0, end + delta, end + delta - C)
-        return torch.where(idx >= end, torch.full_like(pos, -1), pos)
-
-    def load_row(self, row: int, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
-        """Install a prefix computed elsewhere: k, v [H, length, Dh] for positions 0..length-1."""
-        C = self.capacity
-        first = max(0, length - C)
-        idx = torch.arange(first, length, device=self.keys.device) % C
-        self.keys[row, :, idx] = k[:, first:length].to(self.keys.dtype)
-        self.values[row, :, idx] = v[:, first:length].to(self.values.dtype)
-        self.end[row] = length
-
-
-def step_attention_mask(kv: RingKV, query_pos: torch.Tensor, context: int,
-                        visible: int | None = None) -> torch.Tensor:
-    """Boolean mask [B, 1, 1, C] (or [B, 1, 1, visible]: the first slots only) for one query per
-    row at `query_pos` [B]."""
-    pos_k = kv.positions(visible)
-    delta = query_pos.view(-1, 1) - pos_k
-    mask = (pos_k >= 0) & (delta >= 0) & (delta < context)
-    return mask[:, None, None, :]
-
-
-def prefill_attention_mask(length: int, capacity: int, context: int, device: torch.device) -> torch.Tensor:
-    """Causal mask [1, 1, L, L] of a parallel forward that equals stepping a fresh ring of
-    `capacity` one key at a time: query q sees key p iff 0 <= q - p <= capacity - 2 (the ring
-    rule hides the oldest slot once wrapped) and q - p < context."""
-    q = torch.arange(length, device=device).view(-1, 1)
-    p = torch.arange(length, device=device).view(1, -1)
-    d = q - p
-    return ((d >= 0) & (d <= capacity - 2) & (d < context))[None, None]
-
-
 class Attention(nn.Module):
-    """Fused-QKV causal self-attention without biases; `steps` > 0 gives per-step weights
-    (the depformer: `in_proj_weight` [steps * 3D, D], `out_proj` [steps * D, D])."""
+    """Fused-QKV self-attention without biases over a ring KV cache; `steps` > 0 gives
+    per-step weights (the depformer: `in_proj_weight` [steps * 3D, D], `out_proj` [steps * D, D])."""
 
     def __init__(self, dim: int, num_heads: int, steps: int = 0):
         super().__init__()
@@ -138,20 +74,19 @@ class Attention(nn.Module):
         self.in_proj_weight = nn.Parameter(torch.empty(mult * 3 * dim, dim))
         self.out_proj = nn.Linear(dim, mult * dim, bias=False)
 
-    def qkv(self, x: torch.Tensor, step: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, D] -> q, k, v [B, H, T, Dh]."""
+    def forward(self, x: torch.Tensor, attend: Attend, angles: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: RingLayer, step: int | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]; the new keys go into `cache` before the queries attend."""
         w = self.in_proj_weight if step is None else self.in_proj_weight.view(-1, 3 * self.dim, self.dim)[step]
         B, T, _ = x.shape
-        qkv = F.linear(x, w).view(B, T, 3, self.num_heads, -1)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        return q, k, v
-
-    def project_out(self, x: torch.Tensor, step: int | None = None) -> torch.Tensor:
-        """x [B, H, T, Dh] -> [B, T, D]."""
-        B, H, T, Dh = x.shape
-        x = x.transpose(1, 2).reshape(B, T, H * Dh)
+        q, k, v = F.linear(x, w).view(B, T, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # [B, H, T, Dh]
+        if angles is not None:
+            q, k = rotate(q, angles), rotate(k, angles)
+        keys, values = cache.update(k, v, attend)
+        a = F.scaled_dot_product_attention(q, keys, values, attend.mask)
+        a = a.transpose(1, 2).reshape(B, T, self.dim)
         w = self.out_proj.weight if step is None else self.out_proj.weight.view(-1, self.dim, self.dim)[step]
-        return F.linear(x, w)
+        return F.linear(a, w)
 
 
 class SwiGLU(nn.Module):
@@ -167,3 +102,45 @@ class SwiGLU(nn.Module):
         B, T, _ = h.shape
         h = h.view(B, T, 2, -1)
         return self.linear_out(F.silu(h[..., 0, :]) * h[..., 1, :])
+
+
+class TransformerLayer(nn.Module):
+    """The pre-norm residual block: x + attention(norm1(x)), then x + feed_forward(norm2(x)).
+
+    Subclasses register `norm1`, `self_attn`, `norm2`, `layer_scale_1`, `layer_scale_2` (in
+    their checkpoint's order) and define `feed_forward`; Mimi scales each residual branch, the
+    LM does not (its scales are identities)."""
+
+    norm1: nn.Module
+    self_attn: Attention
+    norm2: nn.Module
+    layer_scale_1: nn.Module
+    layer_scale_2: nn.Module
+
+    def feed_forward(self, x: torch.Tensor, step: int | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, attend: Attend, angles: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: RingLayer, step: int | None = None) -> torch.Tensor:
+        x = x + self.layer_scale_1(self.self_attn(self.norm1(x), attend, angles, cache, step))
+        return x + self.layer_scale_2(self.feed_forward(self.norm2(x), step))
+
+
+class Transformer(nn.Module):
+    """A stack of layers (`layers.N` in the checkpoints) sharing one RoPE and one ring KV cache."""
+
+    def __init__(self, layers: Sequence[TransformerLayer], head_dim: int, max_period: float | None):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.head_dim = head_dim
+        self.max_period = max_period  # None: no positional encoding (the depformer)
+
+    def forward(self, x: torch.Tensor, attend: Attend, kv: RingKV, step: int | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D], writing the new keys into `kv` (see `RingKV.advance`)."""
+        angles = None
+        if self.max_period is not None and attend.positions is not None:
+            # Computed once for all layers (every layer's ring holds the same positions).
+            angles = rope_angles(attend.positions, self.head_dim, self.max_period)
+        for layer, cache in zip(self.layers, kv.layers):
+            x = layer(x, attend, angles, cache, step)
+        return x

@@ -1,0 +1,147 @@
+"""The ring KV cache shared by every streaming transformer here (Mimi's two, the LM's temporal
+transformer and its depformer), and the ring-position rule, written once
+(docs/model.md § The ring rule).
+
+A `RingKV` holds the keys and values of all layers of one transformer, [L, 2, B, H, C, Dh], and
+one end offset per batch row: the number of keys ever written to the row. Key j of a row lives
+in slot j % C. Every layer of a transformer is written, reset and loaded together, so one end
+per row serves all of them, and one `Attend` (mask, slots, positions) serves one forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def ring_positions(end: Tensor, capacity: int, slots: int | None = None) -> Tensor:
+    """Stream position held by each slot (the first `slots` of them) of rings of `capacity`
+    after `end` [B] keys were written, -1 where empty: [B, slots].
+
+    The reference's rule: with `delta <= 0`, once a ring has wrapped, the slot just after the
+    newest key reads as a future position, so a query sees capacity - 1 keys, not capacity.
+    Kept for token parity with the reference."""
+    end = end.view(-1, 1)
+    idx = torch.arange(capacity if slots is None else slots, device=end.device).view(1, -1)
+    delta = idx - end % capacity
+    pos = torch.where(delta <= 0, end + delta, end + delta - capacity)
+    return torch.where(idx >= end, torch.full_like(pos, -1), pos)
+
+
+def ring_mask(query: Tensor, end: Tensor, capacity: int, context: int | None,
+              slots: int | None = None) -> Tensor:
+    """Boolean attention mask [B, 1, T, slots] of queries at stream positions `query` [B, T]
+    over rings holding `end` [B] keys: a key is seen if it is in the ring, not in the future,
+    and less than `context` steps back (None: no limit)."""
+    pos_k = ring_positions(end, capacity, slots)[:, None, :]  # [B, 1, S]
+    dist = query[:, :, None] - pos_k  # [B, T, S]
+    mask = (pos_k >= 0) & (dist >= 0)
+    if context is not None:
+        mask = mask & (dist < context)
+    # A query that sees nothing (a row that does not step and holds no key) would make the
+    # softmax NaN; it sees slot 0 instead. Its output is never used.
+    empty = ~mask.any(dim=-1, keepdim=True)
+    mask = mask | (empty & (torch.arange(mask.shape[-1], device=mask.device) == 0))
+    return mask[:, None]
+
+
+def prefill_mask(length: int, capacity: int, context: int, device: torch.device | str) -> Tensor:
+    """Causal mask [1, 1, L, L] of a parallel forward over the first `length` steps of one stream
+    that equals stepping a ring of `capacity` one key at a time: query q sees the positions that
+    `ring_mask` shows it once q + 1 keys are in the ring."""
+    q = torch.arange(length, device=device)
+    slots = min(capacity, length)  # a ring that has not wrapped holds nothing past `length`
+    pos_k = ring_positions(q + 1, capacity, slots)  # [L, S]
+    seen = ring_mask(q[:, None], q + 1, capacity, context, slots)[:, 0, 0]  # [L, S]
+    mask = torch.zeros(length, length + 1, dtype=torch.bool, device=device)
+    mask.scatter_(1, torch.where(seen, pos_k, length), True)  # unseen slots go to a spare column
+    return mask[None, None, :, :length]
+
+
+@dataclass
+class Attend:
+    """What every layer of one forward shares."""
+
+    positions: Tensor | None  # [B, T] stream positions of the new steps (RoPE); None: no RoPE
+    mask: Tensor  # bool [B or 1, 1, T, S]: the slots each new step sees
+    slots: Tensor | int  # [B, T] ring slots of the new keys, or one slot for every row
+    keep: Tensor | None = None  # [B] rows whose keys are written; None: every row
+    visible: int | None = None  # attend the first `visible` slots only (None: all)
+
+
+@dataclass
+class RingKV:
+    """Ring KV caches of all layers of one transformer, with one end offset per batch row."""
+
+    kv: Tensor  # [L, 2, B, H, C, Dh]
+    end: Tensor  # [B] long: keys written to the row since its last reset
+
+    def __post_init__(self) -> None:
+        # Views of each layer's slice; not a field, so that walking the fields counts each tensor once.
+        self.layers = [RingLayer(self.kv[i, 0], self.kv[i, 1]) for i in range(self.kv.shape[0])]
+
+    @classmethod
+    def empty(cls, layers: int, batch: int, heads: int, capacity: int, head_dim: int,
+              device: torch.device | str, dtype: torch.dtype) -> RingKV:
+        kv = torch.zeros(layers, 2, batch, heads, capacity, head_dim, device=device, dtype=dtype)
+        return cls(kv, torch.zeros(batch, device=device, dtype=torch.long))
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[4]
+
+    def reset_rows(self, rows: Tensor) -> None:
+        """Make the rows of the bool mask `rows` [B] empty rings.
+
+        Their slots are zeroed, not only hidden by `end = 0`: a hidden value still enters the
+        attention as 0 x value, so a NaN or inf left by an earlier stream would leak into the new one."""
+        self.kv.index_fill_(2, rows.nonzero()[:, 0], 0.0)
+        self.end.masked_fill_(rows, 0)
+
+    def advance(self, steps: int, context: int | None, active: Tensor | None = None,
+                visible: int | None = None) -> Attend:
+        """Take `steps` new keys per row (only rows where `active` [B] is true; None: all) and
+        return what the layers need to write and attend them. `visible`: attend only the first
+        `visible` slots, exact when no stepping row holds more keys than that."""
+        if visible is not None and visible >= self.capacity:
+            visible = None
+        start = self.end.clone()
+        positions = start[:, None] + torch.arange(steps, device=start.device)  # [B, T]
+        self.end += steps if active is None else active.long() * steps
+        mask = ring_mask(positions, self.end, self.capacity, context, visible)
+        return Attend(positions, mask, positions % self.capacity, active, visible)
+
+    def load_row(self, row: int, kv: Tensor, length: int) -> None:
+        """Install a stream prefix computed elsewhere: kv [L, 2, H, length, Dh], positions 0..length-1."""
+        first = max(0, length - self.capacity)
+        idx = torch.arange(first, length, device=self.kv.device) % self.capacity
+        self.kv[:, :, row].index_copy_(3, idx, kv[:, :, :, first:length].to(self.kv.dtype))
+        self.end[row] = length
+
+
+@dataclass
+class RingLayer:
+    """The keys and values of one layer: views into a `RingKV`."""
+
+    keys: Tensor  # [B, H, C, Dh]
+    values: Tensor
+
+    def update(self, k: Tensor, v: Tensor, attend: Attend) -> tuple[Tensor, Tensor]:
+        """Write new keys and values [B, H, T, Dh]; return the slots to attend."""
+        if isinstance(attend.slots, int):
+            s, t = attend.slots, k.shape[2]
+            self.keys[:, :, s:s + t] = k
+            self.values[:, :, s:s + t] = v
+        else:
+            idx = attend.slots[:, None, :, None].expand_as(k)
+            if attend.keep is not None:
+                keep = attend.keep.view(-1, 1, 1, 1)
+                k = torch.where(keep, k, self.keys.gather(2, idx))
+                v = torch.where(keep, v, self.values.gather(2, idx))
+            self.keys.scatter_(2, idx, k)
+            self.values.scatter_(2, idx, v)
+        if attend.visible is None:
+            return self.keys, self.values
+        return self.keys[:, :, :attend.visible], self.values[:, :, :attend.visible]

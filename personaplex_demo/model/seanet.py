@@ -1,0 +1,262 @@
+"""Mimi's SEANet encoder and decoder, made of causal convolutions fed one chunk at a time
+(docs/model.md § Mimi).
+
+Each streaming conv keeps its own state (`ConvState`, `ConvTrState`) with a leading batch
+dimension, so that any subset of rows can be reset to a fresh stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .config import MimiConfig
+
+
+@dataclass
+class ConvState:
+    """Left context of one causal conv: the last `k_eff - stride` input samples of each row."""
+
+    carry: Tensor  # [B, C_in, k_eff - stride], zeros for a fresh row
+    fresh: Tensor | None = None  # [B] bool, only for replicate padding: row has not been fed yet
+
+    def reset_rows(self, mask: Tensor) -> None:
+        self.carry.masked_fill_(mask[:, None, None], 0.0)
+        if self.fresh is not None:
+            self.fresh.masked_fill_(mask, True)
+
+
+@dataclass
+class ConvTrState:
+    """Overlap tail of one transposed conv, stored without the bias (it is added once per call)."""
+
+    tail: Tensor  # [B, C_out, k - stride]
+
+    def reset_rows(self, mask: Tensor) -> None:
+        self.tail.masked_fill_(mask[:, None, None], 0.0)
+
+
+
+# --------------------------------------------------------------------------------------------
+# Causal convolutions
+# --------------------------------------------------------------------------------------------
+
+
+class NormConv1d(nn.Module):
+    """Holds the conv. The checkpoint was trained with weight norm, folded before release; the
+    wrapper level survives in the key names (`….conv.conv.weight`)."""
+
+    def __init__(self, conv: nn.Conv1d):
+        super().__init__()
+        self.conv = conv
+
+
+class NormConvTranspose1d(nn.Module):
+    """Same as `NormConv1d` for transposed convs (`….convtr.convtr.weight`)."""
+
+    def __init__(self, convtr: nn.ConvTranspose1d):
+        super().__init__()
+        self.convtr = convtr
+
+
+class StreamingConv1d(nn.Module):
+    """Causal conv1d fed chunk by chunk: y = conv(cat(carry, x)), carry = last k_eff - stride inputs.
+
+    A fresh row's carry is zeros, which is exactly the reference's constant left padding. With
+    `replicate=True` (the 25 -> 12.5 Hz downsample) a fresh row's left context is instead copies
+    of its first input frame. Chunk lengths must be multiples of the stride (always true in Mimi),
+    so every chunk is consumed completely.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1,
+                 dilation: int = 1, groups: int = 1, bias: bool = True, replicate: bool = False):
+        super().__init__()
+        self.conv = NormConv1d(nn.Conv1d(in_channels, out_channels, kernel_size, stride,
+                                         dilation=dilation, groups=groups, bias=bias))
+        self.in_channels = in_channels
+        self.stride = stride
+        self.context = (kernel_size - 1) * dilation + 1 - stride  # samples carried between calls
+        self.replicate = replicate
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> ConvState:
+        carry = torch.zeros(batch_size, self.in_channels, self.context, device=device, dtype=dtype)
+        fresh = torch.ones(batch_size, dtype=torch.bool, device=device) if self.replicate else None
+        return ConvState(carry, fresh)
+
+    def step(self, x: Tensor, state: ConvState) -> Tensor:
+        # x: [B, C_in, T] -> [B, C_out, T // stride]
+        assert x.shape[-1] % self.stride == 0, (x.shape, self.stride)
+        conv = self.conv.conv
+        if self.context == 0:
+            return conv(x)
+        carry = state.carry
+        if state.fresh is not None:
+            first = x[..., :1].expand(-1, -1, self.context)
+            carry = torch.where(state.fresh[:, None, None], first, carry)
+            state.fresh.fill_(False)
+        x = torch.cat([carry, x], dim=-1)  # [B, C_in, context + T]
+        state.carry.copy_(x[..., x.shape[-1] - self.context:])
+        return conv(x)
+
+
+# Up to this many input steps per call, a transposed conv with kernel = 2 * stride runs as a
+# matmul (see `_step_matmul`); longer inputs are faster through PyTorch's conv.
+MATMUL_MAX_STEPS = 4
+
+
+class StreamingConvTranspose1d(nn.Module):
+    """Causal transposed conv fed chunk by chunk.
+
+    The last k - stride outputs of a call still receive contributions from the next input, so
+    they are held back: y[:, :, :P] += tail; tail = y[:, :, -P:] - bias; emit y[:, :, :-P].
+    The tail is kept without the bias because the next call's output already carries it.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1,
+                 groups: int = 1, bias: bool = True):
+        super().__init__()
+        self.convtr = NormConvTranspose1d(nn.ConvTranspose1d(in_channels, out_channels, kernel_size,
+                                                             stride, groups=groups, bias=bias))
+        self.out_channels = out_channels
+        self.stride = stride
+        self.overlap = kernel_size - stride
+        self.matmul_ok = groups == 1 and kernel_size == 2 * stride
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> ConvTrState:
+        return ConvTrState(torch.zeros(batch_size, self.out_channels, self.overlap,
+                                       device=device, dtype=dtype))
+
+    def step(self, x: Tensor, state: ConvTrState) -> Tensor:
+        # x: [B, C_in, T] -> [B, C_out, T * stride]
+        if self.matmul_ok and x.shape[-1] <= MATMUL_MAX_STEPS:
+            return self._step_matmul(x, state)
+        convtr = self.convtr.convtr
+        y = convtr(x)  # [B, C_out, T * stride + P]
+        p = self.overlap
+        if p == 0:
+            return y
+        y[..., :p] += state.tail
+        tail = y[..., y.shape[-1] - p:]
+        if convtr.bias is not None:
+            tail = tail - convtr.bias[:, None]
+        state.tail.copy_(tail)
+        return y[..., : y.shape[-1] - p]
+
+    def _step_matmul(self, x: Tensor, state: ConvTrState) -> Tensor:
+        """The same transposed conv as one matmul, for kernel = 2 * stride and few input steps.
+
+        Each input step t yields 2 * stride outputs: the first half lands on its own block of
+        `stride` samples, the second half on the next block. On the CPU, PyTorch runs a transposed
+        conv with a short input through a slow generic kernel; the decoder's first one (1024 ->
+        512 channels, kernel 16, 2 steps per frame) costs several times this matmul."""
+        convtr = self.convtr.convtr
+        B, c_in, T = x.shape
+        s, c_out = self.stride, self.out_channels
+        z = torch.mm(x.transpose(1, 2).reshape(B * T, c_in), convtr.weight.reshape(c_in, c_out * 2 * s))
+        z = z.view(B, T, c_out, 2, s)
+        head, spill = z[:, :, :, 0], z[:, :, :, 1]  # [B, T, C_out, s] each
+        prev = torch.cat([state.tail[:, None], spill[:, : T - 1]], dim=1)  # the previous step's spill
+        state.tail.copy_(spill[:, T - 1])
+        y = (head + prev).permute(0, 2, 1, 3).reshape(B, c_out, T * s)
+        if convtr.bias is not None:
+            y = y + convtr.bias[:, None]
+        return y
+
+
+_StreamingConv = (StreamingConv1d, StreamingConvTranspose1d)
+
+
+def _init_conv_states(module: nn.Module, batch_size: int, device: torch.device,
+                      dtype: torch.dtype) -> list[ConvState | ConvTrState]:
+    # modules() walks registration order, which is the forward order in these Sequentials.
+    return [m.init_state(batch_size, device, dtype) for m in module.modules()
+            if isinstance(m, _StreamingConv)]
+
+
+def _run_layers(layers: nn.Sequential, x: Tensor, states: Iterator) -> Tensor:
+    """Runs ELUs, streaming convs and residual units in order, each conv taking the next state."""
+    for layer in layers:
+        if isinstance(layer, _StreamingConv):
+            x = layer.step(x, next(states))
+        elif isinstance(layer, ResidualUnit):
+            x = layer.step(x, states)
+        else:
+            x = layer(x)
+    return x
+
+
+# --------------------------------------------------------------------------------------------
+# SEANet encoder / decoder
+# --------------------------------------------------------------------------------------------
+
+
+class ResidualUnit(nn.Module):
+    """x + conv1x1(elu(conv_k3(elu(x)))), the identity skip ("true skip")."""
+
+    def __init__(self, dim: int, kernel_size: int, dilation: int, compress: int):
+        super().__init__()
+        hidden = dim // compress
+        self.block = nn.Sequential(
+            nn.ELU(alpha=1.0),
+            StreamingConv1d(dim, hidden, kernel_size, dilation=dilation),
+            nn.ELU(alpha=1.0),
+            StreamingConv1d(hidden, dim, 1),
+        )
+
+    def step(self, x: Tensor, states: Iterator) -> Tensor:
+        return x + _run_layers(self.block, x, states)
+
+
+class SEANetEncoder(nn.Module):
+    """[B, 1, T] -> [B, dimension, T / hop]; strides are the ratios reversed (4, 5, 6, 8)."""
+
+    def __init__(self, cfg: MimiConfig):
+        super().__init__()
+        nf = cfg.n_filters
+        layers: list[nn.Module] = [StreamingConv1d(cfg.channels, nf, cfg.kernel_size)]
+        mult = 1
+        for ratio in reversed(cfg.ratios):
+            # Mimi has one residual unit per stage (n_residual_layers = 1, dilation base**0).
+            layers += [
+                ResidualUnit(mult * nf, cfg.residual_kernel_size, 1, cfg.compress),
+                nn.ELU(alpha=1.0),
+                StreamingConv1d(mult * nf, 2 * mult * nf, 2 * ratio, stride=ratio),
+            ]
+            mult *= 2
+        layers += [nn.ELU(alpha=1.0), StreamingConv1d(mult * nf, cfg.dimension, cfg.last_kernel_size)]
+        self.model = nn.Sequential(*layers)
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> list[ConvState]:
+        return _init_conv_states(self.model, batch_size, device, dtype)  # type: ignore[return-value]
+
+    def step(self, x: Tensor, states: list[ConvState]) -> Tensor:
+        return _run_layers(self.model, x, iter(states))
+
+
+class SEANetDecoder(nn.Module):
+    """[B, dimension, T] -> [B, 1, T * hop]; no output activation."""
+
+    def __init__(self, cfg: MimiConfig):
+        super().__init__()
+        nf = cfg.n_filters
+        mult = 2 ** len(cfg.ratios)
+        layers: list[nn.Module] = [StreamingConv1d(cfg.dimension, mult * nf, cfg.kernel_size)]
+        for ratio in cfg.ratios:
+            layers += [
+                nn.ELU(alpha=1.0),
+                StreamingConvTranspose1d(mult * nf, mult * nf // 2, 2 * ratio, stride=ratio),
+                ResidualUnit(mult * nf // 2, cfg.residual_kernel_size, 1, cfg.compress),
+            ]
+            mult //= 2
+        layers += [nn.ELU(alpha=1.0), StreamingConv1d(nf, cfg.channels, cfg.last_kernel_size)]
+        self.model = nn.Sequential(*layers)
+
+    def init_state(self, batch_size: int, device: torch.device,
+                   dtype: torch.dtype) -> list[ConvState | ConvTrState]:
+        return _init_conv_states(self.model, batch_size, device, dtype)
+
+    def step(self, x: Tensor, states: list[ConvState | ConvTrState]) -> Tensor:
+        return _run_layers(self.model, x, iter(states))
