@@ -116,6 +116,20 @@ class CallRecording:
         with self._lock:
             return "".join(s["text"] for s in self._segments)
 
+    def abandon(self) -> None:
+        """Close the tracks without writing any file; if `finish` is already writing, wait for it.
+        A later `finish` writes nothing."""
+        with self._lock:
+            first = not self._finishing
+            self._finishing = True
+            if first:
+                self._caller.close()
+                self._agent.close()
+        if first:
+            self._finished.set()
+        else:
+            self._finished.wait(60)
+
     def finish(self, end_reason: str | None = None) -> RecordingFiles | None:
         """Close the tracks and write the WAV and the JSON. Idempotent; returns None if nothing was
         recorded (the call never went live)."""
@@ -228,9 +242,13 @@ class RecordingStore:
             self._delete(rec)
 
     def close(self) -> None:
-        """Delete every recording and the directory (the app calls this on exit)."""
+        """Delete every recording and the directory (the app calls this on exit). A recording still
+        being written is waited for, so that no file lands in the folder after it is gone."""
         with self._lock:
+            recordings = [rec for _, rec in self._recordings.values()]
             self._recordings.clear()
+        for rec in recordings:
+            rec.abandon()
         shutil.rmtree(self.root, ignore_errors=True)
 
     @staticmethod
