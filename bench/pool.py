@@ -157,7 +157,7 @@ def run_one(factory: EngineFactory, slots: int, seconds: float, seed: int) -> Ro
     finally:
         pool.shutdown()
     every_tick = all(
-        ticks == list(range(ticks[0], ticks[0] + len(ticks))) and call.output_drops == 0
+        ticks == list(range(ticks[0], ticks[0] + len(ticks))) and call.counters.output_drops == 0
         for call, ticks in results
         if ticks
     ) and all(ticks for _, ticks in results)
@@ -232,7 +232,7 @@ def main() -> None:
             f"- Each caller sends one frame every 80 ms for {args.seconds:g} s (random phase against the "
             "ticker) and reads every output. Latency: frame pushed to its output frame available; "
             "server-added: the same minus the engine.step time of that tick (it includes the wait for the "
-            "next tick, 0-80 ms). Goal: server-added at most 60 ms p50 and 120 ms p99 (DESIGN.md §7).",
+            "next tick, 0-80 ms). Goal: server-added at most 60 ms p50 and 120 ms p99 (docs/serving.md § Pacing).",
             "",
             result,
             "",

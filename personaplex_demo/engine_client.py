@@ -43,73 +43,67 @@ from typing import Any
 
 import numpy as np
 
-from .errors import AudioFormatError, CallerError
+from .call import CallEnded, CallState, CallView, EndReason, SlotOutput, checked_frame
+from .errors import CallerError
 from .ipc import Channel
-from .pool import CallEnded, PoolClosedError, PoolConfig, PoolFullError, PoolMetrics, SlotOutput
+from .pool import PoolClosedError, PoolConfig, PoolFullError, PoolMetrics
+from .pool_metrics import tell_listeners
 from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 FRAME = 1920
 START_TIMEOUT = 15.0  # seconds an engine may take to answer a start (it is one dict lookup away)
-ENGINE_LOST = "error: the engine process stopped"
+ENGINE_LOST = EndReason.error("the engine process stopped")
+START_TIMED_OUT = EndReason.error("start timed out")
 DEFAULT_SAMPLING = SamplingParams()
 
 
-class RemoteCall:
+class RemoteCall(CallView):
     """One call on a `RemoteEngine`, driven by the engine's messages; see `pool.Call`."""
 
     def __init__(self, engine: RemoteEngine, rid: int, call_id: str, state: str, queue_position: int | None,
                  slot: int | None, time_left: float | None) -> None:
+        super().__init__(call_id)
         self.engine = engine
         self.rid = rid
-        self.id = call_id
-        self.state = "queued"
-        self.queue_position: int | None = None
-        self.slot: int | None = None
-        self.end_reason: str | None = None
         self.frames_pushed = 0
         self._deadline: float | None = None
         self._outbox: collections.deque[SlotOutput] = collections.deque(maxlen=engine.config.output_queue_frames)
         self._changed = asyncio.Event()
-        self._update(state, queue_position, slot, time_left, None)
+        self.update(state, queue_position, slot, time_left, None)
 
     def __repr__(self) -> str:
         return f"RemoteCall({self.id}@{self.engine.name}, {self.state}, slot={self.slot}, queue={self.queue_position})"
 
     def time_left(self) -> float | None:
-        if self.state != "live" or self._deadline is None:
+        if self.state != CallState.LIVE or self._deadline is None:
             return None
         return max(0.0, self._deadline - time.monotonic())
 
     def push_frame(self, frame: np.ndarray) -> None:
         """Queue one 1920-sample frame for the engine. Dropped unless live; never blocks."""
-        arr = np.asarray(frame)
-        if arr.size != FRAME:
-            raise AudioFormatError(
-                f"an input frame must hold {FRAME} samples (80 ms at 24 kHz mono), got shape {arr.shape}")
-        if arr.dtype != np.int16 and arr.dtype.kind != "f":
-            raise AudioFormatError(f"an input frame must be int16 or float32 samples, got {arr.dtype}")
-        if self.state != "live":
+        arr = checked_frame(frame, FRAME)  # sent as it is: int16 is half the bytes of float32
+        if self.state != CallState.LIVE:
             return
         self.frames_pushed += 1
-        self.engine.send(("push", self.rid, arr.reshape(FRAME).copy()))
+        self.engine.send(("push", self.rid, arr.copy()))
 
-    def release(self, reason: str = "hangup") -> None:
+    def release(self, reason: str = EndReason.HANGUP) -> None:
         """End the call (idempotent). The engine frees the slot."""
-        if self.state == "ended":
+        if self.state == CallState.ENDED:
             return
-        self.engine.send(("release", self.rid, reason))
-        self._update("ended", None, self.slot, None, reason)
+        self.engine.send(("release", self.rid, str(reason)))  # a plain string on the wire
+        self.update(CallState.ENDED, None, self.slot, None, reason)
 
     async def wait_live(self, timeout: float | None = None) -> None:
         """Return once live; raise CallEnded if it ended first, TimeoutError after `timeout` s."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
-            if self.state == "live":
+            if self.state == CallState.LIVE:
                 return
-            if self.state == "ended":
+            if self.state == CallState.ENDED:
                 raise CallEnded(self.end_reason or "ended")
             await self._wait(deadline, loop, raise_timeout=True)
 
@@ -120,7 +114,7 @@ class RemoteCall:
         while True:
             if self._outbox:
                 return self._outbox.popleft()
-            if self.state == "ended":
+            if self.state == CallState.ENDED:
                 raise CallEnded(self.end_reason or "ended")
             if not await self._wait(deadline, loop, raise_timeout=False):
                 return None
@@ -142,20 +136,20 @@ class RemoteCall:
 
     # ---- the engine's side (on the call's event loop) ----------------------------------------
 
-    def _update(self, state: str, queue_position: int | None, slot: int | None, time_left: float | None,
+    def update(self, state: str, queue_position: int | None, slot: int | None, time_left: float | None,
                 end_reason: str | None) -> None:
-        if self.state == "ended":
+        if self.state == CallState.ENDED:
             return  # released here first: the engine's late news changes nothing
-        self.state, self.queue_position, self.slot = state, queue_position, slot
-        if state == "ended":
+        self.state, self.queue_position, self.slot = CallState(state), queue_position, slot
+        if self.state == CallState.ENDED:
             self.end_reason = end_reason or "ended"
             self.queue_position = None
         if time_left is not None:
             self._deadline = time.monotonic() + time_left
         self._wake()
 
-    def _output(self, out: SlotOutput) -> None:
-        if self.state != "live":
+    def deliver(self, out: SlotOutput) -> None:
+        if self.state != CallState.LIVE:
             return  # released meanwhile: nobody reads it
         self._outbox.append(out)  # a full box drops its oldest frame, as the pool does
         self._wake()
@@ -207,7 +201,7 @@ class RemoteEngine:
 
     async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING,
                       queue: bool = True) -> RemoteCall:
-        """Start a call: a free slot (state "prefill") or a place in the queue (state "queued").
+        """Start a call: a free slot (state PREFILL) or a place in the queue (state QUEUED).
         Raises what `SlotPool.acquire` raises."""
         loop = asyncio.get_running_loop()
         if self._loop is None:
@@ -223,7 +217,7 @@ class RemoteEngine:
         try:
             return await asyncio.wait_for(fut, START_TIMEOUT)
         except TimeoutError:
-            self.send(("release", rid, "error: start timed out"))  # in case it was placed after all
+            self.send(("release", rid, START_TIMED_OUT))  # in case it was placed after all
             raise PoolClosedError(f"engine {self.name} did not answer within {START_TIMEOUT:.0f} s") from None
         finally:
             self._pending.pop(rid, None)
@@ -240,7 +234,7 @@ class RemoteEngine:
         for message in batch:
             if message[0] == "room":
                 self.room = PoolMetrics(**message[1])
-                self._tell_listeners(message[2])
+                tell_listeners(self._tick_listeners, message[2])
             else:
                 rest.append(message)
         loop = self._loop
@@ -250,35 +244,23 @@ class RemoteEngine:
             except RuntimeError:
                 pass  # that loop has closed: nobody is left to tell
 
-    def _tell_listeners(self, samples: list[tuple[float, list[float]]]) -> None:
-        for listener in self._tick_listeners:
-            for tick_seconds, latencies in samples:
-                try:
-                    listener(tick_seconds, latencies)
-                except Exception:
-                    log.exception("tick listener failed")
-                    break
-
     def _dispatch(self, messages: list[tuple]) -> None:
         for message in messages:
             tag, rid = message[0], message[1]
-            if tag == "out":
-                call = self._calls.get(rid)
-                if call is not None:
-                    call._output(SlotOutput(message[2], message[3], message[4]))
-            elif tag == "state":
-                call = self._calls.get(rid)
-                if call is not None:
-                    call._update(*message[2:])
-                    if call.state == "ended":
-                        self._calls.pop(rid, None)
+            call = self._calls.get(rid)
+            if tag == "out" and call is not None:
+                call.deliver(SlotOutput(message[2], message[3], message[4]))
+            elif tag == "state" and call is not None:
+                call.update(*message[2:])
+                if call.state == CallState.ENDED:
+                    self._calls.pop(rid, None)
             elif tag == "started":
                 call = RemoteCall(self, rid, *message[2:])
                 fut = self._pending.get(rid)
                 if fut is None or fut.done():
-                    call.release("error: start timed out")
+                    call.release(START_TIMED_OUT)
                     continue
-                if call.state != "ended":
+                if call.state != CallState.ENDED:
                     self._calls[rid] = call
                 fut.set_result(call)
             elif tag == "refused":
@@ -299,7 +281,7 @@ class RemoteEngine:
 
     def _end_everything(self) -> None:
         for call in list(self._calls.values()):
-            call._update("ended", None, call.slot, None, ENGINE_LOST)
+            call.update(CallState.ENDED, None, call.slot, None, ENGINE_LOST)
         self._calls.clear()
         for fut in self._pending.values():
             if not fut.done():

@@ -20,9 +20,10 @@ from dataclasses import asdict
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
+from .call import Call, CallEnded, CallState, EndReason
 from .errors import CallerError
-from .ipc import Channel
-from .pool import Call, CallEnded, PoolClosedError, PoolFullError, SlotPool
+from .ipc import Channel, daemon_threads
+from .pool import PoolClosedError, PoolFullError, SlotPool
 from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,8 @@ log = logging.getLogger(__name__)
 ROOM_SECONDS = 0.5  # how often every client gets the pool's figures (and the ticks since the last time)
 MAX_SAMPLES = 1000  # ticks kept between two room messages (12.5 a second are due)
 STATE_POLL_SECONDS = 0.5  # a waiting call's queue position is re-read this often
-CLIENT_GONE = "media worker lost"
+CLIENT_GONE = EndReason.error("media worker lost")
+RELAY_FAILED = EndReason.error("engine relay failed")
 
 
 class _Client:
@@ -55,7 +57,7 @@ class _Client:
                         call.push_frame(message[2])
                     except CallerError as exc:
                         log.warning("%s: call %s sent a bad frame (%s); ending it", self.name, call.id, exc)
-                        call.release(f"error: {exc}")
+                        call.release(EndReason.error(exc))
             elif tag == "release":
                 call = self.calls.get(rid)
                 if call is not None:
@@ -81,7 +83,7 @@ class _Client:
             return
         with self.lock:
             self.calls[rid] = call
-        self.send(("started", rid, call.id, call.state, call.queue_position, call.slot, call.time_left()))
+        self.send(("started", rid, call.id, call.state.value, call.queue_position, call.slot, call.time_left()))
         if self.channel.closed:  # gone while we were placing it
             call.release(CLIENT_GONE)
             return
@@ -92,7 +94,7 @@ class _Client:
         sent = (call.state, call.queue_position, call.slot)
         try:
             while True:
-                if call.state in ("queued", "prefill"):
+                if call.state.waiting:
                     try:
                         await call.wait_live(timeout=STATE_POLL_SECONDS)
                     except TimeoutError:
@@ -102,15 +104,15 @@ class _Client:
                     if out is not None:
                         self.send(("out", rid, out.pcm, out.text, out.tick))
                 now = (call.state, call.queue_position, call.slot)
-                if now != sent and call.state != "ended":
+                if now != sent and call.state != CallState.ENDED:
                     sent = now
-                    self.send(("state", rid, call.state, call.queue_position, call.slot, call.time_left(), None))
+                    self.send(("state", rid, call.state.value, call.queue_position, call.slot, call.time_left(), None))
         except CallEnded as ended:
-            self.send(("state", rid, "ended", None, call.slot, None, ended.reason))
+            self.send(("state", rid, CallState.ENDED.value, None, call.slot, None, ended.reason))
         except Exception:
             log.exception("%s: relaying call %s failed; ending it", self.name, call.id)
-            call.release("error: engine relay failed")
-            self.send(("state", rid, "ended", None, call.slot, None, "error: engine relay failed"))
+            call.release(RELAY_FAILED)
+            self.send(("state", rid, CallState.ENDED.value, None, call.slot, None, RELAY_FAILED))
         finally:
             with self.lock:
                 self.calls.pop(rid, None)
@@ -119,7 +121,7 @@ class _Client:
         with self.lock:
             calls = list(self.calls.values())
         self.server.forget(self)
-        live = [c for c in calls if c.state != "ended"]
+        live = [c for c in calls if c.state != CallState.ENDED]
         if live and not self.server.closing:
             log.warning("%s disconnected: ending its %d call(s) and freeing their slots", self.name, len(live))
         for call in live:
@@ -144,8 +146,8 @@ class EngineServer:
         self._samples_lock = threading.Lock()
         pool.add_tick_listener(self._on_tick)
         self.loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self._run_loop, name=f"{name}-relay", daemon=True)
-        self._accept_thread = threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True)
+        self._loop_thread, self._accept_thread = daemon_threads((self._run_loop, f"{name}-relay"),
+                                                                (self._accept, f"{name}-accept"))
 
     def start(self) -> EngineServer:
         self._loop_thread.start()

@@ -30,6 +30,11 @@ _STOP = object()
 MAX_BATCH = 256  # messages per write; a longer backlog goes out in several writes
 
 
+def daemon_threads(*targets: tuple[Callable[[], None], str]) -> list[threading.Thread]:
+    """One daemon thread (not started) per (target, name)."""
+    return [threading.Thread(target=target, name=name, daemon=True) for target, name in targets]
+
+
 class Channel:
     def __init__(self, conn: Connection, name: str, on_batch: Callable[[list[Any]], None],
                  on_close: Callable[[], None] | None = None) -> None:
@@ -40,8 +45,7 @@ class Channel:
         self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._close_lock = threading.Lock()
-        self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
-        self._writer = threading.Thread(target=self._write, name=f"{name}-writer", daemon=True)
+        self._reader, self._writer = daemon_threads((self._read, f"{name}-reader"), (self._write, f"{name}-writer"))
 
     def start(self) -> Channel:
         self._reader.start()

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from .call import EndReason
 from .pool import SlotPool
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ TICK_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.045, 0.06, 0.08, 0.1, 0.15, 0.
 LATENCY_BUCKETS = (0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.16, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 
 # Listed with 0 before the first of each happens, so rates and alerts work from the start.
-END_REASONS = ("hangup", "idle", "time_limit", "queue_timeout", "shutdown", "error")
+END_REASONS = tuple(reason.value for reason in EndReason)
 GAUGES = (  # (name, PoolMetrics field, help)
     ("slots", "slots_total", "Conversation slots (batch rows) of the engine."),
     ("slots_live", "slots_live", "Slots holding a live call."),

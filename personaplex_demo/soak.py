@@ -20,10 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .call import CallEnded, CallState
 from .engine import SamplingParams
 from .errors import CallerError
 from .loading import RuntimeOptions, build_runtime
-from .pool import CallEnded, PoolConfig, PoolFullError, SlotPool
+from .pool import PoolConfig, PoolFullError, SlotPool
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ async def _caller(pool: SlotPool, voices: list[str], rng: random.Random, stop_at
                 await asyncio.sleep(0.05)
             if vanish:  # the tab was closed: no hang-up, the pool must notice the silence
                 rep.vanished += 1
-                while call.state != "ended":
+                while call.state != CallState.ENDED:
                     try:
                         await call.next_output(0.5)
                     except CallEnded:

@@ -237,7 +237,8 @@ def test_routing_latency_and_underruns():
     assert m.underruns == 0 and m.ticks == 1
 
     pool.tick_once()  # a and c have started sending and have no frame now: underruns
-    assert pool.snapshot().underruns == 2 and (a.underruns, b.underruns, c.underruns) == (1, 0, 1)
+    assert pool.snapshot().underruns == 2
+    assert [x.counters.underruns for x in (a, b, c)] == [1, 0, 1]
     assert [len(drain(x)) for x in (a, b, c)] == [1, 1, 1]  # silence in, still audio out
 
 
@@ -246,7 +247,7 @@ def test_input_backlog_drops_the_oldest_frames():
     a = live_call(pool)
     for k in range(30):
         a.push_frame(frame(k))
-    assert pool.snapshot().input_drops == 5 and a.input_drops == 5
+    assert pool.snapshot().input_drops == 5 and a.counters.input_drops == 5
     pool.tick_once()
     pool.tick_once()
     assert [o.pcm[1] for o in drain(a)] == [5, 6]
@@ -256,7 +257,7 @@ def test_push_frame_formats_and_states():
     pool, _, _ = make(batch=1)
     early = pool.acquire("NATF0", "p")
     early.push_frame(frame(1))  # not live yet: dropped, not an error
-    assert early.frames_pushed == 0
+    assert early.counters.frames_pushed == 0
     pool.tick_once()
 
     early.push_frame(np.full(FRAME, 16384, dtype=np.int16))
@@ -268,7 +269,7 @@ def test_push_frame_formats_and_states():
     with pytest.raises(AudioFormatError, match="int16 or float32"):
         early.push_frame(np.zeros(FRAME, dtype=np.int32))
     early.push_frame(np.zeros((1, FRAME), dtype=np.float64))  # any float, any shape of 1920 samples
-    assert early.frames_pushed == 2
+    assert early.counters.frames_pushed == 2
 
 
 def test_slow_consumer_loses_oldest_outputs_and_never_blocks_the_ticker():
@@ -281,7 +282,7 @@ def test_slow_consumer_loses_oldest_outputs_and_never_blocks_the_ticker():
     assert engine.steps == 60
     outs = drain(a)
     assert len(outs) == 50 and outs[0].tick == 11 and outs[-1].tick == 60
-    assert a.output_drops == 10 and pool.snapshot().output_drops == 10
+    assert a.counters.output_drops == 10 and pool.snapshot().output_drops == 10
 
 
 def test_cadence_idle_sleep_and_summary_log(caplog):
@@ -595,7 +596,7 @@ def test_real_clock_several_callers_no_leak_and_audio_every_live_tick():
         outs = received[call.id]
         ticks = [o.tick for o in outs]
         assert ticks == list(range(ticks[0], ticks[0] + len(ticks)))  # one output for every live tick
-        assert len(outs) == call.frames_out >= 5
+        assert len(outs) == call.counters.frames_out >= 5
         assert all(o.pcm[0] == call.slot for o in outs)
-        assert call.output_drops == 0
+        assert call.counters.output_drops == 0
     assert m.ticks > 20 and m.latency_p50_ms > 0

@@ -1,0 +1,136 @@
+"""The slot pool's figures: recent tick times and frame latencies, and the `PoolMetrics` snapshot
+that `/api/status`, the page's stats line, `/metrics` and the logs read."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .call import PoolCounters
+
+logger = logging.getLogger(__name__)
+
+TickListener = Callable[[float, list[float]], None]
+
+# How many recent ticks / frames the percentiles are computed over.
+TICK_WINDOW = 4096
+LATENCY_WINDOW = 8192
+
+
+@dataclass
+class PoolMetrics:
+    slots_total: int
+    slots_live: int
+    slots_prefill: int
+    queue_length: int
+    ticks: int
+    overruns: int
+    tick_p50_ms: float
+    tick_p99_ms: float
+    realtime_factor: float  # mean tick compute / tick budget
+    underruns: int
+    input_drops: int
+    output_drops: int
+    latency_p50_ms: float  # frame pushed -> matching output frame available
+    latency_p99_ms: float
+    # Additions to the shared contract:
+    slots_free: int = 0  # not held by any call; a slot whose call just ended is held until end_session
+    added_latency_p50_ms: float = 0.0  # the same latency minus the engine.step time of its tick
+    added_latency_p99_ms: float = 0.0
+    resyncs: int = 0  # times the ticker fell more than `resync_after_seconds` behind and skipped ahead
+    engine_errors: int = 0  # exceptions from engine.step / start_session
+    calls_started: int = 0  # calls that went live
+    calls_refused: int = 0  # PoolFullError raised
+    # Calls ended, by reason: hangup, idle, time_limit, queue_timeout, shutdown, error (any "error: ...").
+    calls_ended: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        return (
+            f"live {self.slots_live}/{self.slots_total} prefill {self.slots_prefill} "
+            f"queue {self.queue_length} | "
+            f"ticks {self.ticks} p50 {self.tick_p50_ms:.1f} ms p99 {self.tick_p99_ms:.1f} ms "
+            f"rtf {self.realtime_factor:.2f} overruns {self.overruns} resyncs {self.resyncs} | "
+            f"latency p50 {self.latency_p50_ms:.1f} ms p99 {self.latency_p99_ms:.1f} ms "
+            f"(added p50 {self.added_latency_p50_ms:.1f} p99 {self.added_latency_p99_ms:.1f}) | "
+            f"underruns {self.underruns} input drops {self.input_drops} output drops {self.output_drops} "
+            f"engine errors {self.engine_errors}"
+        )
+
+
+@dataclass(frozen=True)
+class SlotCounts:
+    total: int
+    live: int
+    prefill: int
+    free: int
+    queued: int
+
+
+def tell_listeners(listeners: list[TickListener], samples: list[tuple[float, list[float]]]) -> None:
+    """Each (tick seconds, frame latencies) sample to each listener; one that fails is logged."""
+    for listener in listeners:
+        try:
+            for seconds, latencies in samples:
+                listener(seconds, latencies)
+        except Exception:
+            logger.exception("tick listener failed")
+
+
+class PoolWindows:
+    """The most recent tick times and frame latencies (`add_tick`: under the pool's lock), and
+    the listeners told of every tick (`notify`: outside it)."""
+
+    def __init__(self) -> None:
+        self.ticks: collections.deque[float] = collections.deque(maxlen=TICK_WINDOW)
+        self.latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
+        self.added: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
+        # Each is called as `listener(tick_seconds, frame_latencies_seconds)` after every step, on the
+        # ticker thread, so it must be quick (a histogram update). Unlike the windows behind
+        # `SlotPool.snapshot()`, it sees every sample, however long between two readers.
+        self.listeners: list[TickListener] = []
+
+    def add_tick(self, seconds: float, latencies: list[float], step_seconds: float) -> None:
+        self.ticks.append(seconds)
+        self.latencies.extend(latencies)
+        self.added.extend(latency - step_seconds for latency in latencies)
+
+    def notify(self, seconds: float, latencies: list[float]) -> None:
+        tell_listeners(self.listeners, [(seconds, latencies)])
+
+    def sample(self) -> WindowSample:
+        """A copy to compute percentiles from outside the lock."""
+        return WindowSample(np.fromiter(self.ticks, dtype=np.float64),
+                            np.fromiter(self.latencies, dtype=np.float64),
+                            np.fromiter(self.added, dtype=np.float64))
+
+
+@dataclass(frozen=True)
+class WindowSample:
+    ticks: np.ndarray  # seconds
+    latencies: np.ndarray
+    added: np.ndarray
+
+    def metrics(self, slots: SlotCounts, counters: PoolCounters, tick_count: int, tick_seconds: float) -> PoolMetrics:
+        def ms(values: np.ndarray, q: float) -> float:
+            return float(np.percentile(values, q) * 1e3) if values.size else 0.0
+
+        fields = dataclasses.asdict(counters)
+        fields["calls_ended"] = dict(counters.calls_ended)
+        ticks, lat, added = self.ticks, self.latencies, self.added
+        return PoolMetrics(
+            slots_total=slots.total, slots_live=slots.live, slots_prefill=slots.prefill, slots_free=slots.free,
+            queue_length=slots.queued, ticks=tick_count,
+            tick_p50_ms=ms(ticks, 50), tick_p99_ms=ms(ticks, 99),
+            realtime_factor=float(ticks.mean() / tick_seconds) if ticks.size else 0.0,
+            latency_p50_ms=ms(lat, 50), latency_p99_ms=ms(lat, 99),
+            added_latency_p50_ms=ms(added, 50), added_latency_p99_ms=ms(added, 99),
+            **fields,
+        )
