@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import inspect
 import logging
 import secrets
@@ -26,14 +27,17 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from fastrtc import AdditionalOutputs, AsyncStreamHandler, CloseStream, get_current_context
 
+from .call import Call, CallEnded, CallState, EndReason
 from .errors import CallerError
-from .pool import Call, CallEnded, PoolClosedError, PoolFullError, PoolMetrics, SlotPool
+from .page_inputs import PageInputs
+from .pool import PoolClosedError, PoolFullError, PoolMetrics, SlotPool
 from .recording import CallRecording, RecordingFiles, RecordingStore
 from .rtc_audio import output_frame_samples
 from .sampling_params import SamplingParams
@@ -46,7 +50,6 @@ log = logging.getLogger(__name__)
 
 FRAME = 1920
 SAMPLE_RATE = 24000
-N_INPUTS = 7  # voice, persona, text temperature, text top-k, audio temperature, audio top-k, seed
 # Each page update costs the server a data-channel message and a Gradio event step, per caller:
 # new text is batched to at most one update per TEXT_SECONDS, and the status line (time left,
 # queue position, room) is looked at once per STATUS_SECONDS and sent only when it changed.
@@ -57,10 +60,10 @@ ARGS_TIMEOUT = 5.0  # seconds to wait for the page's inputs before using the def
 QUEUED_SILENCE_SECONDS = 5.0  # a queued caller sending no audio for this long has gone away
 
 END_MESSAGES = {
-    "time_limit": "Time is up for this call. Thanks for talking! Press Record to start a new one.",
-    "idle": "The call ended: no microphone audio arrived for a few seconds.",
-    "shutdown": "The server is restarting. Please try again in a minute.",
-    "queue_timeout": "Still no free slot after a long wait, sorry. Please try again in a few minutes.",
+    EndReason.TIME_LIMIT: "Time is up for this call. Thanks for talking! Press Record to start a new one.",
+    EndReason.IDLE: "The call ended: no microphone audio arrived for a few seconds.",
+    EndReason.SHUTDOWN: "The server is restarting. Please try again in a minute.",
+    EndReason.QUEUE_TIMEOUT: "Still no free slot after a long wait, sorry. Please try again in a few minutes.",
 }
 
 
@@ -72,19 +75,19 @@ class CallRequest:
 
     @classmethod
     def from_args(cls, args: list) -> CallRequest:
-        """Read the page's inputs from the END of `latest_args`: its head differs between the
-        Gradio page (`__webrtc_value__`, connection id, inputs...) and `Stream.set_input`
-        (`__webrtc_value__`, inputs...)."""
-        vals = list(args[-N_INPUTS:]) if len(args) >= N_INPUTS + 1 else []
-        if not vals:
+        """The request the page's inputs make (the defaults, with a new seed, before it sent any)."""
+        page = PageInputs.from_args(args)
+        if page is None:
             return cls(DEFAULT_VOICE, "", SamplingParams(seed=new_seed()))
-        voice, persona, tt, tk, at, ak, seed = vals
+        seed = page.seed
         try:
-            sampling = SamplingParams(text_temperature=float(tt), text_top_k=int(tk), audio_temperature=float(at),
-                                      audio_top_k=int(ak), seed=new_seed() if seed in (None, "", -1) else int(seed))
+            sampling = SamplingParams(text_temperature=float(page.text_temperature), text_top_k=int(page.text_top_k),
+                                      audio_temperature=float(page.audio_temperature),
+                                      audio_top_k=int(page.audio_top_k),
+                                      seed=new_seed() if seed in (None, "", -1) else int(seed))
         except (TypeError, ValueError) as e:
             raise CallerError(f"the sampling settings must be numbers: {e}") from e
-        return cls(str(voice or DEFAULT_VOICE), str(persona or ""), sampling)
+        return cls(str(page.voice or DEFAULT_VOICE), str(page.persona or ""), sampling)
 
     def recording_meta(self, call_id: str, model: str) -> dict[str, Any]:
         """The call's settings, as they head its transcript JSON (documented in the README)."""
@@ -153,15 +156,51 @@ def status_line(call: Call | None, pool: SlotPool) -> str:
     room = room_line(RoomMetrics.get(pool))
     if call is None:
         return f"Connecting… · {room}"
-    if call.state == "queued":
+    if call.state == CallState.QUEUED:
         return f"All slots are busy: you are number {call.queue_position} in the queue · {room}"
-    if call.state == "prefill":
+    if call.state == CallState.PREFILL:
         return f"Preparing your voice and persona… · {room}"
-    if call.state == "live":
+    if call.state == CallState.LIVE:
         left = call.time_left()
         tail = f" · {int(left // 60)}:{int(left % 60):02d} left" if left is not None else ""
         return f"Live{tail} · {room}"
     return f"Call ended ({call.end_reason}) · {room}"
+
+
+class Phase(enum.Enum):
+    """Where a handler is in its call; fastrtc runs `start_up`, `receive` and `emit` concurrently."""
+
+    STARTING = "starting"  # start_up is reading the page's inputs and asking for a slot
+    ACTIVE = "active"  # queued, preparing or live: the pool's Call says which
+    FAILING = "failing"  # cannot go on (refused, unusable audio): the next emit ends it with `close_message`
+    CLOSING = "closing"  # the final page update went out; the next emit closes the stream
+    CLOSED = "closed"  # ended, and the page was shown why (FinalUpdates holds it when the connection is known)
+    ENDED = "ended"  # ended without a final update: a plain hang-up, or no page listening
+
+
+class PageThrottle:
+    """When a page update is due: new text at most every TEXT_SECONDS, a changed status line at
+    most every STATUS_SECONDS, and nothing that would repeat the previous update."""
+
+    def __init__(self) -> None:
+        self.last_status = ""
+        self.last_at = 0.0
+        self.text_pending = False  # transcript text not yet sent to the page
+
+    def take(self, text_changed: bool, status_due: bool, status: Callable[[], str]) -> str | None:
+        """The status line to send now with the transcript, or None. `status_due` (while waiting
+        for a slot) looks at the status now; `status` is only called when an update could be due."""
+        now = time.monotonic()
+        self.text_pending |= text_changed
+        since = now - self.last_at
+        if not status_due and since < (TEXT_SECONDS if self.text_pending else STATUS_SECONDS):
+            return None
+        line = status()
+        if not self.text_pending and line == self.last_status:
+            return None
+        self.text_pending = False
+        self.last_status, self.last_at = line, now
+        return line
 
 
 class CallHandler(AsyncStreamHandler):
@@ -179,29 +218,27 @@ class CallHandler(AsyncStreamHandler):
         self.recordings = recordings if recordings is not None else RecordingStore()
         self.max_wait_seconds = max_wait_seconds
         self.model_name = model_name
+        self.phase = Phase.STARTING
         self.call: Call | RemoteCall | None = None
         self.call_id = uuid.uuid4().hex[:12]
         self.webrtc_id: str | None = None
-        self.close_message: str | None = None
+        self.close_message: str | None = None  # FAILING: why; CLOSING: what CloseStream says
         self.recording: CallRecording | None = None
         self.transcript = ""
         self.frames_in = 0
         self.frames_out = 0
         self._pending = np.zeros(0, np.int16)
-        self._started = asyncio.Event()
-        self._bad_input = False
+        self._started = asyncio.Event()  # set when STARTING is over
+        self._throttle = PageThrottle()
         self._connected_at = time.monotonic()
         self._last_receive: float | None = None
-        self._last_status = ""
-        self._last_update_at = 0.0
-        self._ended = False
-        self._closing: str | None = None
-        self._final_update_sent = False
-        self._dirty = False  # transcript text not yet sent to the page
 
     def copy(self) -> CallHandler:
         return CallHandler(self.pool, self.recordings, max_wait_seconds=self.max_wait_seconds,
                            model_name=self.model_name)
+
+    def _fail(self, message: str) -> None:
+        self.phase, self.close_message = Phase.FAILING, message
 
     # ---- start-up ---------------------------------------------------------------------------
 
@@ -221,16 +258,17 @@ class CallHandler(AsyncStreamHandler):
             # An engine in another process answers asynchronously (engine_client).
             self.call = await call if inspect.isawaitable(call) else call
         except CallerError as e:
-            self.close_message = f"This call cannot start: {e}"
+            self._fail(f"This call cannot start: {e}")
             log.info("call %s refused: %s", self.call_id, e)
         except PoolFullError:
             busy = f"All {self.pool.slots_total} conversation slots are busy"
-            self.close_message = (f"{busy}. Please try again in a minute." if not self.pool.config.max_queue else
-                                  f"{busy} and the waiting line is full. Please try again in a minute.")
+            self._fail(f"{busy}. Please try again in a minute." if not self.pool.config.max_queue else
+                       f"{busy} and the waiting line is full. Please try again in a minute.")
             log.info("call %s refused: pool full", self.call_id)
         except PoolClosedError:
-            self.close_message = END_MESSAGES["shutdown"]
+            self._fail(END_MESSAGES[EndReason.SHUTDOWN])
         else:
+            self.phase = Phase.ACTIVE
             self.recording = self.recordings.start(self.call_id, req.recording_meta(self.call_id, self.model_name))
             log.info("call %s: %s, voice %s (pool call %s)", self.call_id, self.call.state, req.voice, self.call.id)
         finally:
@@ -242,20 +280,19 @@ class CallHandler(AsyncStreamHandler):
         sr, audio = frame
         self._last_receive = time.monotonic()
         call = self.call
-        if call is None or self._bad_input:
-            return  # before admission there is nowhere to send it
+        if call is None or self.phase != Phase.ACTIVE:
+            return  # before admission there is nowhere to send it; after the end, nobody to send it to
         audio = np.asarray(audio)
         if sr != SAMPLE_RATE or audio.dtype != np.int16 or audio.ndim > 2:
             # fastrtc resamples to 24 kHz int16; anything else is a client this server cannot serve.
-            self._bad_input = True
-            self.close_message = (f"The audio arrived as {sr} Hz {audio.dtype} {audio.shape}; this server takes "
-                                  f"{SAMPLE_RATE} Hz 16-bit mono.")
+            self._fail(f"The audio arrived as {sr} Hz {audio.dtype} {audio.shape}; this server takes "
+                       f"{SAMPLE_RATE} Hz 16-bit mono.")
             log.warning("call %s: %s", self.call_id, self.close_message)
-            call.release("error: bad audio format")
+            call.release(EndReason.error("bad audio format"))
             return
         if audio.ndim == 2 and min(audio.shape) > 1:  # more than one channel: average them
             audio = audio.mean(axis=0 if audio.shape[0] < audio.shape[1] else 1).astype(np.int16)
-        if call.state != "live":
+        if call.state != CallState.LIVE:
             # Prefill or queue: the model is not listening yet, so this audio is dropped (not
             # buffered: played late it would only add delay to the conversation).
             self._pending = np.zeros(0, np.int16)
@@ -271,26 +308,27 @@ class CallHandler(AsyncStreamHandler):
     # ---- agent audio and page updates -------------------------------------------------------
 
     async def emit(self):
-        if not self._started.is_set():
+        phase = self.phase
+        if phase == Phase.STARTING:
             try:
                 await asyncio.wait_for(self._started.wait(), 0.1)
             except TimeoutError:
                 pass
             return None
-        if self._closing is not None:
+        if phase == Phase.CLOSING:
             # The final page update went out with the previous item; give the page a moment to
             # fetch it before the connection closes.
-            message, self._closing = self._closing, None
+            self.phase = Phase.CLOSED
             await asyncio.sleep(CLOSE_GRACE_SECONDS)
-            return CloseStream(message)
-        if self.close_message is not None:
-            return await self._close(self.close_message, "refused" if self.call is None else "error")
+            return CloseStream(self.close_message)
+        if phase == Phase.FAILING:
+            return await self._close(self.close_message, EndReason.ERROR)
         call = self.call
-        if call is None or self._ended:
+        if phase != Phase.ACTIVE or call is None:
             await asyncio.sleep(0.1)  # emit is polled in a loop: never return at once
             return None
         try:
-            if call.state in ("queued", "prefill"):
+            if call.state.waiting:
                 return await self._wait_for_slot(call)
             out = await call.next_output(timeout=0.1)
         except CallEnded as e:
@@ -308,16 +346,16 @@ class CallHandler(AsyncStreamHandler):
 
     async def _wait_for_slot(self, call: Call):
         now = time.monotonic()
-        if call.state == "queued":
+        if call.state == CallState.QUEUED:
             if self.max_wait_seconds is not None and now - self._connected_at > self.max_wait_seconds:
-                call.release("queue_timeout")
-                return await self._ended_with("queue_timeout")
+                call.release(EndReason.QUEUE_TIMEOUT)
+                return await self._ended_with(EndReason.QUEUE_TIMEOUT)
             # The pool releases silent LIVE calls; a queued caller whose tab closed is noticed here,
             # long before WebRTC's own consent checks give up on the connection.
             if now - (self._last_receive or self._connected_at) > QUEUED_SILENCE_SECONDS:
                 log.info("call %s: no audio while queued; giving up its place", self.call_id)
-                call.release("idle")
-                return await self._ended_with("idle")
+                call.release(EndReason.IDLE)
+                return await self._ended_with(EndReason.IDLE)
         try:
             await call.wait_live(timeout=STATUS_SECONDS)
         except TimeoutError:
@@ -325,24 +363,13 @@ class CallHandler(AsyncStreamHandler):
         return self._update(status_due=True)
 
     def _update(self, text_changed: bool = False, status_due: bool = False) -> AdditionalOutputs | None:
-        """The page update, or None: new text goes out at most every TEXT_SECONDS, a changed
-        status (time left, queue position, room) at most every STATUS_SECONDS; `status_due`
-        (while waiting for a slot) looks at the status now."""
-        now = time.monotonic()
-        self._dirty |= text_changed
-        since = now - self._last_update_at
-        if not status_due and since < (TEXT_SECONDS if self._dirty else STATUS_SECONDS):
-            return None
-        status = status_line(self.call, self.pool)
-        if not self._dirty and status == self._last_status:
-            return None
-        self._dirty = False
-        self._last_status, self._last_update_at = status, now
-        return AdditionalOutputs(self.transcript, status, self.call_id, None)
+        """The page update, or None (PageThrottle)."""
+        status = self._throttle.take(text_changed, status_due, lambda: status_line(self.call, self.pool))
+        return None if status is None else AdditionalOutputs(self.transcript, status, self.call_id, None)
 
     async def _ended_with(self, reason: str):
-        self._ended = True
-        if reason == "hangup":
+        if reason == EndReason.HANGUP:
+            self.phase = Phase.ENDED
             self._finish_recording(reason)
             return None
         return await self._close(END_MESSAGES.get(reason, f"The call ended: {reason}"), reason)
@@ -350,20 +377,18 @@ class CallHandler(AsyncStreamHandler):
     async def _close(self, message: str, reason: str):
         """End the call with `message`: finish the recording, then (when the page is listening on
         the data channel) send the final status and the downloads, then CloseStream."""
-        self._ended = True
-        self.close_message = None
+        self.phase = Phase.ENDED  # until the final update below is on its way
         if self.call is not None:
             self.call.release(reason)
         files = await self._finish_recording_async(reason)
         log.info("call %s ended: %s", self.call_id, message)
         if self.channel is None:
             return CloseStream(message)  # nobody to show a final update to
-        self._closing = message
         paths = (str(files.wav), str(files.transcript)) if files is not None else None
         final = (self.transcript, f"Call ended: {message}", self.call_id, paths)
         if self.webrtc_id is not None:
             FinalUpdates.put(self.webrtc_id, final)
-            self._final_update_sent = True
+        self.phase, self.close_message = Phase.CLOSING, message
         return AdditionalOutputs(*final)
 
     # ---- hang-up ----------------------------------------------------------------------------
@@ -371,14 +396,17 @@ class CallHandler(AsyncStreamHandler):
     def shutdown(self) -> None:
         """fastrtc calls this when the connection closes (Stop, lost network, closed tab)."""
         if self.call is not None:
-            self.call.release("hangup")
+            self.call.release(EndReason.HANGUP)
             log.info("call %s: closed after %d frames in, %d out", self.call_id, self.frames_in, self.frames_out)
-        if self.webrtc_id is not None and not self._final_update_sent:
-            # The page's relay delivers the updates still queued at the close; this one comes last,
-            # so a late "Live" status cannot overwrite the end of the call.
-            FinalUpdates.put(self.webrtc_id, (self.transcript, f"Call ended · {room_line(RoomMetrics.get(self.pool))}",
-                                              self.call_id, None))
-        self._finish_recording("hangup")
+        if self.phase not in (Phase.CLOSING, Phase.CLOSED):  # no final update went to the page yet
+            self.phase = Phase.ENDED
+            if self.webrtc_id is not None:
+                # The page's relay delivers the updates still queued at the close; this one comes
+                # last, so a late "Live" status cannot overwrite the end of the call.
+                FinalUpdates.put(self.webrtc_id, (self.transcript,
+                                                  f"Call ended · {room_line(RoomMetrics.get(self.pool))}",
+                                                  self.call_id, None))
+        self._finish_recording(EndReason.HANGUP)
 
     def _finish_recording(self, reason: str) -> None:
         rec = self.recording

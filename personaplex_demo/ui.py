@@ -21,12 +21,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from .deeplink import SEED_RANGE, LinkRules, NumberRule, add_deep_links, number_rule
-from .engine import SamplingParams
 from .handler import CallHandler, FinalUpdates, RoomMetrics, room_line
 from .ice import server_configuration
+from .page_inputs import PageInputs
 from .pool import SlotPool
 from .recording import RecordingStore
 from .rtc_audio import answering_with_packet_time
+from .sampling_params import SamplingParams
 from .voices import DEFAULT_VOICE
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -160,9 +161,8 @@ def build_ui(runtime, pool: SlotPool, options: PageOptions | None = None,
                     audio_temp = gr.Slider(0.0, 2.0, defaults.audio_temperature, step=0.05, label="Audio temperature")
                     audio_topk = gr.Slider(1, 2048, defaults.audio_top_k, step=1, label="Audio top-k")
                     seed = gr.Number(-1, precision=0, label="Seed (-1: a new random seed per call)")
-                add_deep_links(demo, dict(
-                    voice=voice, preset=preset, persona=persona, text_temperature=text_temp, text_top_k=text_topk,
-                    audio_temperature=audio_temp, audio_top_k=audio_topk, seed=seed), LinkRules(
+                page = PageInputs(voice, persona, text_temp, text_topk, audio_temp, audio_topk, seed)
+                add_deep_links(demo, dict(preset=preset, **page._asdict()), LinkRules(
                     voices=tuple(voices), presets=presets, check_persona=engine.persona_tokens, numbers=dict(
                         text_temperature=number_rule(text_temp, False), text_top_k=number_rule(text_topk, True),
                         audio_temperature=number_rule(audio_temp, False), audio_top_k=number_rule(audio_topk, True),
@@ -198,7 +198,7 @@ def build_ui(runtime, pool: SlotPool, options: PageOptions | None = None,
         persona.change(count_tokens, persona, tokens, show_progress="hidden", concurrency_limit=None)
         # The pool enforces the time limit from the moment a call is live (queue time does not
         # count), so fastrtc's own limit, which counts from connecting, stays off.
-        rtc.stream(handler, inputs=[rtc, voice, persona, text_temp, text_topk, audio_temp, audio_topk, seed],
+        rtc.stream(handler, inputs=[rtc, *page],
                    outputs=[rtc], time_limit=None, concurrency_limit=pool.slots_total + options.max_queue + 2)
         page_outputs = [transcript, status, call_id, ended_call]
 

@@ -19,6 +19,7 @@ from fastrtc import AdditionalOutputs, CloseStream, Stream
 
 from personaplex_demo.handler import CallHandler, FinalUpdates
 from personaplex_demo.loading import RuntimeOptions, build_runtime
+from personaplex_demo.page_inputs import PageInputs
 from personaplex_demo.pool import PoolConfig, SlotPool
 from personaplex_demo.recording import RecordingStore
 
@@ -156,7 +157,7 @@ class FakeChannel:
 
 
 def args(voice="NATF2", persona="You enjoy having a good conversation.", seed=3):
-    return [voice, persona, 0.7, 25, 0.8, 250, seed]
+    return list(PageInputs(voice, persona, 0.7, 25, 0.8, 250, seed))
 
 
 async def direct_call(pool: SlotPool, recordings: RecordingStore, call_args=None, **kw) -> CallHandler:

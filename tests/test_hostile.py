@@ -14,10 +14,11 @@ from fastrtc import CloseStream, Stream
 from personaplex_demo.handler import CallHandler
 from personaplex_demo.hub import install_secret_filter
 from personaplex_demo.loading import RuntimeOptions, build_runtime
+from personaplex_demo.page_inputs import PageInputs
 from personaplex_demo.pool import PoolConfig, SlotPool
 from personaplex_demo.recording import RecordingStore
 
-ARGS = ["__webrtc_value__", "id", "NATF2", "", 0.7, 25, 0.8, 250, 1]
+ARGS = ["__webrtc_value__", "id", *PageInputs("NATF2", "", 0.7, 25, 0.8, 250, 1)]
 
 
 @pytest.fixture(scope="module")
