@@ -8,6 +8,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # "docs/model.md § The ring rule", "engine.md § Recycle", "model.md § Depformer", ...
 REFERENCE = re.compile(r"\b(?:docs/)?(\w+\.md) § ([A-Za-z][\w -]*[\w])")
+# Any "<something> §" reference at all, to catch ones that point outside the repository.
+ANY_REFERENCE = re.compile(r"([\w./-]+) §")
 
 
 def sources() -> list[Path]:
@@ -31,3 +33,13 @@ def test_every_docs_section_reference_names_an_existing_heading():
                 broken.append(f"{path.relative_to(ROOT)}: {name} § {section}")
     assert found > 20, "the pattern no longer finds the references"
     assert not broken, "references to missing sections:\n" + "\n".join(broken)
+
+
+def test_every_section_reference_points_into_the_repository():
+    outside = []
+    for path in sources():
+        for target in ANY_REFERENCE.findall(path.read_text(encoding="utf-8")):
+            name = Path(target).name
+            if not ((ROOT / "docs" / name).is_file() or (ROOT / name).is_file()):
+                outside.append(f"{path.relative_to(ROOT)}: {target} §")
+    assert not outside, "references to documents that are not in the repository:\n" + "\n".join(outside)

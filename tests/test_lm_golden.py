@@ -72,7 +72,7 @@ def test_golden_session_fast_prefill(fixture):
 
 
 def test_bf16_session_diagnostic():
-    """bf16 has exact logit ties, so the strict fixture is a diagnostic (golden README §7):
+    """bf16 has exact logit ties, so the strict fixture is a diagnostic (tests/golden/README.md, "Tolerances and advice"):
     the prompt and the first 40 conversation ticks must still agree with the reference."""
     g = golden("lm-greedy-bf16.json")
     lm = tiny_lm(None, torch.bfloat16)
