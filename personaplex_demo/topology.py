@@ -2,12 +2,15 @@
 
     one device, no media workers (the default on a CPU)
         main process: page + WebRTC peers + handlers + SlotPool + engine
-    one device, --media-workers N (the default on a CUDA host)
-        main process: page + SlotPool + engine + EngineServer
-        N media workers: WebRTC peers + handlers (engine_client -> EngineServer)
-    several devices (--devices cuda:0,cuda:1 / cpu,cpu), with or without media workers
+    media workers (--media-workers N, the default on a CUDA host), or several devices
+    (--devices cuda:0,cuda:1 / cpu,cpu)
         main process: page (+ peers and handlers when there are no media workers)
         one engine process per device: SlotPool + engine + EngineServer
+        N media workers: WebRTC peers + handlers (engine_client -> EngineServer)
+
+With media workers, even one engine gets a process of its own: the ticker is the one thread that
+must never wait, and in the main process it would share the GIL with the page's HTTP server and
+the engine's socket threads, each of whose wake-ups can hold it off for a switch interval.
 
 `start_topology` builds the right one; `build_ui` then gets `.runtime` and `.pool` (a SlotPool
 or an EngineRouter: the same surface), and `.attach(demo)` hands the page's WebRTC component to
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .engine_client import EngineRouter, RemoteEngine
-from .engine_process import EngineProcesses, EngineSpec, PageRuntime, page_facts
+from .engine_process import EngineProcesses, EngineSpec, PageRuntime
 from .loading import RuntimeOptions, build_runtime
 from .media_router import MediaWorkers
 from .media_worker import WorkerSpec
@@ -144,21 +147,17 @@ def start_topology(options: TopologyOptions, progress: Callable[[str, float], No
                 server_rtc_configuration=options.server_rtc_configuration, loopback_ice=options.loopback_ice,
                 log_level=logging.getLogger().getEffectiveLevel())).start()
             closers.append(media.close)
-        if len(devices) == 1:
+        if len(devices) == 1 and media is None:
             runtime = build_runtime(replace(options.runtime, device=devices[0]), progress)
             names = [f"engine-0 ({runtime.device})"]
             pool = SlotPool(runtime.engine, options.pool)
             pool.start()
             closers.append(pool.shutdown)
             end_calls = pool.shutdown
-            if media is not None:
-                from .engine_server import EngineServer
-
-                server = EngineServer(pool, addresses[0], authkey, name=names[0], info=page_facts(runtime)).start()
-                closers.insert(-1, server.close)  # before the pool's shutdown
         else:
+            # Several CPU engines share the cores; one keeps torch's own choice (or OMP_NUM_THREADS).
             cpu_engines = sum(1 for d in devices if not d.startswith("cuda"))
-            threads = max(1, (os.cpu_count() or 1) // cpu_engines) if cpu_engines else None
+            threads = max(1, (os.cpu_count() or 1) // cpu_engines) if cpu_engines > 1 else None
             specs = [EngineSpec(name, device, address, authkey, options.runtime, options.pool, threads,
                                 logging.getLogger().getEffectiveLevel())
                      for name, device, address in zip(names, devices, addresses, strict=True)]
@@ -166,7 +165,7 @@ def start_topology(options: TopologyOptions, progress: Callable[[str, float], No
             closers.append(engines.close)
             end_calls = engines.end_calls
             if progress is not None:
-                progress(f"loading {len(devices)} engines", 0.1)
+                progress(f"loading {len(devices)} engine(s)", 0.1)
             facts = engines.wait_ready()
             runtime = PageRuntime.from_facts(facts[0])
             pool = EngineRouter([RemoteEngine(a, authkey) for a in addresses])
