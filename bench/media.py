@@ -9,13 +9,18 @@ says `fetch_output`, and the stats timer every 2 s, all read back over the sessi
 Once every caller is live it measures, for `--seconds`:
 
 - the CPU of the app's whole process tree (utime + stime from /proc, children included), in
-  cores and per caller;
+  cores and per caller, and of its busiest thread: with one torch thread, the pool's ticker,
+  which runs the whole engine step. The rest ("rest per caller") is what a caller costs outside
+  the model: WebRTC, Opus, resampling, page events, and the IPC when there are media workers;
+- the CPU of this benchmark's own callers (its process), which share the machine with the app;
 - the pool's tick and latency percentiles (`/api/status`);
 - per caller, the agent audio received per wall second and the longest gap between frames;
 - the page updates (SSE `process_generating` messages) per caller per second.
 
 `--engine-only` runs the same slots without any WebRTC: the pool is fed frames in process by
-as many in-process callers, so `app tree - engine only` is what the media path costs per caller.
+as many in-process callers, so `app tree - engine only` is what the media path costs per caller
+as long as the app keeps up; once one process is saturated (one core of GIL), the thread split
+is the measure that still holds.
 
     python bench/media.py --callers 1 2 4 8 --slots 8 --seconds 20 [--write]
 """
@@ -68,6 +73,28 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
+def tree_thread_cpu(pid: int) -> dict[tuple[int, int], float]:
+    """utime + stime of every live thread of `pid` and its descendants, by (pid, tid), in seconds."""
+    found: dict[tuple[int, int], float] = {}
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                found[(p, int(task.name))] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+    return found
+
+
+def busiest_thread(before: dict[tuple[int, int], float], after: dict[tuple[int, int], float]) -> float:
+    """CPU seconds of the thread that used the most between two `tree_thread_cpu` readings: with one
+    torch thread, the pool's ticker, which runs the whole engine step."""
+    return max((after[k] - before.get(k, 0.0) for k in after), default=0.0)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -110,6 +137,9 @@ class App:
 
     def cpu(self) -> float:
         return tree_cpu_seconds(self.proc.pid)
+
+    def threads(self) -> dict[tuple[int, int], float]:
+        return tree_thread_cpu(self.proc.pid)
 
     def close(self) -> None:
         self.proc.terminate()
@@ -326,6 +356,13 @@ class Row:
     gap_max_ms: float
     updates_per_s: float
     live: int
+    ticker: float = float("nan")  # cores of the busiest thread: the engine's ticker
+    load_generator: float = float("nan")  # cores this benchmark's own callers used, on the same machine
+
+    @property
+    def rest_per_caller(self) -> float:
+        """Everything but the engine's ticker thread, per caller: media, page events, IPC."""
+        return (self.cores - self.ticker) / self.callers
 
 
 async def run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
@@ -356,11 +393,11 @@ async def _run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
                 raise RuntimeError(f"only {app.status()['slots_live']} of {n} calls went live")
             await asyncio.sleep(0.5)
         await asyncio.sleep(settle)
-        t0, cpu0 = time.monotonic(), app.cpu()
+        t0, cpu0, threads0, own0 = time.monotonic(), app.cpu(), app.threads(), time.process_time()
         for c in callers:
             c.window = (t0, t0 + seconds)
         await asyncio.sleep(seconds)
-        cpu1, t1 = app.cpu(), time.monotonic()
+        cpu1, t1, threads1, own1 = app.cpu(), time.monotonic(), app.threads(), time.process_time()
         status = app.status()
         for c in callers:
             await c.stop()
@@ -369,7 +406,8 @@ async def _run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
     return Row("app (WebRTC)", n, cores, cores / n, status["tick_p50_ms"], status["tick_p99_ms"],
                status["latency_p50_ms"], status["latency_p99_ms"], min(audio), max(audio),
                1e3 * max(c.result.longest_gap_s for c in callers),
-               sum(c.result.page_updates for c in callers) / n / seconds, status["slots_live"])
+               sum(c.result.page_updates for c in callers) / n / seconds, status["slots_live"],
+               busiest_thread(threads0, threads1) / (t1 - t0), (own1 - own0) / (t1 - t0))
 
 
 def run_engine_only(n: int, slots: int, seconds: float, settle: float, cache_dir: str | None) -> Row:
@@ -402,21 +440,23 @@ def run_engine_only(n: int, slots: int, seconds: float, settle: float, cache_dir
         stop_at = time.monotonic() + settle + seconds + 2
         tasks = [asyncio.ensure_future(feed(c, stop_at)) for c in calls]
         await asyncio.sleep(settle)
-        t0, c0 = time.monotonic(), time.process_time()
+        t0, c0, threads0 = time.monotonic(), time.process_time(), tree_thread_cpu(os.getpid())
         await asyncio.sleep(seconds)
-        used = (time.process_time() - c0) / (time.monotonic() - t0)
+        wall = time.monotonic() - t0
+        used = (time.process_time() - c0) / wall
+        ticker = busiest_thread(threads0, tree_thread_cpu(os.getpid())) / wall
         await asyncio.gather(*tasks)
         for c in calls:
             c.release()
-        return used
+        return used, ticker
 
     try:
-        cores = asyncio.run(everyone())
+        cores, ticker = asyncio.run(everyone())
         m = pool.snapshot()
     finally:
         pool.shutdown()
     return Row("engine only", n, cores, cores / n, m.tick_p50_ms, m.tick_p99_ms, m.latency_p50_ms, m.latency_p99_ms,
-               float("nan"), float("nan"), float("nan"), float("nan"), m.slots_live)
+               float("nan"), float("nan"), float("nan"), float("nan"), m.slots_live, ticker)
 
 
 # ---- the report ----------------------------------------------------------------------------------
@@ -427,22 +467,33 @@ def table(rows: list[Row]) -> str:
         return "-" if x != x else format(x, spec)
 
     return md_table(
-        ["mode", "callers", "CPU (cores)", "per caller", "tick p50/p99 (ms)", "latency p50/p99 (ms)",
-         "audio received (s/s)", "longest gap (ms)", "page updates /s"],
-        [[r.mode, r.callers, f(r.cores), f(r.per_caller, ".3f"), f"{f(r.tick_p50, '.0f')}/{f(r.tick_p99, '.0f')}",
-          f"{f(r.lat_p50, '.0f')}/{f(r.lat_p99, '.0f')}",
+        ["mode", "callers", "CPU (cores)", "per caller", "engine thread (cores)", "rest per caller",
+         "tick p50/p99 (ms)", "latency p50/p99 (ms)", "audio received (s/s)", "longest gap (ms)",
+         "page updates /s", "callers' own CPU"],
+        [[r.mode, r.callers, f(r.cores), f(r.per_caller, ".3f"), f(r.ticker), f(r.rest_per_caller, ".3f"),
+          f"{f(r.tick_p50, '.0f')}/{f(r.tick_p99, '.0f')}", f"{f(r.lat_p50, '.0f')}/{f(r.lat_p99, '.0f')}",
           "-" if r.audio_min != r.audio_min else f"{r.audio_min:.2f}-{r.audio_max:.2f}", f(r.gap_max_ms, ".0f"),
-          f(r.updates_per_s, ".1f")] for r in rows])
+          f(r.updates_per_s, ".1f"), f(r.load_generator)] for r in rows])
 
 
 def media_cost(rows: list[Row]) -> str:
-    """Per-caller media cost: app tree minus the engine-only run of the same caller count."""
+    """The app tree minus the engine-only run of the same caller count (valid only while the app
+    keeps up; the table's "rest per caller" is the thread split of the same run), and which runs
+    did not keep up."""
     engine = {r.callers: r.cores for r in rows if r.mode == "engine only"}
     lines = []
     for r in rows:
-        if r.mode != "engine only" and r.callers in engine:
-            lines.append(f"- {r.mode}, {r.callers} callers: ({r.cores:.2f} - {engine[r.callers]:.2f}) / {r.callers} = "
+        if r.mode == "engine only":
+            continue
+        notes = []
+        if r.callers in engine:
+            notes.append(f"app - engine only = ({r.cores:.2f} - {engine[r.callers]:.2f}) / {r.callers} = "
                          f"{(r.cores - engine[r.callers]) / r.callers:.3f} core per caller")
+        if r.audio_min < 0.98:
+            notes.append(f"not keeping up ({r.audio_min:.2f} s of audio per second): its figures are what it got, "
+                         "not what it needed")
+        if notes:
+            lines.append(f"- {r.mode}, {r.callers} callers: " + "; ".join(notes))
     return "\n".join(lines)
 
 
