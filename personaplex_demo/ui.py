@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from .deeplink import SEED_RANGE, LinkRules, NumberRule, add_deep_links, number_rule
+from .gradio_queue import bound_event_log
 from .handler import CallHandler, FinalUpdates, RoomMetrics, room_line
 from .ice import server_configuration
 from .page_inputs import PageInputs
@@ -237,4 +238,5 @@ def build_ui(runtime, pool: SlotPool, options: PageOptions | None = None,
         rtc.stop_recording(on_stop, call_id, [status, wav, txt], show_progress="hidden", concurrency_limit=None)
         gr.Timer(STATS_SECONDS).tick(lambda: stats_markdown(pool), None, stats, show_progress="hidden",
                            concurrency_limit=None)
+    bound_event_log(demo)  # every open page raises an event every few seconds (gradio_queue.py)
     return demo

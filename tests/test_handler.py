@@ -17,6 +17,7 @@ import pytest
 from fastapi import FastAPI
 from fastrtc import AdditionalOutputs, CloseStream, Stream
 
+from personaplex_demo.gradio_queue import BoundedEventLog
 from personaplex_demo.handler import CallHandler, FinalUpdates
 from personaplex_demo.loading import RuntimeOptions, build_runtime
 from personaplex_demo.page_inputs import PageInputs
@@ -288,6 +289,7 @@ async def test_the_page_wiring_status_endpoint_and_downloads(runtime, recordings
     rtc = next(b for b in demo.blocks.values() if isinstance(b, WebRTC))
     assert rtc.time_limit is None  # the pool counts the limit from going live, not from connecting
     assert rtc.concurrency_limit == pool.slots_total + 3 + 2
+    assert isinstance(demo._queue.event_analytics, BoundedEventLog)  # every page's timer adds events
     by_event = {}
     for fn in demo.fns.values():
         for _, event in fn.targets:
