@@ -46,5 +46,7 @@ if [[ $pool == 1 ]]; then
     if [[ ${#quick[@]} -gt 0 ]]; then media_args=(--callers 1 4 --seconds 10); else media_args=(--engine-only); fi
     "$py" bench/media.py "${media_args[@]}" --write
 fi
+echo "== bench/gradio_events.py"
+"$py" bench/gradio_events.py --write
 echo "== bench/gpu.py --dry-run (the GPU benchmark's code path on the tiny configs)"
 "$py" bench/gpu.py --dry-run > /dev/null && echo "gpu dry run: ok"
