@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # "docs/model.md § The ring rule", "engine.md § Recycle", "model.md § Depformer", ...
-REFERENCE = re.compile(r"\b(?:docs/)?(\w+\.md) § ([A-Za-z][\w -]*[\w])")
+REFERENCE = re.compile(r"(?:docs/)?\b([\w-]+\.md) § ([A-Za-z][\w -]*[\w])")
 # Any "<something> §" reference at all, to catch ones that point outside the repository.
 ANY_REFERENCE = re.compile(r"([\w./-]+) §")
 
@@ -19,7 +19,9 @@ def sources() -> list[Path]:
 
 
 def headings(doc: Path) -> set[str]:
-    return {line.lstrip("#").strip() for line in doc.read_text(encoding="utf-8").splitlines() if line.startswith("#")}
+    """Each heading, also without a trailing "(file.py)" note, as references may leave it out."""
+    found = {line.lstrip("#").strip() for line in doc.read_text(encoding="utf-8").splitlines() if line.startswith("#")}
+    return found | {re.sub(r" \([^)]*\)$", "", h) for h in found}
 
 
 def test_every_docs_section_reference_names_an_existing_heading():
