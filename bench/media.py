@@ -57,40 +57,36 @@ PERSONA = "You enjoy having a good conversation."
 # ---- the app's process tree ---------------------------------------------------------------------
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """utime + stime of `pid` and every live descendant (threads included), in seconds."""
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / CLK_TCK
-            for task in Path(f"/proc/{p}/task").iterdir():
-                children = (task / "children").read_text().split()
-                todo.extend(int(c) for c in children)
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-    return total
+@dataclass(frozen=True)
+class TreeCpu:
+    """One reading of `pid` and its descendants: utime + stime in seconds, of the whole tree
+    (exited threads included, from each process's /proc/PID/stat) and of each live thread."""
+
+    total: float
+    threads: dict[tuple[int, int], float]  # by (pid, tid)
+
+    @classmethod
+    def read(cls, pid: int) -> TreeCpu:
+        total, threads, todo = 0.0, {}, [pid]
+        while todo:
+            p = todo.pop()
+            try:
+                total += _cpu_seconds(Path(f"/proc/{p}/stat"))
+                for task in Path(f"/proc/{p}/task").iterdir():
+                    threads[(p, int(task.name))] = _cpu_seconds(task / "stat")
+                    todo.extend(int(c) for c in (task / "children").read_text().split())
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+        return cls(total, threads)
 
 
-def tree_thread_cpu(pid: int) -> dict[tuple[int, int], float]:
-    """utime + stime of every live thread of `pid` and its descendants, by (pid, tid), in seconds."""
-    found: dict[tuple[int, int], float] = {}
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for task in Path(f"/proc/{p}/task").iterdir():
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                found[(p, int(task.name))] = (int(fields[11]) + int(fields[12])) / CLK_TCK
-                todo.extend(int(c) for c in (task / "children").read_text().split())
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-    return found
+def _cpu_seconds(stat: Path) -> float:
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def busiest_thread(before: dict[tuple[int, int], float], after: dict[tuple[int, int], float]) -> float:
-    """CPU seconds of the thread that used the most between two `tree_thread_cpu` readings: with one
+    """CPU seconds of the thread that used the most between two `TreeCpu` readings: with one
     torch thread, the pool's ticker, which runs the whole engine step."""
     return max((after[k] - before.get(k, 0.0) for k in after), default=0.0)
 
@@ -135,11 +131,8 @@ class App:
     def status(self) -> dict:
         return get_json(self.base + "/api/status")
 
-    def cpu(self) -> float:
-        return tree_cpu_seconds(self.proc.pid)
-
-    def threads(self) -> dict[tuple[int, int], float]:
-        return tree_thread_cpu(self.proc.pid)
+    def cpu(self) -> TreeCpu:
+        return TreeCpu.read(self.proc.pid)
 
     def close(self) -> None:
         self.proc.terminate()
@@ -393,21 +386,21 @@ async def _run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
                 raise RuntimeError(f"only {app.status()['slots_live']} of {n} calls went live")
             await asyncio.sleep(0.5)
         await asyncio.sleep(settle)
-        t0, cpu0, threads0, own0 = time.monotonic(), app.cpu(), app.threads(), time.process_time()
+        t0, cpu0, own0 = time.monotonic(), app.cpu(), time.process_time()
         for c in callers:
             c.window = (t0, t0 + seconds)
         await asyncio.sleep(seconds)
-        cpu1, t1, threads1, own1 = app.cpu(), time.monotonic(), app.threads(), time.process_time()
+        cpu1, t1, own1 = app.cpu(), time.monotonic(), time.process_time()
         status = app.status()
         for c in callers:
             await c.stop()
-    cores = (cpu1 - cpu0) / (t1 - t0)
+    cores = (cpu1.total - cpu0.total) / (t1 - t0)
     audio = [c.result.audio_s / seconds for c in callers]
     return Row("app (WebRTC)", n, cores, cores / n, status["tick_p50_ms"], status["tick_p99_ms"],
                status["latency_p50_ms"], status["latency_p99_ms"], min(audio), max(audio),
                1e3 * max(c.result.longest_gap_s for c in callers),
                sum(c.result.page_updates for c in callers) / n / seconds, status["slots_live"],
-               busiest_thread(threads0, threads1) / (t1 - t0), (own1 - own0) / (t1 - t0))
+               busiest_thread(cpu0.threads, cpu1.threads) / (t1 - t0), (own1 - own0) / (t1 - t0))
 
 
 def run_engine_only(n: int, slots: int, seconds: float, settle: float, cache_dir: str | None) -> Row:
@@ -440,11 +433,11 @@ def run_engine_only(n: int, slots: int, seconds: float, settle: float, cache_dir
         stop_at = time.monotonic() + settle + seconds + 2
         tasks = [asyncio.ensure_future(feed(c, stop_at)) for c in calls]
         await asyncio.sleep(settle)
-        t0, c0, threads0 = time.monotonic(), time.process_time(), tree_thread_cpu(os.getpid())
+        t0, c0, threads0 = time.monotonic(), time.process_time(), TreeCpu.read(os.getpid()).threads
         await asyncio.sleep(seconds)
         wall = time.monotonic() - t0
         used = (time.process_time() - c0) / wall
-        ticker = busiest_thread(threads0, tree_thread_cpu(os.getpid())) / wall
+        ticker = busiest_thread(threads0, TreeCpu.read(os.getpid()).threads) / wall
         await asyncio.gather(*tasks)
         for c in calls:
             c.release()
