@@ -317,7 +317,8 @@ class Call(CallView):
         """-> ENDED, counted under its reason; False if it had already ended."""
         if self.state == CallState.ENDED:
             return False
-        self.state, self.end_reason, self.queue_position = CallState.ENDED, reason, None
+        # A plain string from here on: it goes into logs, transcripts and the engine's messages.
+        self.state, self.end_reason, self.queue_position = CallState.ENDED, str(reason), None
         self._ctx.counters.calls_ended[EndReason.kind(reason)] += 1
         self._inbox.clear()
         self._wake()
