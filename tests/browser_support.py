@@ -55,7 +55,8 @@ async () => {
 }
 """
 
-# The route the call took: the types of the selected candidate pair's two ends.
+# The route the call took: the types of the selected candidate pair's two ends, and the bytes it
+# carried each way (media, RTCP and consent checks, as a relay counts them).
 SELECTED_ROUTE = """
 async () => {
   const pc = window.__pcs.at(-1);
@@ -68,7 +69,8 @@ async () => {
   if (!pair) return null;
   const local = stats.get(pair.localCandidateId), remote = stats.get(pair.remoteCandidateId);
   return {local: local.candidateType, remote: remote.candidateType, remoteAddress: remote.address,
-          policy: pc.getConfiguration().iceTransportPolicy};
+          policy: pc.getConfiguration().iceTransportPolicy, bytesSent: pair.bytesSent,
+          bytesReceived: pair.bytesReceived};
 }
 """
 

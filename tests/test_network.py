@@ -156,12 +156,21 @@ def test_a_call_through_the_turn_relay_only(turn_side, tiny_cache_dir, tmp_path)
 
         transcript = page.locator("#transcript-box textarea")
         first, texts = page.evaluate(INBOUND_BYTES), [""]
+
+        def relayed_enough() -> bool:
+            # Comfortably more than coturn must report below, so that the call's length does not
+            # decide whether it does: the microphone's packets are small.
+            route = page.evaluate(SELECTED_ROUTE)
+            return route["bytesSent"] > 12_000 and route["bytesReceived"] > 24_000
+
         deadline = time.monotonic() + 25
-        while time.monotonic() < deadline and not (len(set(texts)) >= 3 and page.evaluate(INBOUND_BYTES) > first + 5000):
+        while time.monotonic() < deadline and not (len(set(texts)) >= 3 and page.evaluate(INBOUND_BYTES) > first + 5000
+                                                   and relayed_enough()):
             page.wait_for_timeout(300)
             texts.append(transcript.input_value())
         assert len(set(texts)) >= 3, f"the transcript did not keep changing: {texts[-3:]}"
         assert page.evaluate(INBOUND_BYTES) > first + 5000
+        assert relayed_enough(), page.evaluate(SELECTED_ROUTE)
         assert app.status()["slots_live"] == 1
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "browser-turn-relay.png"), full_page=True)
