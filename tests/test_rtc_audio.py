@@ -85,3 +85,51 @@ async def test_only_answers_are_rewritten():
     assert packet_time((await wrapped({"sdp": ANSWER, "type": "answer"}, None))["sdp"]) == 40
     refused = {"status": "failed", "meta": {"error": "concurrency_limit_reached"}}
     assert await wrapped(refused, None) == refused
+
+
+def _frames():
+    """Frames as aiortc's senders see them: fastrtc's 24 kHz stereo, a 48 kHz mono microphone,
+    silence, full scale both ways, a lone sample and very quiet noise (below -127 dBov)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for layout, samples, rate in [("stereo", 960, 24000), ("mono", 960, 48000), ("mono", 1920, 48000)]:
+        channels = 2 if layout == "stereo" else 1
+        for scale in [0, 1, 30, 3000, 32767]:
+            pcm = np.clip(rng.standard_normal(samples * channels) * scale, -32768, 32767).astype(np.int16)
+            out.append((pcm, layout, rate))
+    out.append((np.full(960, -32768, np.int16), "mono", 48000))
+    out.append((np.full(960, 32767, np.int16), "mono", 48000))
+    lone = np.zeros(960, np.int16)
+    lone[17] = 1
+    out.append((lone, "mono", 48000))
+    frames = []
+    for pcm, layout, rate in out:
+        frame = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout=layout)
+        frame.sample_rate = rate
+        frames.append(frame)
+    return frames
+
+
+def test_the_audio_level_is_aiortcs_to_the_bit():
+    from aiortc.rtp import compute_audio_level_dbov
+
+    from personaplex_demo.rtc_audio import audio_level_dbov
+
+    levels = [(audio_level_dbov(f), compute_audio_level_dbov(f)) for f in _frames()]
+    assert all(ours == theirs and type(ours) is type(theirs) for ours, theirs in levels), levels
+    assert {theirs for _, theirs in levels} >= {0, -127}  # the clamps at both ends were exercised
+    assert len({theirs for _, theirs in levels}) >= 6
+
+
+def test_install_makes_the_sender_use_the_numpy_level():
+    import aiortc.rtp as rtp
+
+    from personaplex_demo.rtc_audio import audio_level_dbov, install_audio_level
+
+    before = rtp.compute_audio_level_dbov
+    try:
+        install_audio_level()
+        install_audio_level()
+        assert rtp.compute_audio_level_dbov is audio_level_dbov
+    finally:
+        rtp.compute_audio_level_dbov = before
