@@ -5,7 +5,7 @@ port and connects N aiortc peers over loopback. Each peer drives the page's own 
 the browser page does: `start_recording` when the call starts, the WebRTC component's `turn` and
 `offer` server functions through `/gradio_api/component_server`, the `tick` event with the page's
 inputs when the data channel says `send_input`, the page-update relay (`state_change`) when it
-says `fetch_output`, and the stats timer every 2 s, all read back over the session's SSE stream.
+says `fetch_output`, and the stats timer at the page's own interval, all read back over the session's SSE stream.
 Once every caller is live it measures, for `--seconds`:
 
 - the CPU of the app's whole process tree (utime + stime from /proc, children included), in
@@ -156,11 +156,14 @@ class PageEvents:
     start_recording: int
     stop_recording: int
     timer: int | None
+    timer_seconds: float  # the page's gr.Timer interval: how often each open page raises the timer event
 
     @classmethod
     def from_config(cls, config: dict) -> PageEvents:
         comp = next(c["id"] for c in config["components"] if c.get("type") == "webrtc")
-        timer = next((c["id"] for c in config["components"] if c.get("type") == "timer"), None)
+        timer_component = next((c for c in config["components"] if c.get("type") == "timer"), None)
+        timer = timer_component["id"] if timer_component else None
+        timer_seconds = float(timer_component["props"]["value"]) if timer_component else 0.0
         found: dict[str, int] = {}
         for index, dep in enumerate(config["dependencies"]):
             for target, event in dep["targets"]:
@@ -169,7 +172,7 @@ class PageEvents:
                 if timer is not None and target == timer and event == "tick":
                     found.setdefault("timer", index)
         return cls(comp, found["tick"], found["state_change"], found["start_recording"], found["stop_recording"],
-                   found.get("timer"))
+                   found.get("timer"), timer_seconds)
 
 
 @dataclass
@@ -252,9 +255,10 @@ class PageCaller:
 
     async def timer(self) -> None:
         while True:
-            await asyncio.sleep(2.0)
-            if self.events.timer is not None:
-                await self.join(self.events.timer, [])
+            if self.events.timer is None:
+                return
+            await asyncio.sleep(self.events.timer_seconds)
+            await self.join(self.events.timer, [])
 
     async def start(self) -> None:
         from aiortc import RTCSessionDescription
@@ -362,7 +366,10 @@ async def run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
     import aioice.ice
     import aiortc.rtcrtpsender
 
+    from personaplex_demo.rtc_audio import install_audio_level
+
     aioice.ice.get_host_addresses = lambda use_ipv4=True, use_ipv6=False: ["127.0.0.1"]
+    install_audio_level()  # a browser computes the RTP audio level natively, not in a Python loop
     encoder_factory = aiortc.rtcrtpsender.get_encoder  # a caller may switch it (a=ptime); each run starts anew
     try:
         return await _run_webrtc(app, n, seconds, settle)
