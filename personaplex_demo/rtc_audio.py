@@ -15,8 +15,8 @@ back, fastrtc's resampler, a `receive` call). `a=ptime:40` in the SDP answer ask
 complete when its last packet arrives, whatever the packet length.
 
 aiortc also measures every outgoing frame's audio level (the RTP header extension browsers use
-to show who speaks) in a Python loop over the samples: about a tenth of the event loop's work
-for the agent's audio. `audio_level_dbov` computes the same value with numpy.
+to show who speaks) in a Python loop over the samples: about a tenth of the event loop's busy
+time with 4 callers. `audio_level_dbov` computes the same value with numpy.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def make_encoder_class():
 
 
 def audio_level_dbov(frame) -> int:
-    """An audio frame's level in -dBov (RFC 6465, Appendix A), as aiortc's own
+    """An audio frame's level in dBov, 0 down to -127 (RFC 6465, Appendix A), as aiortc's own
     `aiortc.rtp.compute_audio_level_dbov` computes it, summed by numpy instead of a Python loop.
 
     The value is the same to the bit: the sum of squares of int16 samples is an integer well
