@@ -16,7 +16,7 @@ def loopback_requested() -> bool:
 def apply_media_settings(loopback: bool) -> None:
     import aioice.ice
 
-    from .rtc_audio import install_audio_level, install_packet_encoder
+    from .rtc_audio import install_audio_level, install_jitter_buffer, install_packet_encoder
 
     if loopback:
         # Testing and offline use on one machine: aioice skips 127.0.0.1 unless told otherwise.
@@ -25,3 +25,4 @@ def apply_media_settings(loopback: bool) -> None:
     aioice.ice.CONSENT_INTERVAL, aioice.ice.CONSENT_FAILURES = 1, 4
     install_packet_encoder()  # agent audio in 40 ms Opus packets: half the per-packet work per caller
     install_audio_level()  # each packet's RTP audio level, the same value without a Python loop
+    install_jitter_buffer()  # the callers' audio held back 80 ms, not 4 packets (160 ms at 40 ms)

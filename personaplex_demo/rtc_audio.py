@@ -11,8 +11,11 @@ as in aiortc, with aiortc's own settings but for the frame length.
 
 The caller's side costs the same per packet (decrypting, a hop to aiortc's decoder thread and
 back, fastrtc's resampler, a `receive` call). `a=ptime:40` in the SDP answer asks the browser for
-40 ms packets, and Chromium honours it. That adds no delay either: an engine frame (80 ms) is
-complete when its last packet arrives, whatever the packet length.
+40 ms packets, and Chromium honours it. An engine frame (80 ms) is complete when its last packet
+arrives, whatever the packet length. aiortc's receiver, though, holds back 4 packets in its audio
+jitter buffer before it decodes one, which is 80 ms at 20 ms a packet but 160 ms at 40 ms: the
+receivers here hold back `PREFETCH_MS` of audio instead (`TimedJitterBuffer`), whatever the
+packet length, so the longer packets add no delay.
 
 aiortc also measures every outgoing frame's audio level (the RTP header extension browsers use
 to show who speaks) in a Python loop over the samples: about a tenth of the event loop's busy
@@ -30,6 +33,8 @@ log = logging.getLogger(__name__)
 
 PACKET_MS = 40
 OPUS_RATE = 48000  # Opus on the wire is always 48 kHz (RTP clock)
+# What aiortc's audio jitter buffer holds back at WebRTC's usual packet length: 4 packets of 20 ms.
+PREFETCH_MS = 80
 
 
 def output_frame_samples(sample_rate: int) -> int:
@@ -137,3 +142,50 @@ def install_packet_encoder() -> None:
     get_encoder.packet_ms = PACKET_MS
     sender.get_encoder = get_encoder
     log.debug("outgoing Opus in %d ms packets", PACKET_MS)
+
+
+def prefetch_packets(packet_samples: int) -> int:
+    """Packets to hold back so that they cover `PREFETCH_MS` of audio: 4 of 20 ms, 2 of 40 ms."""
+    return max(1, -(-OPUS_RATE * PREFETCH_MS // 1000 // packet_samples))
+
+
+def make_jitter_buffer_class():
+    from aiortc.jitterbuffer import JitterBuffer
+
+    class TimedJitterBuffer(JitterBuffer):
+        """aiortc's jitter buffer, holding back `PREFETCH_MS` of audio rather than 4 packets.
+
+        The packet length is read off the RTP timestamps of consecutive packets (48 kHz clock),
+        so a browser that ignores `a=ptime` still gets aiortc's usual 80 ms. Video buffers (no
+        prefetch) are aiortc's own."""
+
+        def __init__(self, capacity: int, prefetch: int = 0, is_video: bool = False) -> None:
+            super().__init__(capacity, prefetch, is_video)
+            self._timed = prefetch > 0 and not is_video
+            self._last_timestamp: int | None = None
+
+        def add(self, packet):
+            if self._timed:
+                if self._last_timestamp is not None:
+                    step = (packet.timestamp - self._last_timestamp) & 0xFFFFFFFF
+                    # Opus packets carry 2.5 to 120 ms; anything else is a loss or reordering.
+                    if 0 < step <= OPUS_RATE * 120 // 1000:
+                        self._prefetch = prefetch_packets(step)
+                self._last_timestamp = packet.timestamp
+            return super().add(packet)
+
+    return TimedJitterBuffer
+
+
+def install_jitter_buffer() -> None:
+    """Make aiortc's receivers in this process use `TimedJitterBuffer`. Idempotent.
+
+    aiortc's `RTCRtpReceiver` builds its jitter buffer from the name `JitterBuffer` in its own
+    module, once per receiver."""
+    import aiortc.rtcrtpreceiver as receiver
+
+    if getattr(receiver.JitterBuffer, "prefetch_ms", None) == PREFETCH_MS:
+        return
+    buffer_class = make_jitter_buffer_class()
+    buffer_class.prefetch_ms = PREFETCH_MS
+    receiver.JitterBuffer = buffer_class

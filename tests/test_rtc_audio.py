@@ -1,4 +1,4 @@
-"""The agent's audio on the wire: Opus in 40 ms packets."""
+"""Audio on the wire: Opus in 40 ms packets, and what the receivers hold back."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ from av import AudioFrame
 
 from personaplex_demo.rtc_audio import (
     PACKET_MS,
+    PREFETCH_MS,
     answering_with_packet_time,
+    install_jitter_buffer,
     install_packet_encoder,
     make_encoder_class,
+    make_jitter_buffer_class,
     output_frame_samples,
     packet_time,
     with_packet_time,
@@ -133,3 +136,45 @@ def test_install_makes_the_sender_use_the_numpy_level():
         assert rtp.compute_audio_level_dbov is audio_level_dbov
     finally:
         rtp.compute_audio_level_dbov = before
+
+
+def _held_back_ms(buffer_class, packet_ms: int, packets: int = 12) -> list[int]:
+    """Feed `packets` RTP packets of `packet_ms` each into an audio jitter buffer built as
+    aiortc's receiver builds it; for each frame that comes out, how much later audio had arrived."""
+    from aiortc.rtp import RtpPacket
+
+    buffer, step, out = buffer_class(capacity=16, prefetch=4), 48 * packet_ms, []
+    for n in range(packets):
+        packet = RtpPacket(payload_type=111, sequence_number=1000 + n, timestamp=7 + n * step, payload=b"\x01")
+        packet._data = packet.payload  # what aiortc's receiver does after depacketizing
+        _, frame = buffer.add(packet)
+        if frame is not None:
+            out.append((n * step - frame.timestamp + 7) // 48)
+    return out
+
+
+def test_the_callers_audio_is_held_back_80_ms_whatever_the_packet_length():
+    from aiortc.jitterbuffer import JitterBuffer
+
+    timed = make_jitter_buffer_class()
+    # aiortc holds back 4 packets: 80 ms at WebRTC's usual 20 ms, but 160 ms at the 40 ms asked for.
+    assert set(_held_back_ms(JitterBuffer, 20)) == {80} and set(_held_back_ms(JitterBuffer, 40)) == {160}
+    for packet_ms in (20, 40, 80):
+        held = _held_back_ms(timed, packet_ms)
+        assert set(held) == {PREFETCH_MS}, (packet_ms, held)
+        assert len(held) == 12 - PREFETCH_MS // packet_ms  # every later packet releases one frame
+    assert set(_held_back_ms(timed, 60)) == {120}  # never less than PREFETCH_MS: 2 packets of 60 ms
+
+
+def test_install_gives_receivers_the_timed_jitter_buffer_for_audio_only():
+    import aiortc.rtcrtpreceiver as receiver
+
+    before = receiver.JitterBuffer
+    try:
+        install_jitter_buffer()
+        timed = receiver.JitterBuffer
+        install_jitter_buffer()  # idempotent
+        assert receiver.JitterBuffer is timed and timed is not before
+        assert not timed(capacity=512, is_video=True)._timed and timed(capacity=16, prefetch=4)._timed
+    finally:
+        receiver.JitterBuffer = before
