@@ -46,6 +46,9 @@ if [[ $pool == 1 ]]; then
     if [[ ${#quick[@]} -gt 0 ]]; then media_args=(--callers 1 4 --seconds 10); else media_args=(--engine-only); fi
     "$py" bench/media.py "${media_args[@]}" --write
 fi
+echo "== bench/input_delay.py (a caller's sound through WebRTC into the server, loopback)"
+if [[ ${#quick[@]} -gt 0 ]]; then delay_args=(--seconds 5 --rounds 1); else delay_args=(); fi
+"$py" bench/input_delay.py "${delay_args[@]}" --write
 echo "== bench/gradio_events.py"
 "$py" bench/gradio_events.py --write
 echo "== bench/gpu.py --dry-run (the GPU benchmark's code path on the tiny configs)"
