@@ -8,12 +8,15 @@ Results are medians over all calls; p99 is only meaningful with many calls (n is
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import re
 import shlex
+import socket
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +27,21 @@ REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS_MD = REPO / "BENCHMARKS.md"
 FRAME_MS = 80.0  # one tick = one 80 ms audio frame (1920 samples at 24 kHz)
 REFERENCE_MISSING = "reference: not installed (see BENCHMARKS.md for how)"
+
+
+# ---- a launched app on loopback (the benchmarks' and the end-to-end tests') ---------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, timeout: float = 3.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
 
 
 # ---- statistics ---------------------------------------------------------------------------------

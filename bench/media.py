@@ -34,12 +34,10 @@ import json
 import logging
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,7 +45,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import REPO, command_line, machine, machine_line, md_table, replace_section  # noqa: E402
+from bench.common import (  # noqa: E402
+    REPO,
+    command_line,
+    free_port,
+    get_json,
+    machine,
+    machine_line,
+    md_table,
+    replace_section,
+)
 
 log = logging.getLogger("bench.media")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -89,17 +96,6 @@ def busiest_thread(before: dict[tuple[int, int], float], after: dict[tuple[int, 
     """CPU seconds of the thread that used the most between two `TreeCpu` readings: with one
     torch thread, the pool's ticker, which runs the whole engine step."""
     return max((after[k] - before.get(k, 0.0) for k in after), default=0.0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get_json(url: str, timeout: float = 3.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
 
 
 class App:

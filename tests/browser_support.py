@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from bench.common import free_port, get_json
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
@@ -92,17 +92,6 @@ def require(missing: list[str], hint: str = "apt-get install -y chromium espeak-
         if IN_CI:
             pytest.fail(msg)
         pytest.skip(msg)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get_json(url: str, timeout: float = 2.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
 
 
 def get_text(url: str, timeout: float = 2.0) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import free_port
 from personaplex_demo.app import AppConfig, parse_config
 from personaplex_demo.options import specs
 
@@ -90,17 +90,11 @@ def test_help_shows_each_default_and_each_env_var() -> None:
         assert any(line.strip().startswith(name + " ") for line in lines), name
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_app_start_logs_are_quiet_and_say_where_it_serves(tiny_cache_dir, tmp_path) -> None:
     """The README's start command with the tiny model: no request-by-request httpx lines, no Gradio hint
     about launch(share=True), and no DeprecationWarning from the project's own code (it would be an error)."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False", PERSONAPLEX_CACHE=str(tiny_cache_dir),
                PYTHONWARNINGS=project_deprecations_as_errors())
     for var in ("HF_TOKEN", "SPACE_ID", "PERSONAPLEX_VERBOSE", "PERSONAPLEX_SHARE"):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import free_port
 from personaplex_demo import loading, preflight
 from personaplex_demo.errors import UnknownVoiceError
 from personaplex_demo.hub import resolve_model
@@ -25,12 +26,6 @@ from personaplex_demo.preflight import NOMINAL_SIZES, PreflightError, check_cach
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO = "nvidia/personaplex-7b-v1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def app_env(**extra: str) -> dict[str, str]:
