@@ -43,9 +43,10 @@ async def one_run(packet_ms: int, timed: bool, seconds: float) -> list[float]:
     from aiortc.mediastreams import MediaStreamError
     from av import AudioFrame
 
+    from personaplex_demo.media_settings import loopback_host_addresses
     from personaplex_demo.rtc_audio import PACKET_MS, install_packet_encoder, make_jitter_buffer_class
 
-    aioice.ice.get_host_addresses = lambda use_ipv4=True, use_ipv6=False: ["127.0.0.1"]
+    aioice.ice.get_host_addresses = loopback_host_addresses
     original_encoder = sender.get_encoder
     receiver.JitterBuffer = make_jitter_buffer_class() if timed else JitterBuffer
     if packet_ms == PACKET_MS:

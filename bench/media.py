@@ -362,9 +362,10 @@ async def run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
     import aioice.ice
     import aiortc.rtcrtpsender
 
+    from personaplex_demo.media_settings import loopback_host_addresses
     from personaplex_demo.rtc_audio import install_audio_level
 
-    aioice.ice.get_host_addresses = lambda use_ipv4=True, use_ipv6=False: ["127.0.0.1"]
+    aioice.ice.get_host_addresses = loopback_host_addresses
     install_audio_level()  # a browser computes the RTP audio level natively, not in a Python loop
     encoder_factory = aiortc.rtcrtpsender.get_encoder  # a caller may switch it (a=ptime); each run starts anew
     try:

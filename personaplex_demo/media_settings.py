@@ -13,14 +13,19 @@ def loopback_requested() -> bool:
     return os.environ.get(LOOPBACK_VAR) == "1"
 
 
+def loopback_host_addresses(use_ipv4: bool = True, use_ipv6: bool = False) -> list[str]:
+    """In place of `aioice.ice.get_host_addresses`, which skips 127.0.0.1: ICE candidates on
+    loopback only (tests, benchmarks, and offline use on one machine)."""
+    return ["127.0.0.1"]
+
+
 def apply_media_settings(loopback: bool) -> None:
     import aioice.ice
 
     from .rtc_audio import install_audio_level, install_jitter_buffer, install_packet_encoder
 
     if loopback:
-        # Testing and offline use on one machine: aioice skips 127.0.0.1 unless told otherwise.
-        aioice.ice.get_host_addresses = lambda use_ipv4=True, use_ipv6=False: ["127.0.0.1"]
+        aioice.ice.get_host_addresses = loopback_host_addresses
     # Notice a closed tab in ~4 s instead of ~30 s, so its slot frees quickly.
     aioice.ice.CONSENT_INTERVAL, aioice.ice.CONSENT_FAILURES = 1, 4
     install_packet_encoder()  # agent audio in 40 ms Opus packets: half the per-packet work per caller

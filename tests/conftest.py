@@ -72,4 +72,6 @@ def loopback_ice(monkeypatch):
     meet on loopback only."""
     import aioice.ice
 
-    monkeypatch.setattr(aioice.ice, "get_host_addresses", lambda use_ipv4=True, use_ipv6=False: ["127.0.0.1"])
+    from personaplex_demo.media_settings import loopback_host_addresses
+
+    monkeypatch.setattr(aioice.ice, "get_host_addresses", loopback_host_addresses)
