@@ -112,7 +112,7 @@ class LaunchedApp:
     call: Callable = field(default=lambda fn, *a: fn(*a))
 
     def status(self) -> dict:
-        return self.call(get_json, f"{self.base_url}/api/status")
+        return self.call(get_json, f"{self.base_url}/api/status", 2.0)
 
     def metrics(self) -> str:
         return self.call(get_text, f"{self.base_url}/metrics")
