@@ -26,6 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import md_table, replace_section  # noqa: E402
+from personaplex_demo.rtc_audio import PACKET_MS, install_packet_encoder, make_jitter_buffer_class  # noqa: E402
 
 log = logging.getLogger("bench.input_delay")
 SECTION = "Caller's audio into the server"
@@ -44,7 +45,6 @@ async def one_run(packet_ms: int, timed: bool, seconds: float) -> list[float]:
     from av import AudioFrame
 
     from personaplex_demo.media_settings import loopback_host_addresses
-    from personaplex_demo.rtc_audio import PACKET_MS, install_packet_encoder, make_jitter_buffer_class
 
     aioice.ice.get_host_addresses = loopback_host_addresses
     original_encoder = sender.get_encoder
@@ -111,7 +111,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name in ("aiortc", "aioice"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    cases = [(20, False), (20, True), (40, False), (40, True)]
+    cases = [(20, False), (20, True), (PACKET_MS, False), (PACKET_MS, True)]
     delays: dict[tuple[int, bool], list[float]] = {c: [] for c in cases}
     for _ in range(a.rounds):
         for packet_ms, timed in cases:
