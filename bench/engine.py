@@ -35,12 +35,12 @@ from bench.common import (
     replace_section,
 )
 from bench.model import LM_SEED, PERSONA_P, VOICE_T, bench_cache, bench_persona, bench_voice, hash_file
-from personaplex_demo.engine import SamplingParams
-from personaplex_demo.loading import build_engine
-from personaplex_demo.lockstep import LockstepCore
+from personaplex_demo.engine.core import LockstepCore
+from personaplex_demo.engine.pcm import SamplingParams
+from personaplex_demo.engine.stepwise import StepwiseCore
 from personaplex_demo.model.checkpoint import load_lm, meta_lm
 from personaplex_demo.model.config import LMConfig
-from personaplex_demo.stepwise import StepwiseCore
+from personaplex_demo.runtime.build import build_engine
 
 SECTION = "Engine: tick and prefill"
 PERSONA = ("You work for CitySan Services, a waste management company, and your name is Ayelen Lucero. "

@@ -35,15 +35,15 @@ import numpy as np
 import torch
 
 from bench.common import machine, md_table, replace_section
-from personaplex_demo.capacity import context_frames
-from personaplex_demo.engine import SamplingParams
-from personaplex_demo.hub import DEFAULT_HF_REPO
-from personaplex_demo.loading import RuntimeOptions, build_runtime
+from personaplex_demo.engine.pcm import SamplingParams
 from personaplex_demo.model.checkpoint import meta_lm, meta_mimi, write_hash_checkpoint
 from personaplex_demo.model.config import LMConfig, MimiConfig, ModelFiles
-from personaplex_demo.tiny import LM_SEED, MIMI_SEED
-from personaplex_demo.tokenizer import build_tiny_tokenizer
-from personaplex_demo.voices import tiny_voice_prompts, write_voices_archive
+from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
+from personaplex_demo.runtime.capacity import context_frames
+from personaplex_demo.runtime.hub import DEFAULT_HF_REPO
+from personaplex_demo.runtime.tiny import LM_SEED, MIMI_SEED
+from personaplex_demo.runtime.tokenizer import build_tiny_tokenizer
+from personaplex_demo.runtime.voices import tiny_voice_prompts, write_voices_archive
 
 SECTION = "Full-size model on the CPU"
 GB = 1e9

@@ -143,8 +143,8 @@ class Setup:
     def __init__(self, dry_run: bool, device: torch.device, graphs: bool, workdir: Path):
         from personaplex_demo.model.checkpoint import meta_lm, meta_mimi
         from personaplex_demo.model.config import LMConfig, MimiConfig
-        from personaplex_demo.tokenizer import TextTokenizer, build_tiny_tokenizer
-        from personaplex_demo.voices import VoiceCatalog, write_voices_archive
+        from personaplex_demo.runtime.tokenizer import TextTokenizer, build_tiny_tokenizer
+        from personaplex_demo.runtime.voices import VoiceCatalog, write_voices_archive
 
         self.device, self.graphs, self.dry_run = device, graphs, dry_run
         self.dtype = torch.bfloat16
@@ -173,7 +173,7 @@ class Setup:
         return 2 * c.num_layers * c.num_heads * c.context * c.head_dim * torch.finfo(self.dtype).bits // 8
 
     def engine(self, B: int):
-        from personaplex_demo.engine import LockstepEngine, SamplingParams
+        from personaplex_demo.engine.pcm import LockstepEngine, SamplingParams
 
         eng = LockstepEngine(self.lm, self.mimi, self.tokenizer, self.voices, B, self.device, self.dtype,
                              cuda_graphs=self.graphs)
@@ -189,7 +189,7 @@ class Setup:
 
 def measure_b(setup: Setup, B: int, n: int, parts: bool) -> dict:
     """Engine tick at B (and, with `parts`, the LM tick and Mimi alone); peak memory."""
-    from personaplex_demo.cuda_graphs import CudaGraphed
+    from personaplex_demo.engine.cuda_graphs import CudaGraphed
 
     dev = setup.device
     if dev.type == "cuda":

@@ -23,13 +23,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from personaplex_demo.engine import LockstepEngine, SamplingParams
-from personaplex_demo.lockstep import LockstepCore
+from personaplex_demo.engine.core import LockstepCore
+from personaplex_demo.engine.pcm import LockstepEngine, SamplingParams
+from personaplex_demo.engine.prompt import VoiceTokens
+from personaplex_demo.engine.stepwise import StepwiseCore
 from personaplex_demo.model.checkpoint import load_lm, load_mimi, meta_lm, meta_mimi, write_hash_checkpoint
 from personaplex_demo.model.config import LMConfig, MimiConfig
 from personaplex_demo.model.hashinit import hash_tensor, mimi_input
-from personaplex_demo.prompt import VoiceTokens
-from personaplex_demo.stepwise import StepwiseCore
 
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden"
 GREEDY = SamplingParams(greedy=True)
@@ -217,8 +217,8 @@ def slots_auto_on(lm, mimi, tokenizer, voices, device: torch.device, dtype: torc
     """The `--slots auto` plan on this device, uncapped (to test the arithmetic's own fit) and capped
     as served; then an engine of the uncapped number of slots, every slot live and reading its
     whole ring: it must run without running out of memory. Returns (check, uncapped plan, served plan)."""
-    from personaplex_demo.capacity import DEFAULT_MAX_SLOTS
-    from personaplex_demo.slot_memory import plan_for
+    from personaplex_demo.runtime.capacity import DEFAULT_MAX_SLOTS
+    from personaplex_demo.runtime.slot_memory import plan_for
 
     plan = plan_for(lm, mimi, voices, slots="auto", max_slots=1 << 20, frames=lm.cfg.context, device=device,
                     dtype=dtype, prefix_cache_size=8, cuda_graphs=True)

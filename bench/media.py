@@ -271,7 +271,7 @@ class PageCaller:
         if "sdp" not in answer:
             raise RuntimeError(f"offer refused: {answer}")
         if "a=ptime:40" in answer["sdp"]:
-            from personaplex_demo.rtc_audio import install_packet_encoder
+            from personaplex_demo.rtc.audio import install_packet_encoder
 
             install_packet_encoder()  # as a browser does: it sends the packet length the answer asks for
         await self.pc.setRemoteDescription(RTCSessionDescription(answer["sdp"], answer["type"]))
@@ -362,8 +362,8 @@ async def run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
     import aioice.ice
     import aiortc.rtcrtpsender
 
-    from personaplex_demo.media_settings import loopback_host_addresses
-    from personaplex_demo.rtc_audio import install_audio_level
+    from personaplex_demo.rtc.audio import install_audio_level
+    from personaplex_demo.rtc.settings import loopback_host_addresses
 
     aioice.ice.get_host_addresses = loopback_host_addresses
     install_audio_level()  # a browser computes the RTP audio level natively, not in a Python loop
@@ -412,9 +412,9 @@ def run_engine_only(n: int, slots: int, seconds: float, settle: float, cache_dir
     import torch
 
     torch.set_num_threads(1)
-    from personaplex_demo.engine import SamplingParams
-    from personaplex_demo.loading import RuntimeOptions, build_runtime
-    from personaplex_demo.pool import PoolConfig, SlotPool
+    from personaplex_demo.engine.pcm import SamplingParams
+    from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
+    from personaplex_demo.serving.pool import PoolConfig, SlotPool
 
     runtime = build_runtime(RuntimeOptions(model="tiny", slots=slots,
                                            cache_dir=Path(cache_dir) if cache_dir else None))

@@ -41,12 +41,12 @@ from bench.common import (
     reference_version,
     replace_section,
 )
-from personaplex_demo.engine import SamplingParams
-from personaplex_demo.lockstep import LockstepCore
+from personaplex_demo.engine.core import LockstepCore
+from personaplex_demo.engine.pcm import SamplingParams
+from personaplex_demo.engine.prompt import VoiceTokens
 from personaplex_demo.model.checkpoint import load_lm, load_mimi, meta_lm, meta_mimi, write_hash_checkpoint
 from personaplex_demo.model.config import LMConfig, MimiConfig
 from personaplex_demo.model.hashinit import mimi_input
-from personaplex_demo.prompt import VoiceTokens
 
 SECTION = "Model: Mimi and LM step"
 LM_SEED, MIMI_SEED = 1242, 4347
@@ -54,7 +54,7 @@ VOICE_T, PERSONA_P = 50, 60
 
 
 def bench_cache() -> Path:
-    from personaplex_demo.tiny import default_cache_dir
+    from personaplex_demo.runtime.tiny import default_cache_dir
 
     return Path(os.environ.get("PERSONAPLEX_BENCH_CACHE") or default_cache_dir() / "bench")
 

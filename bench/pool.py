@@ -32,8 +32,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from personaplex_demo.engine import SamplingParams, TickOutput  # noqa: E402
-from personaplex_demo.pool import CallEnded, PoolConfig, PoolMetrics, SlotPool  # noqa: E402
+from personaplex_demo.engine.pcm import SamplingParams, TickOutput  # noqa: E402
+from personaplex_demo.serving.pool import CallEnded, PoolConfig, PoolMetrics, SlotPool  # noqa: E402
 
 FRAME = 1920
 TICK = 0.08
@@ -74,11 +74,11 @@ class SleepEngine:
 
 def tiny_factory() -> EngineFactory:
     try:
-        from personaplex_demo.loading import build_engine
+        from personaplex_demo.runtime.build import build_engine
     except ImportError as exc:
         sys.exit(
             f"bench/pool.py: the tiny engine is not available ({exc}); "
-            "personaplex_demo.loading.build_engine(model='tiny', slots=N) is needed. "
+            "personaplex_demo.runtime.build.build_engine(model='tiny', slots=N) is needed. "
             "Run with --engine fake to measure the pool alone."
         )
     return lambda slots: build_engine(model="tiny", slots=slots)

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .call import CallEnded, CallState
-from .engine import SamplingParams
+from .engine.pcm import SamplingParams
 from .errors import CallerError
-from .loading import RuntimeOptions, build_runtime
-from .pool import PoolConfig, PoolFullError, SlotPool
+from .runtime.build import RuntimeOptions, build_runtime
+from .serving.call import CallEnded, CallState
+from .serving.pool import PoolConfig, PoolFullError, SlotPool
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ def _deterministic_torch():
 @pytest.fixture(scope="session")
 def tiny_repo(tmp_path_factory):
     """The tiny offline model repository, built once per test session."""
-    from personaplex_demo.tiny import ensure_tiny_repo
+    from personaplex_demo.runtime.tiny import ensure_tiny_repo
 
     return ensure_tiny_repo(tmp_path_factory.mktemp("model-cache"))
 
@@ -50,7 +50,7 @@ def tiny_cache_dir(tiny_repo):
 @pytest.fixture
 def recordings(tmp_path):
     """A recordings store of its own for a test, deleted afterwards."""
-    from personaplex_demo.recording import RecordingStore
+    from personaplex_demo.web.recording import RecordingStore
 
     store = RecordingStore(tmp_path / "calls")
     yield store
@@ -72,6 +72,6 @@ def loopback_ice(monkeypatch):
     meet on loopback only."""
     import aioice.ice
 
-    from personaplex_demo.media_settings import loopback_host_addresses
+    from personaplex_demo.rtc.settings import loopback_host_addresses
 
     monkeypatch.setattr(aioice.ice, "get_host_addresses", loopback_host_addresses)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
+from personaplex_demo.engine.prompt import VoiceTokens
 from personaplex_demo.model.checkpoint import load_lm, meta_lm, write_hash_checkpoint
 from personaplex_demo.model.config import LMConfig
 from personaplex_demo.model.hashinit import hash_tensor
-from personaplex_demo.prompt import VoiceTokens
 
 from .conftest import golden
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from bench.common import free_port
-from personaplex_demo.app import AppConfig, parse_config
-from personaplex_demo.options import specs
+from personaplex_demo.cli.app import AppConfig, parse_config
+from personaplex_demo.cli.options import specs
 
 from .conftest import project_deprecations_as_errors
 

@@ -8,7 +8,10 @@ import logging
 import pytest
 import torch
 
-from personaplex_demo.capacity import (
+from personaplex_demo.model.checkpoint import meta_mimi
+from personaplex_demo.model.config import LMConfig, MimiConfig
+from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
+from personaplex_demo.runtime.capacity import (
     CPU_AUTO_SLOTS,
     GiB,
     NoSlotFitsError,
@@ -19,12 +22,9 @@ from personaplex_demo.capacity import (
     plan_slots,
     safety_margin,
 )
-from personaplex_demo.loading import RuntimeOptions, build_runtime
-from personaplex_demo.model.checkpoint import meta_mimi
-from personaplex_demo.model.config import LMConfig, MimiConfig
-from personaplex_demo.pool import PoolConfig, SlotPool
-from personaplex_demo.slot_memory import estimated_tick_bytes, graphs_kept, mimi_state_bytes, prefix_cache_bytes
-from personaplex_demo.ui import status_payload
+from personaplex_demo.runtime.slot_memory import estimated_tick_bytes, graphs_kept, mimi_state_bytes, prefix_cache_bytes
+from personaplex_demo.serving.pool import PoolConfig, SlotPool
+from personaplex_demo.web.page import status_payload
 
 FULL = LMConfig.personaplex_7b()
 BF16 = 2
@@ -113,7 +113,7 @@ def test_parse_slots_and_context():
 
 
 def test_app_flags(capsys):
-    from personaplex_demo.app import parse_config
+    from personaplex_demo.cli.app import parse_config
 
     cfg = parse_config([], environ={})
     assert cfg.slots == "auto" and cfg.context is None and cfg.max_slots == 64
@@ -131,7 +131,7 @@ def test_app_flags(capsys):
 
 
 def test_the_runtime_logs_and_reports_its_plan(tiny_cache_dir, caplog):
-    with caplog.at_level(logging.INFO, logger="personaplex_demo.loading"):
+    with caplog.at_level(logging.INFO, logger="personaplex_demo.runtime.build"):
         runtime = build_runtime(RuntimeOptions(model="tiny", cache_dir=tiny_cache_dir, context=context_frames(8, 3000)))
     assert runtime.engine.batch_size == 4 and runtime.capacity.slots == 4
     assert runtime.engine.core.context == 100 and runtime.engine.core.state.kv.capacity == 100

@@ -42,8 +42,9 @@ def test_no_module_over_500_lines_and_no_class_over_250():
 
 def test_the_serving_path_does_not_import_torch():
     # The pool, its calls and the handler move numpy arrays only; torch stays in the engine.
-    code = ("import sys; import personaplex_demo.pool, personaplex_demo.call, personaplex_demo.handler, "
-            "personaplex_demo.page_inputs; print('torch' in sys.modules)")
+    code = ("import sys; import personaplex_demo.serving.pool, personaplex_demo.serving.call, "
+            "personaplex_demo.web.handler, "
+            "personaplex_demo.web.page_inputs; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from bench.gpu_checks import first_divergence
-from personaplex_demo.capacity import context_frames
-from personaplex_demo.engine import SamplingParams
-from personaplex_demo.loading import RuntimeOptions, build_runtime
-from personaplex_demo.lockstep import LockstepCore
-from personaplex_demo.stepwise import StepwiseCore
+from personaplex_demo.engine.core import LockstepCore
+from personaplex_demo.engine.pcm import SamplingParams
+from personaplex_demo.engine.stepwise import StepwiseCore
+from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
+from personaplex_demo.runtime.capacity import context_frames
 
 from .conftest import golden
 from .lm_fixtures import tiny_lm

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from personaplex_demo.cuda_graphs import CudaGraphed
+from personaplex_demo.engine.cuda_graphs import CudaGraphed
 
 
 def test_disabled_without_a_gpu_and_calls_through():

@@ -8,8 +8,8 @@ import gradio as gr
 import pytest
 from starlette.requests import Request as StarletteRequest
 
-from personaplex_demo.deeplink import MAX_LINK_CHARS, SEED_RANGE, LinkRules, NumberRule, copy_link_js, read_link
 from personaplex_demo.errors import CallerError
+from personaplex_demo.web.deeplink import MAX_LINK_CHARS, SEED_RANGE, LinkRules, NumberRule, copy_link_js, read_link
 
 PRESETS = {"Teacher": "You are a wise and friendly teacher.", "Chef": "You are a chef."}
 
@@ -91,9 +91,9 @@ def test_copy_link_script_carries_the_presets_and_the_limit():
 
 
 def test_the_load_event_applies_a_link(tiny_cache_dir, recordings):
-    from personaplex_demo.loading import RuntimeOptions, build_runtime
-    from personaplex_demo.pool import PoolConfig, SlotPool
-    from personaplex_demo.ui import build_ui
+    from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
+    from personaplex_demo.serving.pool import PoolConfig, SlotPool
+    from personaplex_demo.web.page import build_ui
 
     runtime = build_runtime(RuntimeOptions(model="tiny", slots=1, cache_dir=tiny_cache_dir))
     demo = build_ui(runtime, SlotPool(runtime.engine, PoolConfig()), recordings=recordings)
@@ -116,7 +116,7 @@ def test_the_load_event_applies_a_link(tiny_cache_dir, recordings):
 
 
 async def test_an_overlong_query_is_refused_before_the_app():
-    from personaplex_demo.deeplink import MAX_QUERY_BYTES, RefuseLongQueries
+    from personaplex_demo.web.deeplink import MAX_QUERY_BYTES, RefuseLongQueries
 
     seen, sent = [], []
 

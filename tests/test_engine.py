@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from personaplex_demo.engine import SamplingParams
+from personaplex_demo.engine.pcm import SamplingParams
 from personaplex_demo.errors import AudioFormatError, CallerError, PersonaTooLongError, UnknownVoiceError
-from personaplex_demo.loading import RuntimeOptions, build_runtime
+from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 
 PERSONA = "You enjoy having a good conversation."
 GREEDY = SamplingParams(greedy=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from personaplex_demo.engine import SamplingParams
-from personaplex_demo.lockstep import LockstepCore
-from personaplex_demo.stepwise import StepwiseCore
+from personaplex_demo.engine.core import LockstepCore
+from personaplex_demo.engine.pcm import SamplingParams
+from personaplex_demo.engine.stepwise import StepwiseCore
 
 from .conftest import golden
 from .lm_fixtures import golden_voice, tiny_lm

@@ -13,12 +13,12 @@ import time
 import numpy as np
 import pytest
 
-from personaplex_demo.engine import SamplingParams
-from personaplex_demo.engine_client import ENGINE_LOST, EngineRouter, RemoteEngine
-from personaplex_demo.engine_server import EngineServer
+from personaplex_demo.engine.pcm import SamplingParams
 from personaplex_demo.errors import AudioFormatError, CallerError
-from personaplex_demo.loading import RuntimeOptions, build_runtime
-from personaplex_demo.pool import CallEnded, PoolConfig, PoolFullError, SlotPool
+from personaplex_demo.procs.pool_server import EngineServer
+from personaplex_demo.procs.remote_pool import ENGINE_LOST, EngineRouter, RemoteEngine
+from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
+from personaplex_demo.serving.pool import CallEnded, PoolConfig, PoolFullError, SlotPool
 
 from .callers import wait_all_free
 

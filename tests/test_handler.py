@@ -17,12 +17,12 @@ import pytest
 from fastapi import FastAPI
 from fastrtc import AdditionalOutputs, CloseStream, Stream
 
-from personaplex_demo.gradio_queue import BoundedEventLog
-from personaplex_demo.handler import CallHandler, FinalUpdates
-from personaplex_demo.loading import RuntimeOptions, build_runtime
-from personaplex_demo.page_inputs import PageInputs
-from personaplex_demo.pool import PoolConfig, SlotPool
-from personaplex_demo.recording import RecordingStore
+from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
+from personaplex_demo.serving.pool import PoolConfig, SlotPool
+from personaplex_demo.web.gradio_queue import BoundedEventLog
+from personaplex_demo.web.handler import CallHandler, FinalUpdates
+from personaplex_demo.web.page_inputs import PageInputs
+from personaplex_demo.web.recording import RecordingStore
 
 from .callers import Caller, wait_all_free
 
@@ -254,7 +254,7 @@ async def test_a_full_room_refuses_with_a_clear_message(runtime, recordings):
 
 
 async def test_queued_callers_are_told_when_the_wait_is_over_or_dropped_when_gone(runtime, recordings, monkeypatch):
-    import personaplex_demo.handler as handler_module
+    import personaplex_demo.web.handler as handler_module
 
     monkeypatch.setattr(handler_module, "QUEUED_SILENCE_SECONDS", 0.6)
     with started_pool(runtime) as pool:
@@ -282,7 +282,7 @@ async def test_the_page_wiring_status_endpoint_and_downloads(runtime, recordings
     import gradio as gr
     from fastrtc import WebRTC
 
-    from personaplex_demo.ui import PageOptions, build_ui, status_routes
+    from personaplex_demo.web.page import PageOptions, build_ui, status_routes
 
     pool = SlotPool(runtime.engine, PoolConfig(max_queue=3))
     demo = build_ui(runtime, pool, PageOptions(max_queue=3), recordings)

@@ -11,12 +11,12 @@ import pytest
 from fastapi import FastAPI
 from fastrtc import CloseStream, Stream
 
-from personaplex_demo.handler import CallHandler
-from personaplex_demo.hub import install_secret_filter
-from personaplex_demo.loading import RuntimeOptions, build_runtime
-from personaplex_demo.page_inputs import PageInputs
-from personaplex_demo.pool import PoolConfig, SlotPool
-from personaplex_demo.recording import RecordingStore
+from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
+from personaplex_demo.runtime.hub import install_secret_filter
+from personaplex_demo.serving.pool import PoolConfig, SlotPool
+from personaplex_demo.web.handler import CallHandler
+from personaplex_demo.web.page_inputs import PageInputs
+from personaplex_demo.web.recording import RecordingStore
 
 ARGS = ["__webrtc_value__", "id", *PageInputs("NATF2", "", 0.7, 25, 0.8, 250, 1)]
 

@@ -13,8 +13,8 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 
 from personaplex_demo import hub
 from personaplex_demo.errors import CheckpointError, ModelDownloadError
-from personaplex_demo.hub import SecretFilter, install_secret_filter, redact_secrets, resolve_model
 from personaplex_demo.model.config import ModelFiles
+from personaplex_demo.runtime.hub import SecretFilter, install_secret_filter, redact_secrets, resolve_model
 
 FAKE_TOKEN = "hf_FAKEfakeFAKEfakeFAKEfakeFAKEfake1234"
 FILES = ModelFiles()
@@ -33,7 +33,7 @@ def tiny_calls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Path | N
     """Use the real `ensure_tiny_repo` when the module exists; otherwise a stand-in."""
     calls: list[Path | None] = []
     try:
-        real = importlib.import_module("personaplex_demo.tiny").ensure_tiny_repo
+        real = importlib.import_module("personaplex_demo.runtime.tiny").ensure_tiny_repo
     except ImportError:
         real = None
 
@@ -45,9 +45,9 @@ def tiny_calls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Path | N
         directory.mkdir(exist_ok=True)
         return directory
 
-    module = types.ModuleType("personaplex_demo.tiny")
+    module = types.ModuleType("personaplex_demo.runtime.tiny")
     module.ensure_tiny_repo = ensure_tiny_repo  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "personaplex_demo.tiny", module)
+    monkeypatch.setitem(sys.modules, "personaplex_demo.runtime.tiny", module)
     return calls
 
 

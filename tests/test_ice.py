@@ -7,7 +7,7 @@ import json
 import pytest
 from aiortc import RTCIceTransportPolicy
 
-from personaplex_demo.ice import IceConfigError, rtc_configs, server_configuration
+from personaplex_demo.rtc.ice import IceConfigError, rtc_configs, server_configuration
 
 TURN = {"urls": "turn:turn.example.com:3478?transport=udp", "username": "u", "credential": "p"}
 
@@ -94,9 +94,9 @@ def test_the_app_refuses_to_start_with_unusable_ice_settings(monkeypatch, caplog
 def test_the_page_and_server_get_the_relay_policy(tiny_cache_dir, recordings):
     from fastrtc import WebRTC
 
-    from personaplex_demo.loading import RuntimeOptions, build_runtime
-    from personaplex_demo.pool import SlotPool
-    from personaplex_demo.ui import PageOptions, build_ui
+    from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
+    from personaplex_demo.serving.pool import SlotPool
+    from personaplex_demo.web.page import PageOptions, build_ui
 
     config = {"iceServers": [TURN], "iceTransportPolicy": "relay"}
     runtime = build_runtime(RuntimeOptions(model="tiny", slots=1, cache_dir=tiny_cache_dir))

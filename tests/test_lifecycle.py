@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from personaplex_demo.lifecycle import (
+from personaplex_demo.cli.lifecycle import (
     LEGACY_MAX_AGE_SECONDS,
     StopSignals,
     recordings_prefix,
     remove_stale_recordings,
     shut_down,
 )
-from personaplex_demo.recording import RecordingStore
+from personaplex_demo.web.recording import RecordingStore
 
 from .browser_support import (
     ARTIFACTS,
@@ -95,7 +95,7 @@ def test_shutdown_steps_run_in_order_past_a_failure():
 
 def test_a_hung_shutdown_step_still_exits_0_in_time(tmp_path):
     marker = tmp_path / "cleaned"
-    code = ("import time; from pathlib import Path; from personaplex_demo.lifecycle import shut_down; "
+    code = ("import time; from pathlib import Path; from personaplex_demo.cli.lifecycle import shut_down; "
             f"shut_down([('hang', lambda: time.sleep(60))], deadline_seconds=1.0, "
             f"on_timeout=lambda: Path({str(marker)!r}).write_text('yes'))")
     began = time.monotonic()

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from personaplex_demo.engine import SamplingParams
-from personaplex_demo.lockstep import LockstepCore
+from personaplex_demo.engine.core import LockstepCore
+from personaplex_demo.engine.pcm import SamplingParams
+from personaplex_demo.engine.stepwise import StepwiseCore
 from personaplex_demo.model.hashinit import make_tensor
-from personaplex_demo.stepwise import StepwiseCore
 
 from .conftest import golden
 from .lm_fixtures import LM_SEED, golden_voice, tiny_lm

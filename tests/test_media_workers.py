@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from personaplex_demo.topology import default_media_workers, resolve_devices
+from personaplex_demo.procs.topology import default_media_workers, resolve_devices
 
 from .browser_support import LaunchedApp, launched_app
 from .callers import PageCaller, PageConfig

@@ -10,9 +10,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 
-from personaplex_demo.loading import RuntimeOptions, build_runtime
-from personaplex_demo.metrics import metrics_routes
-from personaplex_demo.pool import PoolConfig, PoolFullError, SlotPool
+from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
+from personaplex_demo.serving.pool import PoolConfig, PoolFullError, SlotPool
+from personaplex_demo.web.prometheus import metrics_routes
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:

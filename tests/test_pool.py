@@ -14,10 +14,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from personaplex_demo.clock import FakeClock, RealClock
-from personaplex_demo.engine import SamplingParams, TickOutput
+from personaplex_demo.engine.pcm import SamplingParams, TickOutput
 from personaplex_demo.errors import AudioFormatError, CallerError, UnknownVoiceError
-from personaplex_demo.pool import (
+from personaplex_demo.serving.clock import FakeClock, RealClock
+from personaplex_demo.serving.pool import (
     Call,
     CallEnded,
     PoolClosedError,
@@ -292,7 +292,7 @@ def test_cadence_idle_sleep_and_summary_log(caplog):
 
     t0 = clock.monotonic()
     a = pool.acquire("NATF0", "p")
-    with caplog.at_level(logging.INFO, logger="personaplex_demo.pool"):
+    with caplog.at_level(logging.INFO, logger="personaplex_demo.serving.pool"):
         pool.run(max_iterations=6)  # prefill at t0, then one step every 80 ms
     assert a.state == "live"
     assert [t - t0 for t in engine.step_times] == pytest.approx([0.08, 0.16, 0.24, 0.32, 0.40])
@@ -382,7 +382,7 @@ def test_exception_in_one_tick_ends_those_calls_and_the_pool_keeps_serving(caplo
     a, b = live_call(pool), live_call(pool)
     waiting = pool.acquire("NATF0", "p")
     engine.fail_step = RuntimeError("boom")
-    with caplog.at_level(logging.ERROR, logger="personaplex_demo.pool"):
+    with caplog.at_level(logging.ERROR, logger="personaplex_demo.serving.pool"):
         pool.tick_once()
     assert a.end_reason == b.end_reason == "error: RuntimeError: boom"
     assert sorted(engine.ended) == [0, 1]

@@ -18,11 +18,11 @@ import pytest
 
 from bench.common import free_port
 from personaplex_demo import loading, preflight
+from personaplex_demo.cli.offline import main as offline_main
+from personaplex_demo.cli.preflight import NOMINAL_SIZES, PreflightError, check_cache_folder, check_port
 from personaplex_demo.errors import UnknownVoiceError
-from personaplex_demo.hub import resolve_model
 from personaplex_demo.model.config import ModelFiles
-from personaplex_demo.offline import main as offline_main
-from personaplex_demo.preflight import NOMINAL_SIZES, PreflightError, check_cache_folder, check_port
+from personaplex_demo.runtime.hub import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO = "nvidia/personaplex-7b-v1"
@@ -234,7 +234,7 @@ def test_the_request_check_runs_before_the_weights_are_fetched(monkeypatch, tiny
 
 def test_preflight_is_quiet_and_fast_to_import():
     """The port check must not wait for torch or Gradio to import."""
-    code = ("import sys, app, personaplex_demo.preflight, personaplex_demo.tiny; "
+    code = ("import sys, app, personaplex_demo.cli.preflight, personaplex_demo.runtime.tiny; "
             "sys.exit(any(m in sys.modules for m in ('torch', 'gradio')))")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=app_env()).returncode == 0
     assert preflight.EXIT_PREFLIGHT == 2

@@ -129,8 +129,8 @@ def readme_section(title: str) -> str:
 
 
 def test_readme_flags_table_lists_every_app_setting() -> None:
-    from personaplex_demo.app import OTHER_ENV, AppConfig
-    from personaplex_demo.options import specs
+    from personaplex_demo.cli.app import OTHER_ENV, AppConfig
+    from personaplex_demo.cli.options import specs
 
     section = readme_section("Flags and environment")
     rows = {}
@@ -158,10 +158,10 @@ def test_readme_documents_every_transcript_field(tmp_path) -> None:
 
     import numpy as np
 
-    from personaplex_demo.engine import SamplingParams
-    from personaplex_demo.handler import END_MESSAGES, CallRequest
-    from personaplex_demo.offline import Conversation, transcript_json
-    from personaplex_demo.recording import CallRecording
+    from personaplex_demo.cli.offline import Conversation, transcript_json
+    from personaplex_demo.engine.pcm import SamplingParams
+    from personaplex_demo.web.handler import END_MESSAGES, CallRequest
+    from personaplex_demo.web.recording import CallRecording
 
     section = readme_section("Transcripts")
     offline = transcript_json(Conversation(np.zeros(1920, np.float32), ["hi"]), "tiny", "NATF2", "p", 1,

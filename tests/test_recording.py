@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from personaplex_demo.recording import CallRecording, RecordingStore
+from personaplex_demo.web.recording import CallRecording, RecordingStore
 
 
 def recorded(store: RecordingStore, seconds: float = 2.0):

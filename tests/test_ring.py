@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from personaplex_demo.engine import SamplingParams
-from personaplex_demo.lockstep import LMState, LockstepCore
+from personaplex_demo.engine.core import LMState, LockstepCore
+from personaplex_demo.engine.pcm import SamplingParams
 from personaplex_demo.model.ring import RingKV, prefill_mask, ring_positions
 
 from .lm_fixtures import golden_persona, golden_voice, tiny_lm

@@ -9,7 +9,7 @@ from aiortc.codecs.opus import OpusDecoder
 from aiortc.jitterbuffer import JitterFrame
 from av import AudioFrame
 
-from personaplex_demo.rtc_audio import (
+from personaplex_demo.rtc.audio import (
     PACKET_MS,
     PREFETCH_MS,
     answering_with_packet_time,
@@ -116,7 +116,7 @@ def _frames():
 def test_the_audio_level_is_aiortcs_to_the_bit():
     from aiortc.rtp import compute_audio_level_dbov
 
-    from personaplex_demo.rtc_audio import audio_level_dbov
+    from personaplex_demo.rtc.audio import audio_level_dbov
 
     levels = [(audio_level_dbov(f), compute_audio_level_dbov(f)) for f in _frames()]
     assert all(ours == theirs and type(ours) is type(theirs) for ours, theirs in levels), levels
@@ -127,7 +127,7 @@ def test_the_audio_level_is_aiortcs_to_the_bit():
 def test_install_makes_the_sender_use_the_numpy_level():
     import aiortc.rtp as rtp
 
-    from personaplex_demo.rtc_audio import audio_level_dbov, install_audio_level
+    from personaplex_demo.rtc.audio import audio_level_dbov, install_audio_level
 
     before = rtp.compute_audio_level_dbov
     try:

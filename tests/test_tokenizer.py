@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from personaplex_demo.model.config import ModelFiles
-from personaplex_demo.tokenizer import (
+from personaplex_demo.runtime.tokenizer import (
     TINY_VOCAB_SIZE,
     TextTokenizer,
     TranscriptDecoder,

@@ -12,7 +12,7 @@ import torch
 
 from personaplex_demo import voices
 from personaplex_demo.errors import CallerError, UnknownVoiceError, VoiceArchiveError, VoiceFileError
-from personaplex_demo.voices import (
+from personaplex_demo.runtime.voices import (
     DEFAULT_VOICE,
     VOICE_NAMES,
     VoiceCatalog,

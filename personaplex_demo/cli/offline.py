@@ -1,0 +1,375 @@
+"""One conversation from an audio file: the caller's audio goes in, the agent's audio and the
+transcript come out, as long as the input (docs/engine.md § System prompt and prefill).
+
+    personaplex-offline --input in.wav --output out.wav --transcript out.json \\
+        --voice NATF2 --persona "You enjoy having a good conversation."
+
+The input may be any format soundfile reads (WAV, FLAC, OGG, MP3) or, failing that, anything
+FFmpeg decodes through PyAV (M4A, AAC, Opus in WebM, ...), at any sample rate and channel count.
+It is downmixed to mono, resampled to 24 kHz and fed to slot 0 of a one-slot engine, one 80 ms
+frame at a time. The agent's audio is written as a mono 24 kHz 16-bit WAV exactly as long as the
+input; the transcript is JSON with the text of every frame that produced some.
+
+Exit status: 0 on success, 2 for a bad input, voice, persona, sampling knob or output path,
+1 when the model cannot be loaded, 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import av
+import numpy as np
+import soundfile as sf
+from tqdm import tqdm
+
+from ..engine.pcm import LockstepEngine, SamplingParams, persona_token_ids
+from ..errors import CallerError, CheckpointError
+from ..runtime.build import RuntimeOptions, build_runtime, check_placement
+from ..runtime.hub import CACHE_DIR_DEFAULT, CACHE_DIR_HELP, DEFAULT_HF_REPO, MODEL_CHOICES, install_secret_filter
+from ..runtime.tokenizer import TextTokenizer
+from ..runtime.voices import DEFAULT_VOICE, VoiceCatalog
+
+log = logging.getLogger(__name__)
+
+SAMPLE_RATE = LockstepEngine.sample_rate  # 24 kHz
+FRAME_SIZE = LockstepEngine.frame_size  # 1920 samples = 80 ms
+FRAME_MS = FRAME_SIZE * 1000 // SAMPLE_RATE
+DEFAULT_PERSONA = ("You are a wise and friendly teacher. Answer questions or provide advice in a clear "
+                   "and engaging way.")  # NVIDIA cli/offline.py's default text prompt
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+_CHUNK_SECONDS = 10  # resample in pieces of this length, so long files never need two full copies
+
+EXIT_OK, EXIT_MODEL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class OfflineError(Exception):
+    """A problem the user can fix (bad file, path or option): one line, exit status 2."""
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InputAudio:
+    pcm: np.ndarray  # float32 [N] mono at 24 kHz, N = round(duration * 24000)
+    source_rate: int
+    channels: int
+
+    @property
+    def duration(self) -> float:
+        return len(self.pcm) / SAMPLE_RATE
+
+
+def _read_soundfile(path: Path) -> tuple[np.ndarray, int]:
+    data, rate = sf.read(str(path), dtype="float32", always_2d=True)  # [n, channels]
+    return data.T, int(rate)
+
+
+def _read_pyav(path: Path) -> tuple[np.ndarray, int]:
+    """Decode the first audio stream with FFmpeg; returns float32 [channels, n] and the rate."""
+    with av.open(str(path)) as container:
+        if not container.streams.audio:
+            raise OfflineError(f"{path}: the file has no audio stream")
+        stream = container.streams.audio[0]
+        normalise = None  # to planar float at the first frame's layout and rate
+        chunks: list[np.ndarray] = []
+        for frame in container.decode(stream):
+            if normalise is None:
+                normalise = av.AudioResampler(format="fltp", layout=frame.layout.name, rate=frame.sample_rate)
+                rate = frame.sample_rate
+            chunks.extend(f.to_ndarray() for f in normalise.resample(frame))
+        if normalise is None:
+            return np.zeros((1, 0), dtype=np.float32), stream.rate or SAMPLE_RATE
+        chunks.extend(f.to_ndarray() for f in normalise.resample(None))
+    return np.concatenate(chunks, axis=1).astype(np.float32, copy=False), rate
+
+
+def _resample(mono: np.ndarray, rate: int) -> np.ndarray:
+    """Mono float32 at `rate` to 24 kHz with FFmpeg's libswresample (PyAV), fed in chunks; the
+    resampler is stateful, so the chunk joins are seamless, and its flush returns the tail."""
+    if rate == SAMPLE_RATE:
+        return mono
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+    out: list[np.ndarray] = []
+    step = rate * _CHUNK_SECONDS
+    for start in range(0, len(mono), step):
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(mono[None, start:start + step]), format="flt",
+                                           layout="mono")
+        frame.sample_rate = rate
+        out.extend(f.to_ndarray()[0] for f in resampler.resample(frame))
+    out.extend(f.to_ndarray()[0] for f in resampler.resample(None))
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
+
+
+def read_input(path: Path) -> InputAudio:
+    """Read any common audio file as mono 24 kHz float32, exactly round(duration * 24 kHz) long."""
+    if not path.exists():
+        raise OfflineError(f"input file not found: {path}")
+    if path.is_dir():
+        raise OfflineError(f"the input {path} is a folder, not an audio file")
+    if not os.access(path, os.R_OK):
+        raise OfflineError(f"cannot read the input file {path}: permission denied")
+    try:
+        channels, rate = _read_soundfile(path)
+    except (sf.SoundFileError, RuntimeError) as sf_exc:
+        log.debug("soundfile cannot read %s (%s); trying FFmpeg", path, sf_exc)
+        try:
+            channels, rate = _read_pyav(path)
+        except (av.FFmpegError, OSError, ValueError) as av_exc:
+            reason = getattr(av_exc, "strerror", None) or str(av_exc).strip() or type(av_exc).__name__
+            reason = reason.splitlines()[0]
+            raise OfflineError(f"cannot read {path} as audio: not a recognised or readable audio file "
+                               f"({reason})") from None
+    if channels.shape[1] == 0:
+        raise OfflineError(f"{path} holds no audio samples")
+    if rate <= 0:
+        raise OfflineError(f"{path}: invalid sample rate {rate}")
+    mono = channels.mean(axis=0, dtype=np.float32) if channels.shape[0] > 1 else channels[0]
+    target = round(channels.shape[1] * SAMPLE_RATE / rate)
+    pcm = _fit(_resample(np.ascontiguousarray(mono, dtype=np.float32), rate), target)
+    log.info("input %s: %.2f s, %d Hz, %d channel%s", path, channels.shape[1] / rate, rate, channels.shape[0],
+             "" if channels.shape[0] == 1 else "s")
+    return InputAudio(pcm, rate, channels.shape[0])
+
+
+def _fit(x: np.ndarray, length: int) -> np.ndarray:
+    """Trim `x`, or pad it with zeros, to exactly `length` samples."""
+    if len(x) >= length:
+        return x[:length]
+    return np.concatenate([x, np.zeros(length - len(x), dtype=x.dtype)])
+
+
+def frames_of(pcm: np.ndarray) -> Iterator[np.ndarray]:
+    """[1, 1920] float32 frames; the last one is padded with zeros."""
+    for start in range(0, len(pcm), FRAME_SIZE):
+        frame = pcm[start:start + FRAME_SIZE]
+        if len(frame) < FRAME_SIZE:
+            frame = np.concatenate([frame, np.zeros(FRAME_SIZE - len(frame), dtype=np.float32)])
+        yield frame[None, :]
+
+
+# ---- writing ------------------------------------------------------------------------------------
+
+
+def check_writable(path: Path, what: str) -> None:
+    """Fail before the model runs if `path` cannot be written."""
+    if path.is_dir():
+        raise OfflineError(f"the {what} path {path} is a folder; give a file name")
+    parent = path.parent
+    if not parent.is_dir():
+        raise OfflineError(f"cannot write the {what} {path}: the folder {parent} does not exist")
+    target = path if path.exists() else parent
+    if not os.access(target, os.W_OK):
+        raise OfflineError(f"cannot write the {what} {path}: permission denied")
+
+
+def write_wav(path: Path, pcm: np.ndarray) -> None:
+    """Mono 24 kHz 16-bit PCM; the float audio is clipped to [-1, 1] first."""
+    pcm16 = np.round(np.clip(pcm, -1.0, 1.0) * 32767.0).astype(np.int16)
+    try:
+        sf.write(str(path), pcm16, SAMPLE_RATE, format="WAV", subtype="PCM_16")
+    except (sf.SoundFileError, RuntimeError, OSError) as exc:
+        raise OfflineError(f"cannot write the output audio {path}: {exc}") from None
+
+
+def write_json(path: Path, data: dict) -> None:
+    try:
+        path.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise OfflineError(f"cannot write the transcript {path}: {exc.strerror or exc}") from None
+
+
+# ---- the conversation ---------------------------------------------------------------------------
+
+
+@dataclass
+class Conversation:
+    pcm: np.ndarray  # float32 [N] agent audio, as long as the input
+    pieces: list[str]  # transcript text per frame ("" for most)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces).strip()
+
+
+def converse(engine: LockstepEngine, audio: InputAudio, voice: str, persona: str, sampling: SamplingParams,
+             progress: bool = False) -> Conversation:
+    """Run one session in slot 0 of `engine`, frame by frame."""
+    n_frames = -(-len(audio.pcm) // FRAME_SIZE)
+    engine.start_session(0, voice, persona, sampling)
+    out = np.zeros(n_frames * FRAME_SIZE, dtype=np.float32)
+    pieces: list[str] = []
+    bar = tqdm(total=n_frames, unit="s", unit_scale=FRAME_SIZE / SAMPLE_RATE, desc="conversation",
+               file=sys.stderr, disable=not progress, leave=False, dynamic_ncols=True,
+               bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} s audio [{elapsed}<{remaining}, {rate_fmt}]")
+    try:
+        for i, frame in enumerate(frames_of(audio.pcm)):
+            tick = engine.step(frame)
+            out[i * FRAME_SIZE:(i + 1) * FRAME_SIZE] = tick.pcm[0]
+            pieces.append(tick.text[0])
+            bar.update(1)
+    finally:
+        bar.close()
+        rest = engine.end_session(0)
+    if rest and pieces:
+        pieces[-1] += rest  # text the decoder held back (an unfinished UTF-8 sequence)
+    return Conversation(_fit(out, len(audio.pcm)), pieces)
+
+
+def transcript_json(conv: Conversation, model: str, voice: str, persona: str, seed: int,
+                    sampling: SamplingParams, duration: float) -> dict:
+    frame_s = FRAME_SIZE / SAMPLE_RATE
+    frames = [{"frame": i, "start_s": round(i * frame_s, 6), "end_s": round(min((i + 1) * frame_s, duration), 6),
+               "text": piece}
+              for i, piece in enumerate(conv.pieces) if piece]
+    knobs = {k: v for k, v in asdict(sampling).items() if k != "seed"}
+    return {"model": model, "voice": voice, "persona": persona, "seed": seed, "sample_rate": SAMPLE_RATE,
+            "frame_ms": FRAME_MS, "duration_s": round(duration, 6), "sampling": knobs, "text": conv.text,
+            "frames": frames}
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+
+def _prog() -> str:
+    """`personaplex-offline` when run as the installed command; the module form under `python -m`."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name.startswith("personaplex-") else "python -m personaplex_demo.cli.offline"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    knobs = SamplingParams()
+    p = argparse.ArgumentParser(
+        prog=_prog(),
+        description="Run one PersonaPlex conversation from an audio file: the file is the caller, and the "
+                    "agent's audio (mono 24 kHz WAV, as long as the input) and transcript (JSON) come out.")
+    p.add_argument("--input", "-i", type=Path, required=True,
+                   help="caller audio: WAV, FLAC, OGG, MP3, M4A, ... at any sample rate and channel count")
+    p.add_argument("--output", "-o", type=Path, required=True, help="agent audio to write (WAV)")
+    p.add_argument("--transcript", "-t", type=Path, help="transcript to write (JSON); none if omitted")
+    p.add_argument("--voice", default=DEFAULT_VOICE, help="voice prompt name (default: %(default)s)")
+    p.add_argument("--persona", default=DEFAULT_PERSONA, help="persona / system prompt text (default: %(default)r)")
+    p.add_argument("--model", choices=MODEL_CHOICES, default="auto",
+                   help="auto: PersonaPlex-7B on a CUDA GPU when its files can be had, else the tiny model "
+                        "(default: %(default)s)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="auto: bfloat16 on CUDA, float32 on the CPU (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed, 0..4294967295; -1 or none picks one at random (recorded in the JSON; "
+                        "default: random)")
+    p.add_argument("--greedy", action="store_true", help="pick the most likely token instead of sampling (default: off)")
+    p.add_argument("--temp-text", type=float, default=knobs.text_temperature,
+                   help="text temperature (default: %(default)s)")
+    p.add_argument("--topk-text", type=int, default=knobs.text_top_k, help="text top-k (default: %(default)s)")
+    p.add_argument("--temp-audio", type=float, default=knobs.audio_temperature,
+                   help="audio temperature (default: %(default)s)")
+    p.add_argument("--topk-audio", type=int, default=knobs.audio_top_k, help="audio top-k (default: %(default)s)")
+    p.add_argument("--cache-dir", type=Path, default=None, help=f"{CACHE_DIR_HELP} (default: {CACHE_DIR_DEFAULT})")
+    p.add_argument("--hf-repo", default=DEFAULT_HF_REPO, help=argparse.SUPPRESS)
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar; warnings and errors only (default: off)")
+    return p
+
+
+def _configure_logging(quiet: bool) -> None:
+    """A stderr handler when the process has none (as logging.basicConfig), plus token redaction."""
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING if quiet else logging.INFO)
+        # The library's own chatter (loading, voices) stays at WARNING unless asked for.
+        logging.getLogger("personaplex_demo").setLevel(logging.WARNING)
+        log.setLevel(logging.WARNING if quiet else logging.INFO)
+    install_secret_filter(root)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    return a.resolve() == b.resolve()
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    outputs = [(args.output, "output audio")] + ([(args.transcript, "transcript")] if args.transcript else [])
+    for path, what in outputs:
+        if _same_file(path, args.input):
+            raise OfflineError(f"the {what} {path} is the input file; choose another name")
+    if args.transcript and _same_file(args.output, args.transcript):
+        raise OfflineError("--output and --transcript name the same file")
+    for path, what in outputs:
+        check_writable(path, what)
+    audio = read_input(args.input)
+
+    try:
+        check_placement(args.device, args.dtype)
+    except ValueError as exc:
+        raise OfflineError(str(exc)) from None
+    seed = args.seed if args.seed is not None and args.seed != -1 else secrets.randbelow(2**32)
+    sampling = SamplingParams(text_temperature=args.temp_text, text_top_k=args.topk_text,
+                              audio_temperature=args.temp_audio, audio_top_k=args.topk_audio,
+                              seed=seed, greedy=args.greedy)
+    try:
+        sampling.validate()  # before loading a 17 GB model
+    except CallerError as exc:
+        raise OfflineError(str(exc)) from None
+
+    def check_request(tokenizer: TextTokenizer, voices: VoiceCatalog) -> None:
+        voices.check_name(args.voice)
+        persona_token_ids(tokenizer, args.persona)
+
+    try:  # the voice and the persona are checked before the weights are fetched or loaded
+        runtime = build_runtime(RuntimeOptions(model=args.model, device=args.device, dtype=args.dtype, slots=1,
+                                               hf_repo=args.hf_repo, cache_dir=args.cache_dir), check=check_request)
+    except CallerError as exc:
+        raise OfflineError(str(exc)) from None
+    if runtime.banner:  # a warning when "auto" fell back to the tiny model, a note when it was asked for
+        log.log(logging.INFO if args.model == "tiny" else logging.WARNING, "%s", runtime.banner)
+    engine = runtime.engine
+    if (args.seed is None or args.seed == -1) and not args.greedy:
+        log.info("seed %d (pass --seed %d to repeat this run)", seed, seed)
+
+    t0 = time.monotonic()
+    progress = not args.quiet and sys.stderr.isatty()
+    conv = converse(engine, audio, args.voice, args.persona, sampling, progress=progress)
+    took = time.monotonic() - t0
+
+    write_wav(args.output, conv.pcm)
+    if args.transcript:
+        write_json(args.transcript, transcript_json(conv, runtime.model_name, args.voice, args.persona, seed,
+                                                    sampling, audio.duration))
+    written = f"{args.output}" + (f" and {args.transcript}" if args.transcript else "")
+    log.info("wrote %s: %.2f s of audio, %d words, in %.1f s (%.2fx real time, %.1f s in all)", written,
+             audio.duration, len(conv.text.split()), took, audio.duration / max(took, 1e-9),
+             time.monotonic() - started)
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.quiet)
+    try:
+        return run(args)
+    except OfflineError as exc:
+        log.error("%s", exc)
+        return EXIT_USAGE
+    except CheckpointError as exc:
+        log.error("cannot load the model: %s", exc)
+        return EXIT_MODEL
+    except KeyboardInterrupt:
+        log.error("interrupted")
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Batched lockstep over the LM: B conversations stepped together on tokens, one 80 ms frame
+per tick (docs/engine.md).
+
+`LockstepCore` owns an `LMState` (ring KV cache, staging ring, sampling knobs and live rows of
+every row), installs system prompts from the parallel prefill (`prompt.PrefixCache`), and runs
+one tick for the whole batch with no host sync. Every row keeps its own offset `local`: its
+staging column is `local % CT`, its RoPE position and KV ring index count only its own steps,
+so a recycled row is exactly a fresh session.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..model.config import LMConfig
+from ..model.lm import PersonaPlexLM
+from ..model.ring import RingKV
+from ..sampling_params import SamplingParams
+from .cuda_graphs import CudaGraphed
+from .prompt import PrefixCache, VoiceTokens
+from .sampling import SamplingState, sample
+from .staging import StagingRing
+from .tokens import USER_ROWS
+
+# Temporal attention reads the filled part of the KV rings, rounded up to a multiple of this many
+# slots (20.5 s of conversation): few enough CUDA graphs, little wasted reading.
+VISIBLE_BUCKET = 256
+
+
+@dataclass
+class LMState:
+    """Everything the lockstep keeps per row on the device; `reset_rows` makes rows fresh."""
+
+    kv: RingKV  # temporal keys and values
+    ring: StagingRing  # staged tokens and each row's offset
+    text: SamplingState
+    audio: SamplingState
+    live: torch.Tensor  # [B] bool: the row is in conversation
+
+    @classmethod
+    def empty(cls, lm: PersonaPlexLM, batch: int, device: torch.device, dtype: torch.dtype,
+              context: int) -> LMState:
+        return cls(lm.new_kv(batch, device, dtype, capacity=context), StagingRing(batch, lm.cfg.delays, device),
+                   SamplingState.empty(batch, device), SamplingState.empty(batch, device),
+                   torch.zeros(batch, dtype=torch.bool, device=device))
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        """Forget everything of the rows of the bool mask `rows` [B]."""
+        for part in (self.kv, self.ring, self.text, self.audio):
+            part.reset_rows(rows)
+        self.live.masked_fill_(rows, False)
+
+
+@dataclass
+class RowBook:
+    """What the host knows of one row, so that a tick reads nothing back from the device."""
+
+    live: bool = False
+    length: int | None = 0  # keys in its KV ring; None: not tracked
+    top_k: tuple[int, int] | None = None  # (text, audio) top-k of its sampling
+
+
+class CoreStep(NamedTuple):
+    frame: torch.Tensor  # [B, 17] emitted frame of every row (meaningful where `emitted`)
+    emitted: torch.Tensor  # [B] the row stepped and its offset is past the delays
+    live: torch.Tensor  # [B] the row is in conversation: its frame is real output
+
+
+class LockstepCore:
+    """Token-level batched lockstep over a PersonaPlexLM."""
+
+    def __init__(self, lm: PersonaPlexLM, batch_size: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, skip_user_steps: bool = True,
+                 prefix_cache_size: int = 8, context: int | None = None, cuda_graphs: bool = False,
+                 attend_filled: bool = True):
+        self.lm = lm
+        self.cfg: LMConfig = lm.cfg
+        self.B = batch_size
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.context = context or self.cfg.context
+        # User rows are always given, so depformer steps 8..15 never change an output.
+        self.dep_steps = 8 if skip_user_steps else self.cfg.dep_q
+        self.state = LMState.empty(lm, batch_size, self.device, dtype, self.context)
+        self.rows = [RowBook() for _ in range(batch_size)]
+        self.prefixes = PrefixCache(lm, dtype, self.context, self.device, prefix_cache_size)
+        self._slots = torch.arange(batch_size, device=self.device)
+        # One top-k per stream for the whole batch (the largest in use); rows mask the rest.
+        self._top_k = (25, 250)
+        # Attend only the filled part of the rings, from the host's copy of each row's length.
+        self.attend_filled = attend_filled
+        self._visible: int | None = None
+        # One graph per (text top-k, audio top-k, visible ring slots) in use; eager on the CPU.
+        self._graphed_live_tick = CudaGraphed(self._live_tick, "lockstep tick",
+                                              enabled=cuda_graphs and self.device.type == "cuda")
+
+    # ---- slots --------------------------------------------------------------------------------
+
+    def recycle(self, slot: int) -> None:
+        """Forget everything of `slot`: its keys, staging ring, sampling knobs and liveness."""
+        self.state.reset_rows(self._slots == slot)
+        self.rows[slot] = RowBook()
+
+    def set_sampling(self, slot: int, params: SamplingParams, seed: int) -> None:
+        self.state.text.set_row(slot, params.text_temperature, params.text_top_k, params.greedy, seed)
+        self.state.audio.set_row(slot, params.audio_temperature, params.audio_top_k, params.greedy, seed)
+        self.rows[slot].top_k = (params.text_top_k, params.audio_top_k)
+        in_use = [r.top_k for r in self.rows if r.top_k is not None]
+        self._top_k = (max(t for t, _ in in_use), max(a for _, a in in_use))
+
+    def start(self, slot: int, voice: VoiceTokens, persona: list[int], params: SamplingParams,
+              seed: int) -> None:
+        """Recycle `slot` and give it a new session, its system prompt installed at once from
+        a parallel forward, cached per (voice, persona)."""
+        self.recycle(slot)
+        self.set_sampling(slot, params, seed)
+        prefix = self.prefixes.get(voice, persona)
+        self.state.kv.load_row(slot, prefix.kv, prefix.length)
+        ring = self.state.ring
+        ring.cache[slot] = prefix.cache.to(self.device)
+        ring.provided[slot] = prefix.provided.to(self.device)
+        ring.local[slot] = prefix.local
+        self.rows[slot].length = prefix.length
+        self.set_live(slot, True)
+
+    def end(self, slot: int) -> None:
+        self.set_live(slot, False)
+
+    def set_live(self, slot: int, live: bool) -> None:
+        self.state.live[slot] = live
+        self.rows[slot].live = live
+
+    def is_live(self, slot: int) -> bool:
+        return self.rows[slot].live
+
+    def visible_slots(self) -> int | None:
+        """How many ring slots this tick must attend: the live rows' longest length after the
+        tick's append, rounded up to VISIBLE_BUCKET (one CUDA graph per bucket); None for the
+        whole ring (a row has wrapped, is not tracked, or the option is off)."""
+        if not self.attend_filled:
+            return None
+        lengths = [r.length for r in self.rows if r.live]
+        if any(n is None for n in lengths):
+            return None
+        need = max(lengths, default=0) + 1
+        visible = -(-need // VISIBLE_BUCKET) * VISIBLE_BUCKET
+        return visible if visible < self.context else None
+
+    def _count_step(self) -> None:
+        """One more key in the ring of every live row (as the tick just wrote)."""
+        for r in self.rows:
+            if r.live and r.length is not None:
+                r.length += 1
+
+    # ---- one tick -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, user_codes: torch.Tensor) -> CoreStep:
+        """One tick. user_codes [B, 8] for the live rows (others are ignored)."""
+        self._visible = self.visible_slots()
+        res = self._graphed_live_tick(user_codes.to(self.device), key=(*self._top_k, self._visible))
+        self._count_step()
+        return res
+
+    def _user_staging(self, user_codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values = torch.zeros(self.B, self.state.ring.K, dtype=torch.long, device=self.device)
+        values[:, USER_ROWS] = user_codes
+        mask = torch.zeros(self.B, self.state.ring.K, dtype=torch.bool, device=self.device)
+        mask[:, USER_ROWS] = self.state.live.view(-1, 1)
+        return values, mask
+
+    def _live_tick(self, user_codes: torch.Tensor) -> CoreStep:
+        values, mask = self._user_staging(user_codes)
+        return self._tick(values, mask, self.state.live.clone(), visible=self._visible)
+
+    def _tick(self, values: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor,
+              override: tuple[torch.Tensor, torch.Tensor] | None = None, visible: int | None = None) -> CoreStep:
+        """The lockstep tick for every row at once (docs/engine.md § The tick): tensors in,
+        tensors out, no host sync. `rows` [B] step this tick; `override` (embeddings [B, D],
+        mask [B]) replaces the input embedding of some rows; attention reads the first
+        `visible` ring slots (all when None)."""
+        st = self.state
+        live = st.live.clone()
+        st.ring.stage(values, mask)
+        st.ring.warm_up(rows)
+        inp, target, prov = st.ring.columns()
+        x = self.lm.embed_codes(inp).to(self.dtype)
+        if override is not None:
+            embeddings, use = override
+            x = torch.where(use.view(-1, 1, 1), embeddings[:, None, :], x)
+        h = self.lm.temporal_step(x, st.kv, rows, visible)
+        counter = st.ring.local
+        text = sample(self.lm.text_logits(h), st.text, counter, 0, self._top_k[0])
+        next_text = torch.where(prov[:, 0], target[:, 0], text)
+
+        def choose(s: int, logits: torch.Tensor) -> torch.Tensor:
+            return sample(logits, st.audio, counter, 1 + s, self._top_k[1])
+
+        n = self.dep_steps
+        audio = self.lm.depformer_frame(h, next_text, target[:, 1:1 + n], prov[:, 1:1 + n], n, choose)
+        chosen = torch.cat([text[:, None], audio, target[:, 1 + n:]], dim=1)
+        st.ring.commit(chosen, rows)
+        frame, emitted = st.ring.emitted()
+        st.ring.advance(rows)
+        return CoreStep(frame, emitted & rows, live)

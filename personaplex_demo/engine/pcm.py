@@ -1,0 +1,173 @@
+"""The PCM engine: B conversations of 24 kHz audio in, agent audio and transcript out, one
+80 ms frame per `step` (docs/engine.md).
+
+`LockstepEngine` wraps the token-level `LockstepCore` with Mimi (PCM in and out), voices, the
+tokenizer and the transcript, and is what the SlotPool drives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import AudioFormatError, CallerError, PersonaTooLongError
+from ..model.lm import PersonaPlexLM
+from ..sampling_params import SamplingParams
+from .core import LockstepCore
+from .cuda_graphs import CudaGraphed
+from .prompt import VoiceTokens
+from .tokens import AGENT_ROWS, AUDIO_INITIAL, SILENCE_CODES, TEXT_PAD
+
+log = logging.getLogger(__name__)
+
+MAX_PERSONA_TOKENS = 512
+
+
+@dataclass
+class TickOutput:
+    pcm: np.ndarray  # float32 [B, 1920]: agent audio; zeros for rows that are not live
+    text: list[str]  # per row: transcript text that became final this tick ("" if none)
+    tokens: np.ndarray | None = None  # int64 [B, 17]: the emitted frame (text, agent, user codes)
+    live: np.ndarray | None = None  # bool [B]: rows whose output is a real conversation frame
+
+
+_CONTROL = {c for c in range(32) if chr(c) not in "\n\t"} | set(range(127, 160))
+MAX_PERSONA_CHARS = 4000
+
+
+def persona_token_ids(tokenizer, persona: str, max_tokens: int = MAX_PERSONA_TOKENS) -> list[int]:
+    """Token ids of the persona's system prompt; raises a CallerError when it is unusable."""
+    if not isinstance(persona, str):
+        raise CallerError("the persona must be text")
+    if len(persona) > MAX_PERSONA_CHARS:
+        raise PersonaTooLongError(f"the persona is {len(persona)} characters long; the limit is "
+                                  f"{MAX_PERSONA_CHARS} characters ({max_tokens} tokens)")
+    persona = persona.replace("\r\n", "\n").replace("\r", "\n")
+    bad = sorted({f"U+{ord(c):04X}" for c in persona if ord(c) in _CONTROL})
+    if bad:
+        raise CallerError(f"the persona contains control characters ({', '.join(bad[:5])}); "
+                          "use plain text, newlines and tabs only")
+    ids = tokenizer.encode_persona(persona)
+    if len(ids) > max_tokens:
+        raise PersonaTooLongError(f"the persona is {len(ids)} tokens long with its <system> tags; the limit "
+                                  f"is {max_tokens} tokens")
+    return ids
+
+
+@dataclass
+class EngineStats:
+    sanitized_frames: int = 0  # frames with NaN/inf or out-of-range samples that were cleaned
+
+
+class LockstepEngine:
+    """B conversations of PCM in, PCM and transcript out, one 80 ms frame per `step`.
+
+    Only the engine thread may call `start_session`, `end_session` and `step`;
+    `validate_request` and `persona_tokens` are safe from any thread.
+    """
+
+    frame_size = 1920
+    sample_rate = 24000
+
+    def __init__(self, lm: PersonaPlexLM, mimi, tokenizer, voices, batch_size: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 max_persona_tokens: int = MAX_PERSONA_TOKENS, prefix_cache_size: int = 8,
+                 context: int | None = None, stepwise_prefill: bool = False, cuda_graphs: bool = True):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.batch_size = batch_size
+        core_class = LockstepCore
+        if stepwise_prefill:  # the reference's tick-by-tick system prompt (tests, diagnostics)
+            from .stepwise import StepwiseCore as core_class
+        self.core = core_class(lm, batch_size, self.device, dtype, prefix_cache_size=prefix_cache_size,
+                               context=context, cuda_graphs=cuda_graphs)
+        self.mimi = mimi
+        self.mimi_state = mimi.init_state(batch_size, device=self.device)
+        graphs = cuda_graphs and self.device.type == "cuda"
+        self._encode = CudaGraphed(lambda pcm: mimi.encode_step(pcm, self.mimi_state), "mimi encode", graphs)
+        self._decode = CudaGraphed(lambda codes: mimi.decode_step(codes, self.mimi_state), "mimi decode", graphs)
+        self.tokenizer = tokenizer
+        self.voices = voices
+        self.max_persona_tokens = max_persona_tokens
+        self.stats = EngineStats()
+        self._transcripts = [tokenizer.transcript_decoder(lm.cfg.text_card) for _ in range(batch_size)]
+        # Slots whose codec state must start fresh when their conversation begins.
+        self._codec_reset: set[int] = set()
+        self._silence = torch.tensor(SILENCE_CODES, dtype=torch.long, device=self.device)
+
+    @property
+    def voice_names(self) -> list[str]:
+        return list(self.voices.names)
+
+    # ---- requests (any thread) ------------------------------------------------------------------
+
+    def persona_tokens(self, persona: str) -> list[int]:
+        """Token ids of the persona's system prompt; raises a CallerError when it is unusable."""
+        return persona_token_ids(self.tokenizer, persona, self.max_persona_tokens)
+
+    def validate_request(self, voice: str, persona: str, sampling: SamplingParams) -> None:
+        self.voices.check_name(voice)
+        self.persona_tokens(persona)
+        sampling.validate()
+
+    # ---- engine thread --------------------------------------------------------------------------
+
+    def start_session(self, slot: int, voice: str, persona: str, sampling: SamplingParams) -> None:
+        ids = self.persona_tokens(persona)
+        sampling.validate()
+        prompt = self.voices.load(voice, self.dtype, self.device, dim=self.core.cfg.dim)
+        tokens = VoiceTokens(prompt.name, prompt.embeddings.reshape(prompt.length, -1), prompt.cache[0])
+        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
+        self.core.start(slot, tokens, ids, sampling, seed)
+        self._transcripts[slot].reset()
+        self._codec_reset.add(slot)
+        log.debug("slot %d: session started (voice %s, %d persona tokens)", slot, voice, len(ids))
+
+    def end_session(self, slot: int) -> str:
+        """Stop `slot`; returns any transcript text still held back."""
+        self.core.end(slot)
+        return self._transcripts[slot].flush()
+
+    def sanitize(self, pcm: np.ndarray) -> np.ndarray:
+        """float32 [B, 1920]; NaN/inf become 0 and samples are clipped to [-1, 1] (counted)."""
+        pcm = np.asarray(pcm)
+        if pcm.shape != (self.batch_size, self.frame_size):
+            raise AudioFormatError(f"expected PCM of shape ({self.batch_size}, {self.frame_size}) at "
+                                   f"{self.sample_rate} Hz, got {tuple(pcm.shape)}")
+        if pcm.dtype == np.int16:
+            pcm = pcm.astype(np.float32) / 32768.0
+        pcm = pcm.astype(np.float32, copy=False)
+        bad = ~np.isfinite(pcm) | (np.abs(pcm) > 1.0)
+        if bad.any():
+            self.stats.sanitized_frames += int(bad.any(axis=1).sum())
+            pcm = np.clip(np.nan_to_num(pcm, nan=0.0, posinf=0.0, neginf=0.0), -1.0, 1.0)
+        return pcm
+
+    @torch.no_grad()
+    def step(self, pcm: np.ndarray) -> TickOutput:
+        pcm_t = torch.from_numpy(self.sanitize(pcm)).to(self.device)
+        # A new caller's codec starts fresh, as the reference resets Mimi after the prompt.
+        fresh = [s for s in self._codec_reset if self.core.is_live(s)]
+        if fresh:
+            self.mimi.reset_rows(self.mimi_state, fresh)
+            self._codec_reset.difference_update(fresh)
+        codes = self._encode(pcm_t)
+        res = self.core.step(codes)
+        audio = res.frame[:, AGENT_ROWS]
+        speak = res.live & res.emitted
+        # Mimi has no code 2048 (the initial token): silence for warm-up and hidden rows.
+        audio = torch.where(speak.view(-1, 1) & (audio < AUDIO_INITIAL), audio, self._silence.view(1, -1))
+        out = self._decode(audio)
+        # Clipped here because the int16 conversion downstream (fastrtc's) wraps values past full
+        # scale into loud clicks instead of saturating.
+        out = torch.where(res.live.view(-1, 1), out.float().clamp(-1.0, 1.0), torch.zeros((), device=out.device))
+        # One host transfer per tick: the PCM, the text ids and the masks together.
+        text_ids = torch.where(speak, res.frame[:, 0], torch.full_like(res.frame[:, 0], TEXT_PAD))
+        out_np = out.cpu().numpy()
+        frame = torch.cat([text_ids[:, None], res.frame[:, 1:], speak[:, None].long()], dim=1).cpu().numpy()
+        texts = [self._transcripts[b].push(i) if i != TEXT_PAD else "" for b, i in enumerate(frame[:, 0].tolist())]
+        return TickOutput(out_np, texts, frame[:, :17], frame[:, 17].astype(bool))

@@ -1,0 +1,351 @@
+"""The main process's side of the media workers: spawn them, place calls, forward the page.
+
+With `--media-workers N` the page, its Gradio events and fastrtc's `WebRTC` component stay on
+the one public port of the main process, but nothing of a call's media does. `MediaWorkers`:
+
+- spawns N `media_worker` processes (multiprocessing "spawn": no torch in them) and restarts
+  one that dies;
+- takes over the component's `offer` server function (and the trickled ICE candidates that
+  come through it) and its `set_input` (the page's `tick` event), and forwards each to the
+  worker that owns the call; a new call goes to the worker with the fewest calls;
+- mirrors each worker's page updates and closed connections into the component's own tables
+  (`additional_outputs`, `connections`, `FinalUpdates`), which the page's relay reads;
+- asks the workers for a finished call's recording (`RemoteRecordings`, for the Stop button).
+
+A worker that dies takes only its own calls with it: their pages are told, and the engines free
+their slots when the worker's connections drop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from fastrtc import AdditionalOutputs
+
+from ..cli.lifecycle import recordings_prefix
+from ..web.handler import FinalUpdates
+from ..web.recording import RecordingFiles
+from .channel import Channel
+from .media_worker import WorkerSpec, run_worker
+
+log = logging.getLogger(__name__)
+
+OFFER_TIMEOUT = 30.0
+MAX_RESTARTS, RESTART_WINDOW = 5, 60.0  # a worker that dies more often than this stays down
+WORKER_LOST = ("Call ended: the server's media process for this call stopped. Please press Record to "
+               "call again.")
+
+
+def _failed(error: str, **meta: Any) -> JSONResponse:
+    """fastrtc's own shape for a refused offer (the page shows a toast for some of them)."""
+    return JSONResponse(status_code=200, content={"status": "failed", "meta": {"error": error, **meta}})
+
+
+class _Worker:
+    """The main process's record of one worker process."""
+
+    def __init__(self, index: int, generation: int, process: multiprocessing.process.BaseProcess) -> None:
+        self.index = index
+        self.generation = generation
+        self.process = process
+        self.channel: Channel | None = None
+        self.ready = threading.Event()
+        self.gone = False
+        self.pid: int | None = None
+        self.torch_imported: bool | None = None
+        self.calls: set[str] = set()  # webrtc ids
+        self.pending: dict[int, concurrent.futures.Future] = {}
+
+    @property
+    def usable(self) -> bool:
+        return self.ready.is_set() and not self.gone
+
+
+class MediaWorkers:
+    def __init__(self, count: int, spec: WorkerSpec, *, restart: bool = True) -> None:
+        """`spec` is the template for every worker (its index and recordings folder are set here)."""
+        if count < 1:
+            raise ValueError("media workers: at least 1")
+        self.count = count
+        self.restart = restart
+        # Named like this process's own recordings folder: a crashed app's is removed at the next start.
+        self.root = Path(tempfile.mkdtemp(prefix=recordings_prefix()))
+        self._spec = spec
+        self._ctx = multiprocessing.get_context("spawn")
+        self._workers: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._rids = itertools.count(1)
+        self._generations = itertools.count(1)
+        self._owner: dict[str, _Worker] = {}  # webrtc id -> worker (on the page's event loop)
+        self._last_update: dict[str, tuple] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+        self._restarts: dict[int, list[float]] = {}
+        self.rtc = None
+        self.recordings = RemoteRecordings(self)
+
+    # ---- processes -----------------------------------------------------------------------------
+
+    def start(self) -> MediaWorkers:
+        """Spawn the workers (they connect to the engines on their own; see `wait_ready`)."""
+        self._workers = [self._spawn(i) for i in range(self.count)]
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for worker in list(self._workers):
+            while not worker.ready.wait(0.2):
+                if worker.gone:
+                    raise RuntimeError(f"media worker {worker.index} exited while starting (exit code "
+                                       f"{worker.process.exitcode}); see its log lines above")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"media worker {worker.index} did not start within {timeout:.0f} s")
+        log.info("%d media worker(s) ready: pids %s", self.count, ", ".join(str(w.pid) for w in self._workers))
+
+    def _spawn(self, index: int) -> _Worker:
+        generation = next(self._generations)
+        spec = replace(self._spec, index=index,
+                       recordings_dir=str(self.root / f"worker-{index}-{generation}"))
+        ours, theirs = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(target=run_worker, args=(spec, theirs), name=f"media-worker-{index}",
+                                    daemon=True)
+        process.start()
+        theirs.close()
+        worker = _Worker(index, generation, process)
+        worker.channel = Channel(ours, f"media-worker-{index}",
+                                 lambda batch: self._on_batch(worker, batch),
+                                 lambda: self._on_gone(worker)).start()
+        return worker
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per worker, for /api/status."""
+        with self._lock:
+            workers = list(self._workers)
+        return [{"index": w.index, "pid": w.pid, "alive": w.usable, "calls": len(w.calls),
+                 "torch_imported": w.torch_imported} for w in workers]
+
+    def close(self) -> None:
+        """Stop every worker (their calls end) and delete their recordings."""
+        if self._closing:
+            return
+        self._closing = True
+        with self._lock:
+            workers = list(self._workers)
+        for worker in workers:
+            if worker.channel is not None:
+                worker.channel.send(("stop",))
+        for worker in workers:
+            worker.process.join(5.0)
+            if worker.process.is_alive():
+                worker.process.terminate()
+                worker.process.join(2.0)
+            if worker.channel is not None:
+                worker.channel.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # ---- the page's component ------------------------------------------------------------------
+
+    def attach(self, rtc) -> None:
+        """Forward `rtc`'s offers and inputs to the workers. Only this instance's two methods are
+        replaced: the page keeps fastrtc's own component, and its front end, unchanged."""
+        self.rtc = rtc
+
+        async def offer(body):
+            return await self.offer(body)
+
+        offer._is_server_fn = True  # what gradio's @server marks: callable from the page
+        rtc.offer = offer
+        rtc.set_input = self.set_input
+
+    def _least_loaded(self) -> _Worker | None:
+        with self._lock:
+            usable = [w for w in self._workers if w.usable]
+        return min(usable, key=lambda w: (len(w.calls), w.index), default=None)
+
+    async def offer(self, body: dict[str, Any]):
+        self._loop = asyncio.get_running_loop()
+        webrtc_id = str(body.get("webrtc_id"))
+        if body.get("type") == "ice-candidate":
+            worker = self._owner.get(webrtc_id)
+            if worker is None:
+                return _failed("unknown_connection")
+            return await self._forward_offer(worker, body)
+        if webrtc_id in self._owner:
+            return _failed("connection_already_exists")
+        limit = self.rtc.concurrency_limit
+        if len(self._owner) >= limit:
+            return _failed("concurrency_limit_reached", limit=limit)
+        worker = self._least_loaded()
+        if worker is None:
+            return _failed("no media worker is running; try again in a few seconds")
+        self._own(webrtc_id, worker)
+        response = await self._forward_offer(worker, body)
+        if isinstance(response, JSONResponse):  # refused: nothing to mirror
+            self._disown(webrtc_id)
+        return response
+
+    async def _forward_offer(self, worker: _Worker, body: dict[str, Any]):
+        try:
+            reply = await self._request(worker, ("offer", body), OFFER_TIMEOUT)
+        except Exception as exc:
+            return _failed(f"media worker {worker.index}: {exc}")
+        if reply["status_code"] is not None:
+            return JSONResponse(status_code=reply["status_code"], content=reply["json"])
+        return reply["json"]
+
+    def set_input(self, webrtc_id: str, *args) -> None:
+        worker = self._owner.get(webrtc_id)
+        if worker is not None and worker.channel is not None:
+            # The first argument is the component's value (a WebRTCData or the id): plain data only.
+            plain = [getattr(a, "webrtc_id", a) for a in args]
+            worker.channel.send(("input", webrtc_id, plain))
+
+    def _own(self, webrtc_id: str, worker: _Worker) -> None:
+        self._owner[webrtc_id] = worker
+        worker.calls.add(webrtc_id)
+        # The page's relay may start before the first update arrives: give it a queue to wait on.
+        self.rtc.connections[webrtc_id] = [worker]
+        _ = self.rtc.additional_outputs[webrtc_id]
+
+    def _disown(self, webrtc_id: str) -> None:
+        worker = self._owner.pop(webrtc_id, None)
+        if worker is not None:
+            worker.calls.discard(webrtc_id)
+        self._last_update.pop(webrtc_id, None)
+        self.rtc.connections.pop(webrtc_id, None)
+        outputs = self.rtc.additional_outputs.pop(webrtc_id, None)
+        if outputs is not None:
+            outputs.quit.set()
+
+    # ---- messages from the workers -------------------------------------------------------------
+
+    async def _request(self, worker: _Worker, message: tuple, timeout: float):
+        rid = next(self._rids)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        worker.pending[rid] = fut
+        if worker.gone or worker.channel is None:
+            worker.pending.pop(rid, None)
+            raise ConnectionError("the worker has stopped")
+        worker.channel.send((message[0], rid, *message[1:]))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+        finally:
+            worker.pending.pop(rid, None)
+
+    def _on_batch(self, worker: _Worker, batch: list[tuple]) -> None:
+        """A worker's reader thread."""
+        page = []
+        for message in batch:
+            tag = message[0]
+            if tag == "reply":
+                fut = worker.pending.get(message[1])
+                if fut is not None and not fut.done():
+                    fut.set_result(message[2])
+            elif tag == "ready":
+                worker.pid, worker.torch_imported = message[1], message[2]
+                if worker.torch_imported:
+                    log.warning("media worker %d imported torch: it should not need it", worker.index)
+                worker.ready.set()
+            else:
+                page.append(message)
+        if page and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._mirror, page)
+
+    def _mirror(self, messages: list[tuple]) -> None:
+        """On the page's loop: a worker's page updates and closed connections."""
+        for tag, webrtc_id, payload in messages:
+            if webrtc_id not in self._owner:
+                continue
+            if tag == "outputs":
+                self._last_update[webrtc_id] = payload
+                self.rtc.additional_outputs[webrtc_id].queue.put_nowait(AdditionalOutputs(*payload))
+            elif tag == "closed":
+                if payload is not None:
+                    FinalUpdates.put(webrtc_id, payload)
+                self._disown(webrtc_id)
+
+    def _on_gone(self, worker: _Worker) -> None:
+        """A worker's channel closed: it stopped (or we are closing)."""
+        worker.gone = True
+        for fut in list(worker.pending.values()):
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"media worker {worker.index} stopped"))
+        if self._closing:
+            return
+        worker.process.join(2.0)
+        if worker.process.is_alive():  # its channel broke but it lingers: it must not serve half a call
+            worker.process.kill()
+            worker.process.join(2.0)
+        log.error("media worker %d (pid %s) stopped (exit code %s); ending its %d call(s)", worker.index,
+                  worker.pid, worker.process.exitcode, len(worker.calls))
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._end_calls_of, worker)
+        if not self._may_restart(worker):
+            return
+        replacement = self._spawn(worker.index)
+        with self._lock:
+            self._workers = [replacement if w is worker else w for w in self._workers]
+        log.info("media worker %d: starting a replacement", worker.index)
+
+    def _may_restart(self, worker: _Worker) -> bool:
+        """Restart a worker that had worked, unless it keeps dying (then its share stays off)."""
+        if not self.restart or not worker.ready.is_set():
+            return False
+        now = time.monotonic()
+        recent = [t for t in self._restarts.get(worker.index, []) if now - t < RESTART_WINDOW]
+        if len(recent) >= MAX_RESTARTS:
+            log.error("media worker %d died %d times within %.0f s; not restarting it", worker.index,
+                      len(recent) + 1, RESTART_WINDOW)
+            return False
+        self._restarts[worker.index] = [*recent, now]
+        return True
+
+    def _end_calls_of(self, worker: _Worker) -> None:
+        for webrtc_id in list(worker.calls):
+            last = self._last_update.get(webrtc_id)
+            transcript, call_id = (last[0], last[2]) if last else ("", "")
+            FinalUpdates.put(webrtc_id, (transcript, WORKER_LOST, call_id, None))
+            self._disown(webrtc_id)
+
+
+class RemoteRecordings:
+    """The workers' recordings, as the page's Stop button looks them up (`RecordingStore`'s
+    `get(call_id).wait_finished(timeout)`)."""
+
+    max_age_seconds = 3600.0  # each worker's RecordingStore keeps its default
+
+    def __init__(self, workers: MediaWorkers) -> None:
+        self.workers = workers
+
+    def get(self, call_id: str) -> RemoteRecording | None:
+        return RemoteRecording(self.workers, call_id) if call_id else None
+
+    def close(self) -> None:
+        """Each worker deletes its own recordings; `MediaWorkers.close` the folder they share."""
+
+
+class RemoteRecording:
+    def __init__(self, workers: MediaWorkers, call_id: str) -> None:
+        self.workers = workers
+        self.call_id = call_id
+
+    async def wait_finished(self, timeout: float) -> RecordingFiles | None:
+        with self.workers._lock:
+            workers = [w for w in self.workers._workers if w.usable]
+        asks = [self.workers._request(w, ("recording", self.call_id, timeout), timeout + 2.0) for w in workers]
+        for found in await asyncio.gather(*asks, return_exceptions=True):
+            if isinstance(found, tuple):
+                return RecordingFiles(Path(found[0]), Path(found[1]))
+        return None

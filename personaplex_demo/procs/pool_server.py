@@ -1,0 +1,246 @@
+"""Serves one SlotPool to other processes: the engine side of `engine_client`.
+
+An `EngineServer` listens on an AF_UNIX socket (with an authkey). Each client process (a media
+worker, or the main process when the engines run elsewhere) gets one `ipc.Channel`; the protocol
+is described in `engine_client`. Frames from a client go straight into the pool from the
+channel's reader thread (`Call.push_frame` is thread-safe and never blocks); one event loop in a
+thread of its own awaits each call's outputs and state changes and sends them back.
+
+A client that goes away (its process died) has all its calls released: their slots are freed at
+the next tick, and the other clients' calls never notice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from dataclasses import asdict
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+from ..errors import CallerError
+from ..sampling_params import SamplingParams
+from ..serving.call import Call, CallEnded, CallState, EndReason
+from ..serving.pool import PoolClosedError, PoolFullError, SlotPool
+from .channel import Channel, daemon_threads
+
+log = logging.getLogger(__name__)
+
+ROOM_SECONDS = 0.5  # how often every client gets the pool's figures (and the ticks since the last time)
+MAX_SAMPLES = 1000  # ticks kept between two room messages (12.5 a second are due)
+STATE_POLL_SECONDS = 0.5  # a waiting call's queue position is re-read this often
+CLIENT_GONE = EndReason.error("media worker lost")
+RELAY_FAILED = EndReason.error("engine relay failed")
+
+
+class _Client:
+    def __init__(self, server: EngineServer, conn: Connection, number: int) -> None:
+        self.server = server
+        self.name = f"{server.name}/client-{number}"
+        self.calls: dict[int, Call] = {}
+        self.lock = threading.Lock()
+        self.channel = Channel(conn, self.name, self.on_batch, self.on_close)
+
+    def send(self, message: tuple) -> None:
+        self.channel.send(message)
+
+    def on_batch(self, batch: list[tuple]) -> None:
+        """The channel's reader thread: frames and releases at once, starts through the pool."""
+        for message in batch:
+            tag, rid = message[0], message[1]
+            if tag == "push":
+                call = self.calls.get(rid)
+                if call is not None:
+                    try:
+                        call.push_frame(message[2])
+                    except CallerError as exc:
+                        log.warning("%s: call %s sent a bad frame (%s); ending it", self.name, call.id, exc)
+                        call.release(EndReason.error(exc))
+            elif tag == "release":
+                call = self.calls.get(rid)
+                if call is not None:
+                    call.release(message[2])
+            elif tag == "start":
+                self.start(rid, *message[2:])
+
+    def start(self, rid: int, voice: str, persona: str, sampling: dict[str, Any], may_queue: bool) -> None:
+        pool = self.server.pool
+        try:
+            call = pool.acquire(voice, persona, SamplingParams(**sampling), queue=may_queue)
+        except CallerError as exc:
+            self.send(("refused", rid, "caller", str(exc)))
+            return
+        except TypeError as exc:  # not a SamplingParams dict: a client of another version
+            self.send(("refused", rid, "caller", f"bad sampling settings: {exc}"))
+            return
+        except PoolFullError as exc:
+            self.send(("refused", rid, "full" if may_queue else "busy", str(exc)))
+            return
+        except PoolClosedError as exc:
+            self.send(("refused", rid, "closed", str(exc)))
+            return
+        with self.lock:
+            self.calls[rid] = call
+        self.send(("started", rid, call.id, call.state.value, call.queue_position, call.slot, call.time_left()))
+        if self.channel.closed:  # gone while we were placing it
+            call.release(CLIENT_GONE)
+            return
+        asyncio.run_coroutine_threadsafe(self.pump(rid, call), self.server.loop)
+
+    async def pump(self, rid: int, call: Call) -> None:
+        """Send the call's state changes and outputs until it ends."""
+        sent = (call.state, call.queue_position, call.slot)
+        try:
+            while True:
+                if call.state.waiting:
+                    try:
+                        await call.wait_live(timeout=STATE_POLL_SECONDS)
+                    except TimeoutError:
+                        pass
+                else:
+                    out = await call.next_output(timeout=1.0)
+                    if out is not None:
+                        self.send(("out", rid, out.pcm, out.text, out.tick))
+                now = (call.state, call.queue_position, call.slot)
+                if now != sent and call.state != CallState.ENDED:
+                    sent = now
+                    self.send(("state", rid, call.state.value, call.queue_position, call.slot, call.time_left(), None))
+        except CallEnded as ended:
+            self.send(("state", rid, CallState.ENDED.value, None, call.slot, None, ended.reason))
+        except Exception:
+            log.exception("%s: relaying call %s failed; ending it", self.name, call.id)
+            call.release(RELAY_FAILED)
+            self.send(("state", rid, CallState.ENDED.value, None, call.slot, None, RELAY_FAILED))
+        finally:
+            with self.lock:
+                self.calls.pop(rid, None)
+
+    def on_close(self) -> None:
+        with self.lock:
+            calls = list(self.calls.values())
+        self.server.forget(self)
+        live = [c for c in calls if c.state != CallState.ENDED]
+        if live and not self.server.closing:
+            log.warning("%s disconnected: ending its %d call(s) and freeing their slots", self.name, len(live))
+        for call in live:
+            call.release(CLIENT_GONE)
+
+
+class EngineServer:
+    def __init__(self, pool: SlotPool, address: str, authkey: bytes, name: str = "engine",
+                 info: dict[str, Any] | None = None) -> None:
+        self.pool = pool
+        self.address = address
+        self.name = name
+        self.info = dict(info or {})  # extra facts for the hello (model name, voices, ...)
+        self.closing = False
+        self._authkey = authkey
+        self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        self._clients: list[_Client] = []
+        self._lock = threading.Lock()
+        self._numbers = itertools.count(1)
+        # Every tick's time and frame latencies, for the clients' own listeners (their /metrics).
+        self._samples: list[tuple[float, list[float]]] = []
+        self._samples_lock = threading.Lock()
+        pool.add_tick_listener(self._on_tick)
+        self.loop = asyncio.new_event_loop()
+        self._loop_thread, self._accept_thread = daemon_threads((self._run_loop, f"{name}-relay"),
+                                                                (self._accept, f"{name}-accept"))
+
+    def start(self) -> EngineServer:
+        self._loop_thread.start()
+        self._accept_thread.start()
+        log.info("%s: serving its slot pool on %s", self.name, self.address)
+        return self
+
+    @property
+    def clients(self) -> int:
+        with self._lock:
+            return len(self._clients)
+
+    def hello(self) -> dict[str, Any]:
+        return {"name": self.name, "slots_total": self.pool.slots_total, "config": asdict(self.pool.config),
+                "room": self.pool.snapshot().as_dict(), **self.info}
+
+    def forget(self, client: _Client) -> None:
+        with self._lock:
+            if client in self._clients:
+                self._clients.remove(client)
+
+    def close(self) -> None:
+        """Stop accepting, drop every client (their calls end) and stop the relay loop."""
+        if self.closing:
+            return
+        self.closing = True
+        try:  # wake the accept thread with one last connection
+            Client(self.address, family="AF_UNIX", authkey=self._authkey).close()
+        except Exception:
+            pass
+        self._accept_thread.join(5.0)
+        self._listener.close()
+        with self._lock:
+            clients = list(self._clients)
+        for client in clients:
+            client.channel.close()
+        if self._loop_thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._stop_loop(), self.loop)
+            self._loop_thread.join(5.0)
+
+    async def _stop_loop(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.loop.stop()
+
+    # ---- threads -------------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while not self.closing:
+            try:
+                conn = self._listener.accept()
+            except Exception as exc:  # a stranger without the key, or the listener closed
+                if self.closing:
+                    return
+                log.warning("%s: refused a connection (%s)", self.name, type(exc).__name__)
+                continue
+            if self.closing:
+                conn.close()
+                return
+            try:
+                conn.send(("hello", self.hello()))
+            except OSError:
+                conn.close()
+                continue
+            client = _Client(self, conn, next(self._numbers))
+            with self._lock:
+                self._clients.append(client)
+            client.channel.start()
+            log.info("%s connected", client.name)
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.create_task(self._room())
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
+
+    def _on_tick(self, tick_seconds: float, latencies: list[float]) -> None:
+        with self._samples_lock:
+            if len(self._samples) < MAX_SAMPLES:  # nobody collects them when no client is connected
+                self._samples.append((tick_seconds, latencies))
+
+    async def _room(self) -> None:
+        while True:
+            await asyncio.sleep(ROOM_SECONDS)
+            with self._lock:
+                clients = list(self._clients)
+            with self._samples_lock:
+                samples, self._samples = self._samples, []
+            if clients:
+                room = ("room", self.pool.snapshot().as_dict(), samples)
+                for client in clients:
+                    client.send(room)

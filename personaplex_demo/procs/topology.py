@@ -1,0 +1,183 @@
+"""Which process runs what: the engine(s), their slot pools and the media path.
+
+    one device, no media workers (the default on a CPU)
+        main process: page + WebRTC peers + handlers + SlotPool + engine
+    media workers (--media-workers N, the default on a CUDA host), or several devices
+    (--devices cuda:0,cuda:1 / cpu,cpu)
+        main process: page (+ peers and handlers when there are no media workers)
+        one engine process per device: SlotPool + engine + EngineServer
+        N media workers: WebRTC peers + handlers (engine_client -> EngineServer)
+
+With media workers, even one engine gets a process of its own: the ticker is the one thread that
+must never wait, and in the main process it would share the GIL with the page's HTTP server and
+the engine's socket threads, each of whose wake-ups can hold it off for a switch interval.
+
+`start_topology` builds the right one; `build_ui` then gets `.runtime` and `.pool` (a SlotPool
+or an EngineRouter: the same surface), and `.attach(demo)` hands the page's WebRTC component to
+the media workers when there are any.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..runtime.build import RuntimeOptions, build_runtime
+from ..serving.pool import PoolConfig, SlotPool
+from .engine_process import EngineProcesses, EngineSpec, PageRuntime
+from .media_worker import WorkerSpec
+from .media_workers import MediaWorkers
+from .remote_pool import EngineRouter, RemoteEngine
+
+log = logging.getLogger(__name__)
+
+WORKERS_READY_SECONDS = 180.0  # a media worker imports gradio, fastrtc and aiortc: seconds on a busy host
+
+
+def resolve_devices(devices: str | None, device: str) -> list[str]:
+    """`--devices` as a list: "all" is every CUDA GPU (or the CPU without one); unset is `--device`."""
+    if not devices:
+        return [device]
+    if devices.strip() == "all":
+        import torch
+
+        count = torch.cuda.device_count()
+        if count == 0:
+            log.warning("--devices all: torch sees no CUDA GPU; running one engine on the CPU")
+            return ["cpu"]
+        return [f"cuda:{i}" for i in range(count)]
+    found = [d.strip() for d in devices.split(",") if d.strip()]
+    if not found:
+        raise ValueError(f"--devices {devices!r}: give a comma-separated list such as cuda:0,cuda:1, or all")
+    return found
+
+
+def default_media_workers(devices: list[str], slots_total: int) -> int:
+    """0 on a CPU; on a CUDA host one worker per spare core (two cores stay with the page and the
+    engine's own threads), never more workers than slots."""
+    cuda = any(d.startswith("cuda") for d in devices)
+    if not cuda and "auto" in devices:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if not cuda:
+        return 0
+    return max(1, min((os.cpu_count() or 1) - 2, slots_total))
+
+
+@dataclass(frozen=True)
+class TopologyOptions:
+    runtime: RuntimeOptions  # the model, dtype, slots per engine...; the device comes from `devices`
+    pool: PoolConfig
+    devices: tuple[str, ...] = ("auto",)
+    media_workers: int = 0
+    max_wait_seconds: float | None = 600.0
+    server_rtc_configuration: dict[str, Any] | None = None
+    loopback_ice: bool = False
+
+
+class Topology:
+    def __init__(self, runtime, pool: SlotPool | EngineRouter, media: MediaWorkers | None, closers: list[Callable],
+                 engine_names: list[str], end_calls: Callable[[float], None]) -> None:
+        self.runtime = runtime
+        self.pool = pool
+        self.media = media
+        self._closers = closers
+        self._engine_names = engine_names
+        self._end_calls = end_calls
+
+    def end_calls(self, join_timeout: float = 10.0) -> None:
+        """Every engine ends its calls with reason "shutdown" (the callers hear why) and stops
+        ticking; the processes keep running until `close`, so that the news reaches the pages."""
+        self._end_calls(join_timeout)
+
+    @property
+    def recordings(self):
+        """The page's recordings when the calls live in media workers (else None: the page's own)."""
+        return self.media.recordings if self.media is not None else None
+
+    def attach(self, demo) -> None:
+        if self.media is None:
+            return
+        from fastrtc import WebRTC
+
+        rtc = next(b for b in demo.blocks.values() if isinstance(b, WebRTC))
+        self.media.attach(rtc)
+
+    def status(self) -> dict[str, Any]:
+        """Per engine and per media worker, for /api/status (the totals are the pool's)."""
+        if isinstance(self.pool, EngineRouter):
+            engines = self.pool.engine_status()
+        else:
+            engines = [{"name": self._engine_names[0], "alive": not self.pool.closed,
+                        **self.pool.snapshot().as_dict()}]
+        return {"engines": engines, "media_workers": self.media.status() if self.media is not None else []}
+
+    def close(self) -> None:
+        """Stop everything this topology started, the media first (idempotent)."""
+        closers, self._closers = self._closers, []
+        for close in closers:
+            try:
+                close()
+            except Exception:
+                log.exception("shutting down %s failed", getattr(close, "__qualname__", close))
+
+
+def start_topology(options: TopologyOptions, progress: Callable[[str, float], None] | None = None) -> Topology:
+    devices = list(options.devices)
+    closers: list[Callable] = []
+    ipc_dir = Path(tempfile.mkdtemp(prefix="personaplex-ipc-"))  # 0700: only this user reaches the sockets
+    authkey = secrets.token_bytes(32)
+    names = [f"engine-{i} ({d})" for i, d in enumerate(devices)]
+    addresses = [str(ipc_dir / f"engine-{i}.sock") for i in range(len(devices))]
+    media: MediaWorkers | None = None
+    try:
+        if options.media_workers:
+            # Started first: they import their libraries while the engines load the model.
+            media = MediaWorkers(options.media_workers, WorkerSpec(
+                index=0, engines=tuple(addresses), authkey=authkey, recordings_dir="",
+                max_wait_seconds=options.max_wait_seconds,
+                server_rtc_configuration=options.server_rtc_configuration, loopback_ice=options.loopback_ice,
+                log_level=logging.getLogger().getEffectiveLevel())).start()
+            closers.append(media.close)
+        if len(devices) == 1 and media is None:
+            runtime = build_runtime(replace(options.runtime, device=devices[0]), progress)
+            names = [f"engine-0 ({runtime.device})"]
+            pool = SlotPool(runtime.engine, options.pool)
+            pool.start()
+            closers.append(pool.shutdown)
+            end_calls = pool.shutdown
+        else:
+            # Several CPU engines share the cores; one keeps torch's own choice (or OMP_NUM_THREADS).
+            cpu_engines = sum(1 for d in devices if not d.startswith("cuda"))
+            threads = max(1, (os.cpu_count() or 1) // cpu_engines) if cpu_engines > 1 else None
+            specs = [EngineSpec(name, device, address, authkey, options.runtime, options.pool, threads,
+                                logging.getLogger().getEffectiveLevel())
+                     for name, device, address in zip(names, devices, addresses, strict=True)]
+            engines = EngineProcesses(specs).start()
+            closers.append(engines.close)
+            end_calls = engines.end_calls
+            if progress is not None:
+                progress(f"loading {len(devices)} engine(s)", 0.1)
+            facts = engines.wait_ready()
+            runtime = PageRuntime.from_facts(facts[0])
+            pool = EngineRouter([RemoteEngine(a, authkey) for a in addresses])
+            closers.insert(0, pool.close)
+        if media is not None:
+            media.wait_ready(WORKERS_READY_SECONDS)
+    except BaseException:
+        for close in closers:
+            close()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        raise
+    closers.append(lambda: shutil.rmtree(ipc_dir, ignore_errors=True))
+    log.info("engines: %s; media: %s", ", ".join(names),
+             f"{options.media_workers} worker process(es)" if media is not None else "in this process")
+    return Topology(runtime, pool, media, closers, names, end_calls)

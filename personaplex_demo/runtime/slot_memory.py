@@ -1,0 +1,149 @@
+"""What one conversation slot holds on the device, measured from the loaded model.
+
+`capacity.plan_slots` does the arithmetic; this module feeds it: the KV ring and Mimi state bytes
+(from the model's own tensors, built on the meta device so nothing is allocated), the prefix cache,
+and on CUDA a short probe that runs a tick at two batch sizes and reads the allocator's peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import math
+
+import torch
+
+from ..engine.core import VISIBLE_BUCKET, LockstepCore
+from ..engine.pcm import MAX_PERSONA_TOKENS
+from ..engine.tokens import SILENCE_FRAMES
+from ..model.config import LMConfig
+from .capacity import SlotCost, kv_ring_bytes, plan_slots, safety_margin
+from .voices import VoiceCatalog, read_voice_file
+
+log = logging.getLogger(__name__)
+
+PROBE_BATCHES = (1, 4)
+TOP_K_COMBOS = 2  # (text, audio) top-k pairs in use at once; each captures its own graphs
+
+
+def tensor_bytes(obj: object) -> int:
+    """Bytes of every tensor in a nested dataclass / list / tuple / dict (meta tensors count too)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return sum(tensor_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(o) for o in obj.values())
+    return 0
+
+
+def mimi_state_bytes(mimi) -> int:
+    """Streaming state of one slot (encoder and decoder), without allocating it."""
+    return tensor_bytes(mimi.init_state(1, device=torch.device("meta")))
+
+
+def graphs_kept(frames: int, cuda_graphs: bool) -> int:
+    """Tick graphs the engine may capture: one per visible-ring bucket (and the whole ring) per
+    top-k pair, plus Mimi encode and decode. Each keeps its own pool of working memory."""
+    if not cuda_graphs:
+        return 1
+    return TOP_K_COMBOS * math.ceil(frames / VISIBLE_BUCKET) + 2
+
+
+def longest_voice(voices: VoiceCatalog) -> int:
+    """The longest voice prompt, in frames (the files are small; unreadable ones count as 0)."""
+    longest = 0
+    for name in voices.names:
+        try:
+            longest = max(longest, int(read_voice_file(voices.path_of(name))[0].shape[0]))
+        except Exception as e:  # a broken voice is reported when a caller picks it, not here
+            log.debug("voice %s not measured: %s", name, e)
+    return longest
+
+
+def prefix_cache_bytes(cfg: LMConfig, itemsize: int, voice_frames: int, entries: int) -> int:
+    """The prefix cache at its fullest: `entries` prompts of the longest voice and persona."""
+    prompt = voice_frames + 2 * SILENCE_FRAMES + MAX_PERSONA_TOKENS
+    return entries * kv_ring_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, prompt, itemsize)
+
+
+def estimated_tick_bytes(cfg: LMConfig, frames: int, itemsize: int) -> int:
+    """Rough per-slot working memory of one tick, for when the probe cannot run: one layer's
+    activations, the attention scores and mask, the logits and the sampler's copies of them."""
+    layer = (4 * cfg.dim + 4 * cfg.hidden) * itemsize + cfg.num_heads * frames * 4 + frames
+    logits = 4 * 4 * (cfg.text_card + cfg.dep_q * cfg.card)
+    mimi_decode = 4 * 64 * 1920 * 4  # the decoder's widest activations (64 channels x 1920 samples), a few copies
+    return 2 * (layer + logits + mimi_decode)
+
+
+def probe_tick_bytes(lm, mimi, device: torch.device, dtype: torch.dtype) -> tuple[int, int] | None:
+    """(fixed, per slot) bytes of a tick's working memory on CUDA: the allocator's peak over one
+    Mimi encode, LM tick and Mimi decode at two batch sizes. None where there is no CUDA device."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    peaks = []
+    for batch in PROBE_BATCHES:
+        core = LockstepCore(lm, batch, device, dtype, context=VISIBLE_BUCKET, cuda_graphs=False)
+        state = mimi.init_state(batch, device=device)
+        pcm = torch.zeros(batch, 1920, device=device)
+        with torch.no_grad():
+            core.step(torch.zeros(batch, 8, dtype=torch.long, device=device))  # lazy set-up outside the peak
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            res = core.step(mimi.encode_step(pcm, state))
+            mimi.decode_step(res.frame[:, 1:9].clamp(0, 2047), state)
+            torch.cuda.synchronize(device)
+            peaks.append(torch.cuda.max_memory_allocated(device) - base)
+        del core, state, res
+    gc.collect()  # the core and its graph wrapper refer to each other
+    torch.cuda.empty_cache()
+    (b1, p1), (b2, p2) = zip(PROBE_BATCHES, peaks)
+    per_slot = max(0, (p2 - p1) // (b2 - b1))
+    return max(0, p1 - per_slot * b1), per_slot
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    free: int  # bytes free on the device now
+    total: int
+
+
+def device_memory(device: torch.device) -> DeviceMemory | None:
+    """Free and total bytes of a CUDA device (after returning the allocator's cached blocks)."""
+    if device.type != "cuda":
+        return None
+    gc.collect()  # engines refer to themselves through their graph wrappers: free any dropped one first
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(int(free), int(total))
+
+
+def plan_for(lm, mimi, voices: VoiceCatalog, *, slots: int | str, max_slots: int, frames: int,
+             device: torch.device, dtype: torch.dtype, prefix_cache_size: int, cuda_graphs: bool):
+    """The SlotPlan for a loaded model on `device` (see capacity.plan_slots)."""
+    cfg: LMConfig = lm.cfg
+    itemsize = torch.finfo(dtype).bits // 8
+    on_cuda = device.type == "cuda"
+    probe = None
+    if on_cuda and slots == "auto":
+        try:
+            probe = probe_tick_bytes(lm, mimi, device, dtype)
+        except Exception as e:  # the arithmetic can still go on with the estimate
+            log.warning("slot memory probe failed (%s: %s); using an estimate", type(e).__name__, e)
+    fixed, per_slot = probe if probe else (0, estimated_tick_bytes(cfg, frames, itemsize))
+    graphs = graphs_kept(frames, cuda_graphs and on_cuda)
+    cost = SlotCost(kv=kv_ring_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, frames, itemsize),
+                    mimi=mimi_state_bytes(mimi), activations=per_slot * graphs)
+    memory = device_memory(device)
+    reserve = 0
+    if memory is not None:
+        reserve = (prefix_cache_bytes(cfg, itemsize, longest_voice(voices), prefix_cache_size)
+                   + fixed * graphs + safety_margin(memory.total))
+    per_frame = kv_ring_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, 1, itemsize)
+    return plan_slots(slots, device=str(device), free_bytes=memory.free if memory else None,
+                      reserve_bytes=reserve, cost=cost, context_frames=frames, max_slots=max_slots,
+                      kv_bytes_per_frame=per_frame)

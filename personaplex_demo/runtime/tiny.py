@@ -1,0 +1,74 @@
+"""The tiny offline model: a hash-v1 checkpoint set in the official repository layout.
+
+It babbles, but it runs every path of the app (loader, voices, tokenizer, engine, pool, page)
+on a laptop CPU. Its LM and Mimi are the golden fixtures' tiny configurations and seeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..model.config import LMConfig, MimiConfig, ModelFiles
+
+log = logging.getLogger(__name__)
+
+RECIPE = "hash-v1"
+LM_SEED = 1242
+MIMI_SEED = 4347
+_MARKER = "tiny-model.txt"
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("PERSONAPLEX_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "personaplex-live")
+    return Path(base)
+
+
+def build_tiny_repo(directory: Path) -> Path:
+    """Write the four model files into `directory`."""
+    # Imported here: finding the tiny model's folder (start-up checks) must not wait for torch.
+    from ..model.checkpoint import meta_lm, meta_mimi, write_hash_checkpoint
+    from .tokenizer import build_tiny_tokenizer
+    from .voices import tiny_voice_prompts, write_voices_archive
+
+    files = ModelFiles()
+    directory.mkdir(parents=True, exist_ok=True)
+    lm_cfg = LMConfig.tiny()
+    write_hash_checkpoint(meta_lm(lm_cfg), directory / files.lm, "lm", LM_SEED)
+    write_hash_checkpoint(meta_mimi(MimiConfig.tiny()), directory / files.mimi, "mimi", MIMI_SEED)
+    build_tiny_tokenizer(directory / files.tokenizer)
+    write_voices_archive(directory / files.voices, tiny_voice_prompts(lm_cfg.dim))
+    (directory / _MARKER).write_text(f"{RECIPE} lm_seed={LM_SEED} mimi_seed={MIMI_SEED}\n")
+    return directory
+
+
+def tiny_repo_path(cache_dir: Path | None = None) -> Path:
+    return Path(cache_dir or default_cache_dir()) / f"tiny-{RECIPE}"
+
+
+def tiny_repo_ready(cache_dir: Path | None = None) -> bool:
+    return (tiny_repo_path(cache_dir) / _MARKER).is_file()
+
+
+def ensure_tiny_repo(cache_dir: Path | None = None) -> Path:
+    """The tiny model's directory, built once (atomically) under the cache directory."""
+    target = tiny_repo_path(cache_dir)
+    if tiny_repo_ready(cache_dir):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building the tiny offline model in %s", target)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
+    try:
+        build_tiny_repo(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # built concurrently by another process: keep theirs
+            if not (target / _MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

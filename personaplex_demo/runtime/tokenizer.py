@@ -1,0 +1,305 @@
+"""Text side of PersonaPlex: persona prompts in, transcript text out (docs/engine.md § Frame layout).
+
+The real model ships Kyutai's 32000-piece SentencePiece tokenizer (`tokenizer_spm_32k_3.model`,
+byte fallback, 0 = EPAD/`<unk>`, 1 = BOS, 2 = EOS, 3 = PAD). The tiny offline model needs a
+tokenizer with the same id layout and the same size, because its text head emits any id below
+32000; `build_tiny_tokenizer` makes one deterministically, without network access.
+"""
+
+from __future__ import annotations
+
+import codecs
+import io
+import itertools
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import sentencepiece as spm
+
+from ..engine.tokens import HIDDEN_TEXT_IDS, TEXT_EPAD, TEXT_PAD
+
+logger = logging.getLogger(__name__)
+
+SYSTEM_TAG = "<system>"
+# The text head's size (docs/model.md § The LM): ids at or above it are input-only and never shown.
+TEXT_CARD = 32000
+EPAD_ID, PAD_ID = TEXT_EPAD, TEXT_PAD  # carry no text, never shown
+
+
+def wrap_with_system_tags(text: str) -> str:
+    """The reference's rule: strip, keep as is only if it starts *and* ends with `<system>`."""
+    cleaned = text.strip()
+    if cleaned.startswith(SYSTEM_TAG) and cleaned.endswith(SYSTEM_TAG):
+        return cleaned
+    return f"{SYSTEM_TAG} {cleaned} {SYSTEM_TAG}"
+
+
+class TextTokenizer:
+    """A SentencePiece model plus the persona encoding rule of the reference server."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"SentencePiece model not found: {self.path}")
+        self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        # (kind, surface) per id, filled on first use: the transcript decoder looks pieces up
+        # one id at a time on the engine thread, so this keeps that lookup O(1).
+        self._surfaces: list[tuple[int, bytes] | None] = [None] * self.sp.get_piece_size()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        """Plain SentencePiece ids, no BOS or EOS."""
+        return list(self.sp.encode(text, out_type=int))
+
+    def encode_persona(self, persona: str) -> list[int]:
+        """Persona ids as the model is prompted with them: `<system> ... <system>`, no BOS/EOS.
+
+        An empty (or all-whitespace) persona gives no tokens at all: the reference server
+        crashes there, vLLM-Omni plays zero persona ticks, and so do we.
+        """
+        if not persona.strip():
+            return []
+        return self.encode(wrap_with_system_tags(persona))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self.sp.id_to_piece(int(token_id))
+
+    def surface(self, token_id: int) -> tuple[int, bytes]:
+        """(kind, bytes) of one id as SentencePiece's decoder renders it; see `_KIND_*`."""
+        cached = self._surfaces[token_id]
+        if cached is not None:
+            return cached
+        sp = self.sp
+        if sp.is_byte(token_id):
+            # Byte-fallback pieces are spelled "<0xAB>".
+            entry = (_KIND_BYTE, bytes([int(sp.id_to_piece(token_id)[3:5], 16)]))
+        elif sp.is_control(token_id) or sp.is_unused(token_id):
+            entry = (_KIND_EMPTY, b"")
+        elif sp.is_unknown(token_id):
+            entry = (_KIND_TEXT, " \u2047 ".encode())
+        else:
+            entry = (_KIND_TEXT, sp.id_to_piece(token_id).replace("\u2581", " ").encode("utf-8"))
+        self._surfaces[token_id] = entry
+        return entry
+
+    def transcript_decoder(self, text_card: int = TEXT_CARD) -> TranscriptDecoder:
+        return TranscriptDecoder(self, text_card=text_card)
+
+
+_KIND_TEXT = 0  # a normal piece: its text with "▁" as a space
+_KIND_BYTE = 1  # a byte-fallback piece: one raw byte of UTF-8
+_KIND_EMPTY = 2  # control or unused piece: renders as nothing
+
+
+def _replace_one_byte(exc: UnicodeError) -> tuple[str, int]:
+    # SentencePiece replaces every undecodable byte with its own U+FFFD, where Python's
+    # "replace" handler would use one for a whole truncated sequence; resuming one byte after
+    # the error start reproduces SentencePiece exactly.
+    if not isinstance(exc, UnicodeDecodeError):
+        raise exc
+    return "\ufffd", exc.start + 1
+
+
+codecs.register_error("personaplex_sp_replace", _replace_one_byte)
+
+
+class TranscriptDecoder:
+    """Incremental transcript of one call: text ids in, newly final text out.
+
+    `push` shows exactly what `sp.decode` of all shown ids so far would show, but only once it
+    is final: a trailing incomplete UTF-8 sequence built from byte-fallback pieces is held back
+    until its last byte arrives (or `flush` is called at the end of the call). EPAD (0), PAD (3)
+    and ids at or above the text card or the vocabulary size are hidden (docs/engine.md § Frame layout).
+
+    Each push costs O(length of one piece): pieces are looked up once and fed through Python's
+    incremental UTF-8 decoder, which keeps at most 3 pending bytes, instead of re-decoding the
+    history with SentencePiece every tick.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer, text_card: int = TEXT_CARD) -> None:
+        self.tokenizer = tokenizer
+        self.limit = min(int(text_card), tokenizer.vocab_size)
+        self.reset()
+
+    def reset(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="personaplex_sp_replace")
+        self._parts: list[str] = []
+        self._text: str | None = ""
+        # SentencePiece drops the leading "▁" of normal pieces until some text has appeared
+        # (the dummy prefix); byte pieces end that phase even when they are spaces.
+        self._at_start = True
+
+    def is_shown(self, token_id: int) -> bool:
+        return token_id not in HIDDEN_TEXT_IDS and 0 <= token_id < self.limit
+
+    def push(self, token_id: int) -> str:
+        token_id = int(token_id)
+        if not self.is_shown(token_id):
+            return ""
+        kind, data = self.tokenizer.surface(token_id)
+        if kind == _KIND_EMPTY:
+            # SentencePiece decodes each run of byte pieces on its own, so a control piece
+            # between two bytes keeps them apart: finish any pending sequence here.
+            return self._emit(self._utf8.decode(b"", final=True))
+        if kind == _KIND_TEXT and self._at_start:
+            data = data.lstrip(b" ")
+            if not data:
+                return ""
+        self._at_start = False
+        return self._emit(self._utf8.decode(data, final=False))
+
+    def flush(self) -> str:
+        """Finalise the call: any pending incomplete byte sequence becomes U+FFFD characters."""
+        return self._emit(self._utf8.decode(b"", final=True))
+
+    def _emit(self, new: str) -> str:
+        if new:
+            self._parts.append(new)
+            self._text = None
+        return new
+
+    @property
+    def text(self) -> str:
+        """The whole final transcript so far."""
+        if self._text is None:
+            self._text = "".join(self._parts)
+            self._parts = [self._text]
+        return self._text
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny offline tokenizer
+
+TINY_VOCAB_SIZE = 32000
+# A small English corpus (persona-style prompts and everyday conversation) so that persona text
+# gets real word pieces; the rest of the 32000 ids are filled with pronounceable synthetic words
+# so that whatever the tiny LM babbles reads as words in the transcript.
+_TINY_CORPUS = (
+    "You are a wise and friendly teacher. Answer questions or provide advice in a clear and engaging way.",
+    "You enjoy having a good conversation. Ask about the other person and share your own stories.",
+    "You work at the front desk of a medical office. Help callers book, move or cancel appointments.",
+    "You are a customer service agent at a bank. Help the caller check a balance or report a lost card.",
+    "You are an astronaut on a long mission to Mars. Talk about life on the spaceship and the view.",
+    "You are a patient tutor who explains science, history and mathematics with simple examples.",
+    "You are a cheerful travel guide who recommends places to visit, food to try and things to do.",
+    "You are a calm support assistant. Listen carefully, ask short questions and give clear steps.",
+    "Hello, how are you today? I am fine, thank you very much. What would you like to talk about?",
+    "Yes, of course. No, I do not think so. Maybe later. That sounds great! Tell me more about it.",
+    "Good morning, good afternoon and good evening. Thanks for calling, have a wonderful day.",
+    "Could you please repeat that? Sorry, I did not hear you. Let me check that for you right now.",
+    "The weather is nice and sunny, but it might rain tomorrow, so take an umbrella with you.",
+    "My name is Alex and I live in a small town near the sea with my family and two dogs.",
+    "We can meet on Monday, Tuesday, Wednesday, Thursday, Friday, Saturday or Sunday at noon.",
+    "One, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve, hundred, thousand.",
+    "Information: the office is open from nine to five. Your name is Sam and you speak kindly.",
+    "I understand how you feel. It is important to take care of yourself and to rest well.",
+    "What is your favourite book, movie, song or game? Why do you like it so much?",
+    "People often ask me where I come from, what I do for work and what I enjoy doing for fun.",
+)
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+
+
+def _synthetic_words() -> itertools.chain[str]:
+    """Pronounceable words of two, then three, consonant-vowel syllables, in a fixed order."""
+    syllables = [c + v for c in _CONSONANTS for v in _VOWELS]
+    return itertools.chain(
+        ("".join(p) for p in itertools.product(syllables, repeat=2)),
+        ("".join(p) for p in itertools.product(syllables, repeat=3)),
+    )
+
+
+def _tiny_training_sentences() -> list[str]:
+    words = list(itertools.islice(_synthetic_words(), 600))
+    babble = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
+    tagged = [wrap_with_system_tags(s) for s in _TINY_CORPUS]
+    return list(_TINY_CORPUS) * 4 + tagged * 4 + babble
+
+
+def build_tiny_tokenizer(path: Path) -> Path:
+    """Write the tiny offline SentencePiece model (32000 pieces, Kyutai's id layout) and return
+    its path. `path` is the model file, or a directory that receives `tokenizer_spm_32k_3.model`.
+
+    Ids 0..3 are `<unk>`, `<s>`, `</s>`, `<pad>`; 4..259 are the 256 byte-fallback pieces; then a
+    small BPE vocabulary trained on a fixed English corpus; then synthetic "▁word" pieces with
+    scores below every trained piece, so they only win where they spell a whole word. Training runs
+    on one thread over a fixed sentence list, so the same bytes come out every time.
+    """
+    # Imported here: it needs protobuf, which nothing else on the serving path does.
+    from sentencepiece import sentencepiece_model_pb2 as model_pb2
+
+    path = Path(path)
+    if path.is_dir():
+        from ..model.config import ModelFiles
+
+        path = path / ModelFiles().tokenizer
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_tiny_training_sentences()),
+        model_writer=buf,
+        # BPE rather than unigram: on a corpus this small unigram keeps mostly single letters,
+        # while BPE learns whole words, so personas stay short in ticks.
+        model_type="bpe",
+        vocab_size=3000,
+        hard_vocab_limit=False,  # take what the corpus supports; the rest is synthetic
+        byte_fallback=True,
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=3,
+        normalization_rule_name="identity",
+        num_threads=1,
+        shuffle_input_sentence=False,
+        input_sentence_size=0,
+        minloglevel=2,
+    )
+    proto = model_pb2.ModelProto()
+    proto.ParseFromString(buf.getvalue())
+    existing = {p.piece for p in proto.pieces}
+    low = min(p.score for p in proto.pieces if p.type == model_pb2.ModelProto.SentencePiece.NORMAL)
+    words = (w for w in _synthetic_words() if "\u2581" + w not in existing)
+    for i, word in enumerate(itertools.islice(words, TINY_VOCAB_SIZE - len(proto.pieces))):
+        piece = proto.pieces.add()
+        piece.piece = "\u2581" + word
+        piece.score = low - 10.0 - 1e-3 * i
+        piece.type = model_pb2.ModelProto.SentencePiece.NORMAL
+    if len(proto.pieces) != TINY_VOCAB_SIZE:
+        raise RuntimeError(f"tiny tokenizer has {len(proto.pieces)} pieces, expected {TINY_VOCAB_SIZE}")
+    proto.trainer_spec.vocab_size = TINY_VOCAB_SIZE
+    data = proto.SerializeToString(deterministic=True)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Atomic replace: several processes (tests, app) may build the same file at once.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    logger.debug("wrote the tiny tokenizer (%d pieces) to %s", TINY_VOCAB_SIZE, path)
+    return path
+
+
+__all__ = [
+    "EPAD_ID",
+    "PAD_ID",
+    "HIDDEN_TEXT_IDS",
+    "SYSTEM_TAG",
+    "TEXT_CARD",
+    "TINY_VOCAB_SIZE",
+    "TextTokenizer",
+    "TranscriptDecoder",
+    "build_tiny_tokenizer",
+    "wrap_with_system_tags",
+]

@@ -1,0 +1,397 @@
+"""Voice prompts: the catalogue of `voices/NAME.pt` files from `voices.tgz` (docs/model.md § Files).
+
+A voice prompt is `{"embeddings": Tensor[T, 1, 1, D], "cache": LongTensor[1, 17, 4]}`: the summed
+input embeddings that fed the temporal transformer while the voice was encoded, and the staging
+ring left after that run. The archive comes from a model repository, so it is extracted member by
+member with every member checked first, and voice names from callers only ever select an entry
+of the catalogue: they never become paths.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import logging
+import os
+import pickle
+import re
+import shutil
+import tarfile
+import tempfile
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import IO
+
+import torch
+
+from ..errors import UnknownVoiceError, VoiceArchiveError, VoiceFileError
+from ..model.hashinit import hash_ints, hash_tensor
+from .voice_names import DEFAULT_VOICE, VOICE_NAME_RE, VOICE_NAMES
+
+logger = logging.getLogger(__name__)
+
+VOICES_FOLDER = "voices"
+
+CACHE_SHAPE = (1, 17, 4)  # [batch, token rows, staging ring columns] (docs/engine.md § Staging ring and delays)
+TEXT_CARD = 32000
+AUDIO_CARD = 2048
+TINY_VOICE_SEED = 20251202  # the golden fixtures' data seed
+
+# The official voices are about 0.5 MB each and 8 MB in all; these bounds leave a wide margin
+# while stopping a hostile archive from filling the disk.
+MAX_MEMBER_BYTES = 64 << 20
+MAX_ARCHIVE_BYTES = 1 << 30
+MAX_MEMBERS = 4096
+
+
+@dataclass(frozen=True, eq=False)
+class VoicePrompt:
+    name: str
+    embeddings: torch.Tensor  # [T, 1, 1, D] in the model dtype, on the model device
+    cache: torch.Tensor  # long [1, 17, 4]: the saved staging ring, copied into a slot verbatim
+
+    @property
+    def length(self) -> int:
+        """T: the number of voice-replay ticks."""
+        return int(self.embeddings.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.embeddings.shape[-1])
+
+
+def _member_problem(member: tarfile.TarInfo, root: Path) -> str | None:
+    """Why `member` must not be extracted into `root`, or None when it is safe."""
+    name = member.name
+    if "\x00" in name:
+        return "has a NUL byte in its name"
+    if member.issym():
+        return f"is a symbolic link (to {member.linkname!r})"
+    if member.islnk():
+        return f"is a hard link (to {member.linkname!r})"
+    if member.ischr() or member.isblk():
+        return "is a device file"
+    if member.isfifo():
+        return "is a FIFO"
+    if not (member.isfile() or member.isdir()):
+        return "is not a regular file or folder"
+    if "\\" in name:
+        return "has a backslash in its path"
+    if name.startswith("/") or re.match(r"^[A-Za-z]:", name):
+        return "has an absolute path"
+    if ".." in PurePosixPath(name).parts:
+        return "has a '..' path component"
+    target = (root / name).resolve()
+    if target != root and root not in target.parents:
+        return f"would land outside {root}"
+    if member.size > MAX_MEMBER_BYTES:
+        return f"is {member.size} bytes, over the {MAX_MEMBER_BYTES}-byte limit for one member"
+    return None
+
+
+def _voice_member_name(member: tarfile.TarInfo) -> str | None:
+    """The voice name of a `voices/NAME.pt` regular file, else None."""
+    if not member.isfile():
+        return None
+    parts = [p for p in PurePosixPath(member.name).parts if p != "."]
+    if len(parts) != 2 or parts[0] != VOICES_FOLDER or not parts[1].endswith(".pt"):
+        return None
+    stem = parts[1][: -len(".pt")]
+    return stem if VOICE_NAME_RE.match(stem) else None
+
+
+def _copy_bounded(src: IO[bytes], dst_path: Path, limit: int) -> None:
+    dst_path.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the target and rename: a concurrent reader never sees half a file.
+    fd, tmp = tempfile.mkstemp(dir=dst_path.parent, prefix=dst_path.name, suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            copied = 0
+            while chunk := src.read(1 << 20):
+                copied += len(chunk)
+                if copied > limit:
+                    raise VoiceArchiveError(f"{dst_path.name}: member grew past {limit} bytes")
+                out.write(chunk)
+        os.replace(tmp, dst_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class VoiceCatalog:
+    """The voices a model offers, by name; loaded prompts are cached per (name, dtype, device)."""
+
+    def __init__(self, files: Mapping[str, Path]) -> None:
+        for name in files:
+            if not VOICE_NAME_RE.match(name):
+                raise ValueError(f"invalid voice name {name!r}")
+        self._files = {name: Path(path) for name, path in sorted(files.items())}
+        self._loaded: dict[tuple[str, torch.dtype, str], VoicePrompt] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_archive(
+        cls, tgz_path: str | os.PathLike[str], extract_dir: str | os.PathLike[str]
+    ) -> VoiceCatalog:
+        """Safely unpack the `voices/*.pt` members of `voices.tgz` into `extract_dir`.
+
+        Every member is checked before anything is written; any link, device file, absolute
+        path, `..` component, path outside `extract_dir` or oversized member fails the whole
+        archive with a `VoiceArchiveError` that names it. Other files are ignored.
+        """
+        tgz_path = Path(tgz_path)
+        root = Path(extract_dir).resolve()
+        try:
+            tf = tarfile.open(tgz_path, mode="r:*")
+        except (OSError, tarfile.TarError) as exc:
+            raise VoiceArchiveError(f"{tgz_path.name}: not a readable tar archive ({exc})") from exc
+        with tf:
+            voices: dict[str, tarfile.TarInfo] = {}
+            total = 0
+            try:
+                for count, member in enumerate(tf, start=1):
+                    if count > MAX_MEMBERS:
+                        raise VoiceArchiveError(f"{tgz_path.name}: more than {MAX_MEMBERS} members")
+                    problem = _member_problem(member, root)
+                    if problem is not None:
+                        raise VoiceArchiveError(
+                            f"{tgz_path.name}: refusing member {member.name!r}: it {problem}"
+                        )
+                    total += member.size
+                    if total > MAX_ARCHIVE_BYTES:
+                        raise VoiceArchiveError(
+                            f"{tgz_path.name}: members add up to more than {MAX_ARCHIVE_BYTES} bytes"
+                        )
+                    name = _voice_member_name(member)
+                    if name is not None:
+                        voices[name] = member
+                    elif member.isfile():
+                        logger.debug("%s: ignoring %s (not voices/NAME.pt)", tgz_path.name, member.name)
+            except (OSError, tarfile.TarError, EOFError) as exc:
+                raise VoiceArchiveError(f"{tgz_path.name}: corrupt archive ({exc})") from exc
+            if not voices:
+                raise VoiceArchiveError(f"{tgz_path.name}: no {VOICES_FOLDER}/NAME.pt files in the archive")
+            files: dict[str, Path] = {}
+            for name, member in voices.items():
+                src = tf.extractfile(member)
+                if src is None:  # pragma: no cover - isfile() members always have data
+                    raise VoiceArchiveError(f"{tgz_path.name}: cannot read member {member.name!r}")
+                target = root / VOICES_FOLDER / f"{name}.pt"
+                try:
+                    with src:
+                        _copy_bounded(src, target, MAX_MEMBER_BYTES)
+                except (OSError, tarfile.TarError, EOFError) as exc:
+                    raise VoiceArchiveError(
+                        f"{tgz_path.name}: cannot extract {member.name!r} ({exc})"
+                    ) from exc
+                files[name] = target
+        logger.info("voice catalogue: %d voices from %s", len(files), tgz_path)
+        return cls(files)
+
+    @classmethod
+    def from_directory(cls, directory: str | os.PathLike[str]) -> VoiceCatalog:
+        """Catalogue the `NAME.pt` files of an already unpacked voices folder."""
+        directory = Path(directory)
+        files = {
+            p.stem: p
+            for p in sorted(directory.glob("*.pt"))
+            if p.is_file() and not p.is_symlink() and VOICE_NAME_RE.match(p.stem)
+        }
+        if not files:
+            raise VoiceArchiveError(f"{directory}: no NAME.pt voice files")
+        return cls(files)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._files
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def check_name(self, name: object) -> str:
+        """Return `name` if it is a catalogued voice; otherwise raise `UnknownVoiceError`."""
+        valid = ", ".join(self._files)
+        if not isinstance(name, str) or not VOICE_NAME_RE.match(name):
+            # Never echo more than a short repr: the value comes from a caller.
+            shown = repr(name)[:80]
+            raise UnknownVoiceError(
+                f"invalid voice name {shown}: a voice is one of the listed names, not a path "
+                f"(letters, digits, '_' and '-' only). Valid voices: {valid}"
+            )
+        if name not in self._files:
+            raise UnknownVoiceError(f"unknown voice {name!r}. Valid voices: {valid}")
+        return name
+
+    def path_of(self, name: str) -> Path:
+        return self._files[self.check_name(name)]
+
+    def load(
+        self,
+        name: str,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        dim: int | None = None,
+    ) -> VoicePrompt:
+        """The prompt `name` with its embeddings in `dtype` on `device` (the file's own dtype is
+        whatever the model had when it was saved). `dim`, if given, must match D."""
+        name = self.check_name(name)
+        dev = torch.device(device)
+        key = (name, dtype, str(dev))
+        with self._lock:
+            prompt = self._loaded.get(key)
+            if prompt is None:
+                embeddings, cache = read_voice_file(self._files[name])
+                prompt = VoicePrompt(
+                    name=name,
+                    embeddings=embeddings.to(device=dev, dtype=dtype),
+                    cache=cache.to(device=dev, dtype=torch.long),
+                )
+                self._loaded[key] = prompt
+        if dim is not None and prompt.dim != dim:
+            raise VoiceFileError(
+                f"{self._files[name].name}: embeddings have dimension {prompt.dim}, the model needs {dim}"
+            )
+        return prompt
+
+
+def read_voice_file(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Load and check one `.pt` voice prompt; returns (embeddings, cache) as stored, on CPU."""
+    fname = path.name
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise VoiceFileError(f"{fname}: cannot read the voice file ({exc})") from exc
+    if size > MAX_MEMBER_BYTES:
+        raise VoiceFileError(f"{fname}: {size} bytes, over the {MAX_MEMBER_BYTES}-byte limit")
+    try:
+        # weights_only: a voice file is data; it must not be able to run code when unpickled.
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types here (UnpicklingError, RuntimeError, ...)
+        text = str(exc).strip()
+        if isinstance(exc, pickle.UnpicklingError) or "weights_only" in text:
+            # torch's own message suggests retrying with weights_only=False: never repeat that;
+            # keep only the unpickler's reason (an unsupported global or opcode).
+            lines = [
+                line.strip()
+                for line in text.splitlines()[1:]
+                if line.strip() and not line.startswith(("Check the documentation", "Please file an issue"))
+            ]
+            reason = lines[0][:160] if lines else "it holds more than tensors"
+            detail = f"refused by the weights-only unpickler: {reason}"
+        else:
+            detail = f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else 'unreadable'}"
+        raise VoiceFileError(
+            f"{fname}: not a tensor file that loads with weights_only=True ({detail})"
+        ) from exc
+    if not isinstance(data, dict):
+        raise VoiceFileError(
+            f"{fname}: expected a dict with 'embeddings' and 'cache', got {type(data).__name__}"
+        )
+    missing = [k for k in ("embeddings", "cache") if k not in data]
+    if missing:
+        raise VoiceFileError(f"{fname}: missing key(s) {missing}; found {sorted(map(str, data))}")
+    emb, cache = data["embeddings"], data["cache"]
+    if not isinstance(emb, torch.Tensor) or not emb.is_floating_point():
+        raise VoiceFileError(f"{fname}: 'embeddings' must be a floating-point tensor, got {_describe(emb)}")
+    if emb.dim() != 4 or emb.shape[0] < 1 or emb.shape[1] != 1 or emb.shape[2] != 1 or emb.shape[3] < 1:
+        raise VoiceFileError(
+            f"{fname}: 'embeddings' must have shape [T, 1, 1, D] with T >= 1, got {list(emb.shape)}"
+        )
+    if not bool(torch.isfinite(emb).all()):
+        raise VoiceFileError(f"{fname}: 'embeddings' contains NaN or infinite values")
+    if (
+        not isinstance(cache, torch.Tensor)
+        or cache.is_floating_point()
+        or cache.is_complex()
+        or cache.dtype == torch.bool
+    ):
+        raise VoiceFileError(f"{fname}: 'cache' must be an integer tensor, got {_describe(cache)}")
+    if tuple(cache.shape) != CACHE_SHAPE:
+        raise VoiceFileError(f"{fname}: 'cache' must have shape {list(CACHE_SHAPE)}, got {list(cache.shape)}")
+    # Row 0 holds text ids (<= 32000, the text-initial token), rows 1..16 audio codes (<= 2048,
+    # the audio-initial token). -1 and -2 are moshi's "no token" / "not generated" markers.
+    cache = cache.to(torch.long)
+    if int(cache.min()) < -2 or int(cache[:, 0].max()) > TEXT_CARD or int(cache[:, 1:].max()) > AUDIO_CARD:
+        raise VoiceFileError(
+            f"{fname}: 'cache' values out of range (row 0 must be in [-2, {TEXT_CARD}], "
+            f"rows 1-16 in [-2, {AUDIO_CARD}])"
+        )
+    return emb, cache
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    return type(value).__name__
+
+
+def write_voices_archive(
+    tgz_path: str | os.PathLike[str], prompts: Mapping[str, Mapping[str, torch.Tensor]]
+) -> Path:
+    """Write `prompts` as an official-layout `voices.tgz` (`voices/NAME.pt`, each a `torch.save`
+    of {"embeddings", "cache"}). Member order, times and owners are fixed: same input, same bytes."""
+    tgz_path = Path(tgz_path)
+    tgz_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def info(name: str, size: int, is_dir: bool = False) -> tarfile.TarInfo:
+        ti = tarfile.TarInfo(name)
+        ti.size, ti.mtime, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0, 0, "", ""
+        ti.type = tarfile.DIRTYPE if is_dir else tarfile.REGTYPE
+        ti.mode = 0o755 if is_dir else 0o644
+        return ti
+
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        tf.addfile(info(VOICES_FOLDER, 0, is_dir=True))
+        for name in sorted(prompts):
+            if not VOICE_NAME_RE.match(name):
+                raise ValueError(f"invalid voice name {name!r}")
+            prompt = prompts[name]
+            payload = io.BytesIO()
+            torch.save({"embeddings": prompt["embeddings"], "cache": prompt["cache"]}, payload)
+            data = payload.getvalue()
+            tf.addfile(info(f"{VOICES_FOLDER}/{name}.pt", len(data)), io.BytesIO(data))
+    fd, tmp = tempfile.mkstemp(dir=tgz_path.parent, prefix=tgz_path.name, suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out, gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0) as gz:
+            raw.seek(0)
+            shutil.copyfileobj(raw, gz)
+        os.replace(tmp, tgz_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return tgz_path
+
+
+def tiny_voice_prompts(dim: int, seed: int = TINY_VOICE_SEED) -> dict[str, dict[str, torch.Tensor]]:
+    """hash-v1 voice prompts for the tiny model: the 18 official names, T = 4 + index % 5.
+
+    Embeddings follow the golden fixtures' voice recipe (key `NAME.embeddings`, offset 0, scale
+    2, float32). The ring is `hash_ints` of `NAME.cache`: row 0 modulo the text card, rows 1-16
+    modulo the audio card, so every value is a valid token.
+    """
+    prompts: dict[str, dict[str, torch.Tensor]] = {}
+    for index, name in enumerate(VOICE_NAMES):
+        length = 4 + index % 5
+        emb = hash_tensor(f"{name}.embeddings", seed, [length, 1, 1, dim], 0.0, 2.0)
+        cache = hash_ints(f"{name}.cache", seed, list(CACHE_SHAPE), AUDIO_CARD)
+        cache[:, 0] = hash_ints(f"{name}.cache", seed, list(CACHE_SHAPE), TEXT_CARD)[:, 0]
+        prompts[name] = {"embeddings": torch.from_numpy(emb), "cache": torch.from_numpy(cache)}
+    return prompts
+
+
+__all__ = [
+    "DEFAULT_VOICE",
+    "VOICE_NAMES",
+    "VOICE_NAME_RE",
+    "VoiceCatalog",
+    "VoicePrompt",
+    "read_voice_file",
+    "tiny_voice_prompts",
+    "write_voices_archive",
+]

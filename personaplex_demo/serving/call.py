@@ -1,0 +1,354 @@
+"""One caller in the slot pool: its state, its frames in and out, and its counters.
+
+A `Call` is made by `SlotPool.acquire` and shared by two threads: the caller's event loop pushes
+frames and awaits outputs, and the pool's ticker moves it through its states and feeds it. Both
+sides hold one lock, the pool's (`CallContext.lock`), so a state change and the wake-up of its
+awaiters happen together: an awaiter checks and registers under that lock and cannot miss a
+wake-up. The methods under "the pool's side" expect the caller to hold that lock already.
+
+States (docs/serving.md § Slot lifecycle): QUEUED -> PREFILL -> LIVE -> ENDED, and ENDED from any.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import AudioFormatError
+from ..sampling_params import SamplingParams
+from .clock import Clock
+
+if TYPE_CHECKING:
+    from .pool import PoolConfig
+
+__all__ = ["Call", "CallContext", "CallView", "CallCounters", "CallEnded", "CallState", "EndReason", "PoolCounters",
+           "SlotOutput", "checked_frame", "input_frame"]
+
+
+class CallState(enum.StrEnum):
+    QUEUED = "queued"  # waiting for a free slot
+    PREFILL = "prefill"  # holds a slot; the voice and persona prompt is being played into it
+    LIVE = "live"  # stepped every tick
+    ENDED = "ended"  # for good; the slot stays held until the engine has dropped the session
+
+    @property
+    def waiting(self) -> bool:
+        """Not live yet, not ended: the caller sees a queue position or "preparing"."""
+        return self in (CallState.QUEUED, CallState.PREFILL)
+
+
+class EndReason(enum.StrEnum):
+    """Why a call ended. An engine failure is "error: <details>" (see `error`), counted as ERROR."""
+
+    HANGUP = "hangup"
+    IDLE = "idle"  # no input frame for `idle_release_seconds`
+    TIME_LIMIT = "time_limit"
+    QUEUE_TIMEOUT = "queue_timeout"
+    SHUTDOWN = "shutdown"
+    ERROR = "error"
+
+    @staticmethod
+    def error(detail: object) -> str:
+        return f"error: {detail}"
+
+    @staticmethod
+    def kind(reason: str) -> str:
+        """The counter a reason goes under: "error: ..." counts as "error"."""
+        return reason.partition(":")[0]
+
+
+class CallEnded(Exception):
+    """The call has ended (and, for `next_output`, every output has been read)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"call ended: {reason}")
+        self.reason = reason
+
+
+@dataclass
+class SlotOutput:
+    pcm: np.ndarray  # float32 [1920] agent audio at 24 kHz
+    text: str  # transcript text that became final this tick ("" if none)
+    tick: int
+
+
+@dataclass
+class FrameCounters:
+    underruns: int = 0  # live ticks with no input frame (after the first): silence stood in
+    input_drops: int = 0  # oldest input frames dropped from a full jitter buffer or at a resync
+    output_drops: int = 0  # oldest outputs dropped because nobody read them in time
+
+
+@dataclass
+class CallCounters(FrameCounters):
+    frames_pushed: int = 0
+    frames_out: int = 0
+
+
+@dataclass
+class PoolCounters(FrameCounters):
+    """The room's totals; a call's frame counters are added here as they happen."""
+
+    overruns: int = 0  # steps that finished after their deadline
+    resyncs: int = 0  # times the ticker fell more than `resync_after_seconds` behind and skipped ahead
+    engine_errors: int = 0  # exceptions from engine.step / start_session
+    calls_started: int = 0  # calls that went live
+    calls_refused: int = 0  # PoolFullError raised
+    calls_ended: collections.Counter[str] = field(default_factory=collections.Counter)  # by `EndReason.kind`
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What every call of one pool shares with it."""
+
+    lock: threading.Lock
+    clock: Clock
+    config: PoolConfig
+    counters: PoolCounters
+    frame_size: int
+    release: Callable[[Call, str], None]  # the pool's end-of-call: takes the lock, leaves the queue
+
+
+def checked_frame(frame: np.ndarray, size: int) -> np.ndarray:
+    """`frame` as a flat array of `size` int16 or float samples, or AudioFormatError."""
+    arr = np.asarray(frame)
+    if arr.size != size:
+        raise AudioFormatError(
+            f"an input frame must hold {size} samples (80 ms at 24 kHz mono), got shape {arr.shape}")
+    if arr.dtype != np.int16 and arr.dtype.kind != "f":
+        raise AudioFormatError(f"an input frame must be int16 or float32 samples, got {arr.dtype}")
+    return arr.reshape(size)
+
+
+def input_frame(frame: np.ndarray, size: int) -> np.ndarray:
+    """One checked frame as a fresh float32 array (the sender may reuse its buffer)."""
+    arr = checked_frame(frame, size)
+    return arr.astype(np.float32) / 32768.0 if arr.dtype == np.int16 else arr.astype(np.float32, copy=True)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class CallView:
+    """What a handler reads of a call: the same for a `Call` in this process and for a call on an
+    engine in another one (`engine_client.RemoteCall`)."""
+
+    def __init__(self, call_id: str) -> None:
+        self.id = call_id
+        self.state = CallState.QUEUED
+        self.queue_position: int | None = None
+        self.slot: int | None = None
+        self.end_reason: str | None = None  # once ENDED
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.id}, {self.state}, slot={self.slot}, queue={self.queue_position})"
+
+
+class Call(CallView):
+    """One caller; see the module docstring. Every public method outside "the pool's side" is
+    thread-safe."""
+
+    def __init__(self, ctx: CallContext, voice: str, persona: str, sampling: SamplingParams) -> None:
+        super().__init__(uuid.uuid4().hex[:12])
+        self.voice = voice
+        self.persona = persona
+        self.sampling = sampling
+        self.counters = CallCounters()
+        self._ctx = ctx
+        self._inbox: collections.deque[tuple[float, np.ndarray]] = collections.deque()  # (push time, frame)
+        self._outbox: collections.deque[SlotOutput] = collections.deque()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._live_since: float | None = None
+        self._last_input: float | None = None
+        self._prefill_started = False
+
+    # ---- the caller's side -------------------------------------------------------------------
+
+    def time_left(self) -> float | None:
+        """Seconds until the time limit; None if there is no limit or the call is not live."""
+        limit = self._ctx.config.time_limit_seconds
+        with self._ctx.lock:
+            if limit is None or self.state != CallState.LIVE or self._live_since is None:
+                return None
+            return max(0.0, limit - (self._ctx.clock.monotonic() - self._live_since))
+
+    def push_frame(self, frame: np.ndarray) -> None:
+        """Queue one 1920-sample frame (int16 or float, 24 kHz mono). Dropped unless live."""
+        samples = input_frame(frame, self._ctx.frame_size)
+        with self._ctx.lock:
+            if self.state != CallState.LIVE:
+                return  # audio before the call is live or after it ended has nowhere to go
+            now = self._ctx.clock.monotonic()
+            self._last_input = now
+            self.counters.frames_pushed += 1
+            if len(self._inbox) >= self._ctx.config.input_buffer_frames:
+                # Keep the newest audio: the conversation is real time, stale frames only add delay.
+                self._inbox.popleft()
+                self._count_input_drops(1)
+            self._inbox.append((now, samples))
+
+    def release(self, reason: str = EndReason.HANGUP) -> None:
+        """End the call. Idempotent; works while queued, in prefill or live. The ticker frees the slot."""
+        self._ctx.release(self, reason)
+
+    async def wait_live(self, timeout: float | None = None) -> None:
+        """Return once live; raise CallEnded if it ended first, TimeoutError after `timeout` s."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            with self._ctx.lock:
+                if self.state == CallState.LIVE:
+                    return
+                if self.state == CallState.ENDED:
+                    raise CallEnded(self.end_reason or "ended")
+                fut = self._register(loop)
+            try:
+                await self._await(fut, deadline, loop)
+            except TimeoutError:
+                with self._ctx.lock:
+                    if self.state.waiting:
+                        raise
+            finally:
+                self._unregister(fut)
+
+    async def next_output(self, timeout: float) -> SlotOutput | None:
+        """The next output frame; None after `timeout` s without one; CallEnded once ended and drained."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            with self._ctx.lock:
+                if self._outbox:
+                    return self._outbox.popleft()
+                if self.state == CallState.ENDED:
+                    raise CallEnded(self.end_reason or "ended")
+                if loop.time() >= deadline:
+                    return None
+                fut = self._register(loop)
+            try:
+                await self._await(fut, deadline, loop)
+            except TimeoutError:
+                pass  # one more look: an output may have landed just now
+            finally:
+                self._unregister(fut)
+
+    # ---- the pool's side: the caller holds the context's lock --------------------------------
+
+    def assign(self, slot: int) -> None:
+        """QUEUED -> PREFILL on `slot`."""
+        self.slot, self.state, self.queue_position = slot, CallState.PREFILL, None
+        self._wake()
+
+    def set_queue_position(self, position: int) -> None:
+        if self.queue_position != position:
+            self.queue_position = position
+            self._wake()  # lets a handler that shows the position refresh it
+
+    def claim_prefill(self) -> bool:
+        """True once for a call in PREFILL: the ticker that gets True plays its prompt."""
+        if self.state != CallState.PREFILL or self._prefill_started:
+            return False
+        self._prefill_started = True
+        return True
+
+    def go_live(self, now: float) -> bool:
+        """PREFILL -> LIVE; False if the call was released while its prompt was playing."""
+        if self.state != CallState.PREFILL:
+            return False
+        self.state = CallState.LIVE
+        self._live_since = self._last_input = now
+        self._ctx.counters.calls_started += 1
+        self._wake()
+        return True
+
+    def take_frame(self) -> tuple[float | None, np.ndarray | None]:
+        """(push time, frame) of the oldest input, or (None, None): silence stands in. Only the
+        missing frames after the caller's first count as underruns; before it, this is start-up."""
+        if self._inbox:
+            return self._inbox.popleft()
+        if self.counters.frames_pushed:
+            self.counters.underruns += 1
+            self._ctx.counters.underruns += 1
+        return None, None
+
+    def deliver(self, out: SlotOutput) -> bool:
+        """Queue one output for the caller; False (nothing queued) unless live. A full outbox
+        loses its oldest output: a slow reader loses audio, never the ticker's time."""
+        if self.state != CallState.LIVE:
+            return False  # released during the step: its output has no reader
+        if len(self._outbox) >= self._ctx.config.output_queue_frames:
+            self._outbox.popleft()
+            self.counters.output_drops += 1
+            self._ctx.counters.output_drops += 1
+        self._outbox.append(out)
+        self.counters.frames_out += 1
+        self._wake()
+        return True
+
+    def trim_backlog(self, keep: int) -> int:
+        """Drop all but the `keep` newest input frames (a resync); how many were dropped."""
+        dropped = max(0, len(self._inbox) - keep)
+        for _ in range(dropped):
+            self._inbox.popleft()
+        self._count_input_drops(dropped)
+        return dropped
+
+    def expiry(self, now: float) -> str | None:
+        """The reason a live call must end now (time limit, or no input for a while), or None."""
+        cfg = self._ctx.config
+        if self.state != CallState.LIVE or self._live_since is None:
+            return None
+        if cfg.time_limit_seconds is not None and now - self._live_since >= cfg.time_limit_seconds:
+            return EndReason.TIME_LIMIT
+        if self._last_input is not None and now - self._last_input >= cfg.idle_release_seconds:
+            return EndReason.IDLE
+        return None
+
+    def end(self, reason: str) -> bool:
+        """-> ENDED, counted under its reason; False if it had already ended."""
+        if self.state == CallState.ENDED:
+            return False
+        # A plain string from here on: it goes into logs, transcripts and the engine's messages.
+        self.state, self.end_reason, self.queue_position = CallState.ENDED, str(reason), None
+        self._ctx.counters.calls_ended[EndReason.kind(reason)] += 1
+        self._inbox.clear()
+        self._wake()
+        return True
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _count_input_drops(self, n: int) -> None:
+        self.counters.input_drops += n
+        self._ctx.counters.input_drops += n
+
+    def _register(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiters.append((loop, fut))
+        return fut
+
+    def _unregister(self, fut: asyncio.Future[None]) -> None:
+        with self._ctx.lock:
+            self._waiters = [(lp, f) for lp, f in self._waiters if f is not fut]
+
+    @staticmethod
+    async def _await(fut: asyncio.Future[None], deadline: float | None, loop: asyncio.AbstractEventLoop) -> None:
+        remaining = None if deadline is None else max(0.0, deadline - loop.time())
+        await asyncio.wait_for(fut, remaining)
+
+    def _wake(self) -> None:
+        """Wake every awaiter (they re-check under the lock). Safe from any thread, the loop's included."""
+        waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, fut)
+            except RuntimeError:
+                pass  # that event loop is closed; nobody is waiting any more

@@ -1,0 +1,341 @@
+"""SlotPool: the real-time ticker that shares one engine among many callers.
+
+One ticker thread owns the `LockstepEngine`. Every 80 ms it takes one input frame per LIVE slot,
+runs one batched `engine.step`, and hands (agent audio, text piece) to each call. Between steps
+it ends expired calls, recycles freed slots, admits the head of the queue and runs prefill
+(`engine.start_session`). Handlers only see `Call` objects (serving/call.py): numpy arrays in and out,
+non-blocking pushes and awaitable outputs; nothing from torch crosses this boundary.
+
+Slot lifecycle (docs/serving.md § Slot lifecycle): IDLE -> PREFILL -> LIVE -> IDLE. A call that
+ends (hang-up, idle, time limit, engine error, shutdown) keeps its slot until the ticker has
+called `end_session` on it, so a slot is never handed to the next caller while the engine still
+holds the old session.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import CallerError
+from ..sampling_params import SamplingParams
+from .call import Call, CallContext, CallEnded, CallState, EndReason, PoolCounters, SlotOutput
+from .clock import Clock, FakeClock, RealClock
+from .metrics import PoolMetrics, PoolWindows, TickListener
+from .pacing import TickPacer
+from .slot_table import SlotTable
+
+if TYPE_CHECKING:
+    # Only for annotations: the pool drives any object with the LockstepEngine thread API.
+    from ..engine.pcm import LockstepEngine
+
+__all__ = [
+    "Call",
+    "CallEnded",
+    "CallerError",
+    "CallState",
+    "Clock",
+    "EndReason",
+    "FakeClock",
+    "PoolClosedError",
+    "PoolConfig",
+    "PoolFullError",
+    "PoolMetrics",
+    "RealClock",
+    "SlotOutput",
+    "SlotPool",
+]
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_SAMPLING = SamplingParams()
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    tick_seconds: float = 0.08
+    input_buffer_frames: int = 25  # per-slot jitter buffer bound (2 s); beyond it the OLDEST frames are dropped
+    output_queue_frames: int = 50  # per-slot output bound; a slow consumer loses its OLDEST outputs
+    idle_release_seconds: float = 2.0  # a LIVE call with no input frame for this long is released ("idle")
+    time_limit_seconds: float | None = 300.0  # per-call limit from going live ("time_limit")
+    max_queue: int | None = 32  # callers waiting for a slot beyond this are refused (PoolFullError)
+    resync_after_seconds: float = 1.0  # further behind than this, the ticker skips ahead instead of bursting
+    catch_up_gap_seconds: float = 0.04  # shortest gap between two steps while catching up after an overrun
+    resync_keep_frames: int = 2  # on a resync each caller's backlog is cut to this many newest frames
+    idle_sleep_seconds: float = 0.02  # ticker nap when no call holds a slot
+    prefill_budget_seconds: float = 0.04  # prefills per gap between steps stop after this (at least one runs)
+    summary_log_seconds: float = 30.0  # INFO summary period while calls are live
+
+
+class PoolFullError(Exception):
+    """Every slot is busy and the waiting queue is full."""
+
+
+class PoolClosedError(Exception):
+    """The pool has been shut down."""
+
+
+def _checked_step(engine: LockstepEngine, pcm: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    out = engine.step(pcm)
+    out_pcm = np.asarray(out.pcm, dtype=np.float32)  # also turns a stray CPU tensor into numpy
+    if out_pcm.shape != pcm.shape or len(out.text) != len(pcm):
+        raise RuntimeError(f"engine.step returned pcm {out_pcm.shape} and {len(out.text)} texts, "
+                           f"expected pcm {pcm.shape} and {len(pcm)} texts")
+    return out_pcm, [str(t) for t in out.text]
+
+
+class SlotPool:
+    """Shares one `LockstepEngine` among callers; see the module docstring."""
+
+    def __init__(self, engine: LockstepEngine, config: PoolConfig = PoolConfig(), clock: Clock | None = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.frame_size = int(getattr(engine, "frame_size", 1920))
+        self._clock: Clock = clock if clock is not None else RealClock()
+        self._lock = threading.Lock()
+        self._counters = PoolCounters()
+        self._ctx = CallContext(self._lock, self._clock, config, self._counters, self.frame_size, self._end_call)
+        n = int(engine.batch_size)
+        self._table = SlotTable(n)
+        # True from the moment start_session is attempted until end_session has been called; only
+        # the ticker thread reads or writes it.
+        self._engine_active = [False] * n
+        self.closed = False  # after shutdown: no new calls
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._tick = 0
+        self._windows = PoolWindows()
+        self._pacer = TickPacer(self._clock, config.tick_seconds, config.catch_up_gap_seconds,
+                                config.resync_after_seconds)
+        self._last_summary = self._clock.monotonic()
+
+    @property
+    def slots_total(self) -> int:
+        return len(self._table)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the ticker thread that owns the engine. Idempotent."""
+        with self._lock:
+            if self.closed:
+                raise PoolClosedError("the pool has been shut down; create a new SlotPool")
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._thread_main, name="slot-pool-ticker", daemon=True)
+        self._thread.start()
+        logger.info("slot pool started: %d slots, tick %.0f ms", self.slots_total, self.config.tick_seconds * 1e3)
+
+    def shutdown(self, join_timeout: float = 10.0) -> None:
+        """End every call with reason "shutdown" and join the ticker thread. Idempotent."""
+        with self._lock:
+            first = not self.closed
+            self.closed = True
+            for call in self._table.everyone():
+                self._table.end(call, EndReason.SHUTDOWN)
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(join_timeout)
+            if thread.is_alive():
+                logger.error("slot pool ticker did not stop within %.0f s (engine call hung?)", join_timeout)
+        elif thread is None:
+            self._free_ended_slots()  # never started: this thread is the only engine user
+        if first:
+            logger.info("slot pool shut down: %s", self.snapshot().summary())
+
+    # ---- admission -----------------------------------------------------------------------------
+
+    def acquire(self, voice: str, persona: str, sampling: SamplingParams = _DEFAULT_SAMPLING,
+                queue: bool = True) -> Call:
+        """Take a free slot (state PREFILL) or a place in the queue (state QUEUED).
+
+        Non-blocking. Raises a CallerError subclass for a bad request, PoolFullError when the queue
+        is full (or, with `queue=False`, when no slot is free: for a caller who may try another
+        engine first), PoolClosedError after shutdown."""
+        if self.closed:
+            raise PoolClosedError("the pool has been shut down; no new calls are taken")
+        self.engine.validate_request(voice, persona, sampling)
+        call = Call(self._ctx, voice, persona, sampling)
+        with self._lock:
+            if self.closed:
+                raise PoolClosedError("the pool has been shut down; no new calls are taken")
+            if not self._table.admit(call, queue, self.config.max_queue):
+                if not queue:
+                    raise PoolFullError(f"all {self.slots_total} slots busy")
+                self._counters.calls_refused += 1
+                raise PoolFullError(f"all {self.slots_total} slots busy and the queue of {self.config.max_queue} "
+                                    "is full; try again in a minute")
+            where = f"slot {call.slot}" if call.slot is not None else f"queued at position {call.queue_position}"
+        logger.info("call %s: %s, voice %s", call.id, where, voice)
+        return call
+
+    def _end_call(self, call: Call, reason: str) -> None:
+        """`Call.release`: end it under the lock; the ticker frees its slot."""
+        with self._lock:
+            ended = self._table.end(call, reason)
+        if ended:
+            logger.info("call %s ended: %s", call.id, reason)
+
+
+    # ---- the ticker ----------------------------------------------------------------------------
+
+    def _thread_main(self) -> None:
+        try:
+            self.run()
+        finally:
+            self._free_ended_slots()  # shutdown ended every call; give their slots back to the engine
+
+    def run(self, max_iterations: int | None = None) -> None:
+        """The ticker loop (serving/pacing.py): the thread's target. Tests drive it with a FakeClock and a bound."""
+        iterations = 0
+        while not self._stop.is_set() and (max_iterations is None or iterations < max_iterations):
+            iterations += 1
+            try:
+                with self._lock:
+                    busy = self._table.busy
+                if not busy:
+                    self._pacer.stop()
+                    self._clock.sleep(self.config.idle_sleep_seconds)
+                    continue
+                self._pacer.wait()
+                self.tick_once()
+                late = self._pacer.stepped()
+                if late.seconds > 0:
+                    with self._lock:
+                        self._counters.overruns += 1
+                if late.resync:
+                    self._resync(late.seconds)
+                self._maybe_log_summary()
+            except Exception:
+                # A bug here must not silently stop every call; log it and keep serving.
+                logger.exception("slot pool ticker iteration failed")
+                self._clock.sleep(self.config.idle_sleep_seconds)
+
+    def _resync(self, late: float) -> None:
+        with self._lock:
+            self._counters.resyncs += 1
+            dropped = sum(call.trim_backlog(self.config.resync_keep_frames)
+                          for _, call in self._table.seated(CallState.LIVE))
+        logger.warning("slot pool ticker %.2f s behind; resynchronised, dropped %d queued input frames",
+                       late, dropped)
+
+    def tick_once(self) -> None:
+        """One tick: step every LIVE slot, then (between steps) expire, recycle, admit and prefill."""
+        self._step_live()
+        self._expire()
+        self._free_ended_slots()
+        self._run_prefills()
+
+    def _step_live(self) -> None:
+        clock = self._clock
+        start = clock.monotonic()
+        rows: list[tuple[int, Call, float | None]] = []  # (slot, call, push time of its frame)
+        pcm = np.zeros((self.slots_total, self.frame_size), dtype=np.float32)
+        with self._lock:
+            for slot, call in self._table.seated(CallState.LIVE):
+                stamp, frame = call.take_frame()
+                if frame is not None:
+                    pcm[slot] = frame
+                rows.append((slot, call, stamp))
+        if not rows:
+            return
+        step_start = clock.monotonic()
+        try:
+            out_pcm, texts = _checked_step(self.engine, pcm)
+        except Exception as exc:  # noqa: BLE001 -- any engine failure ends these calls, not the pool
+            self._engine_failed([call for _, call, _ in rows], exc, "engine.step")
+            return
+        step_seconds = clock.monotonic() - step_start
+        latencies: list[float] = []  # of the frames stepped this tick
+        with self._lock:
+            self._tick += 1
+            now = clock.monotonic()
+            for slot, call, stamp in rows:
+                if call.deliver(SlotOutput(out_pcm[slot].copy(), texts[slot], self._tick)) and stamp is not None:
+                    latencies.append(now - stamp)
+            self._windows.add_tick(now - start, latencies, step_seconds)
+        self._windows.notify(now - start, latencies)
+
+    def add_tick_listener(self, listener: TickListener) -> None:
+        """See `PoolWindows.listeners`."""
+        self._windows.listeners.append(listener)
+
+    def _engine_failed(self, calls: list[Call], exc: Exception, what: str) -> None:
+        """An engine failure ends the calls it touched, not the pool."""
+        logger.exception("%s failed; ending call(s) %s", what, ", ".join(c.id for c in calls), exc_info=exc)
+        reason = EndReason.error(f"{type(exc).__name__}: {exc}")
+        with self._lock:
+            self._counters.engine_errors += 1
+            for call in calls:
+                self._table.end(call, reason)
+
+    def _expire(self) -> None:
+        now = self._clock.monotonic()
+        with self._lock:
+            expired = [(c, r) for _, c in self._table.seated(CallState.LIVE) if (r := c.expiry(now)) is not None]
+            for call, reason in expired:
+                self._table.end(call, reason)
+        for call, reason in expired:
+            logger.info("call %s ended: %s", call.id, reason)
+
+    def _free_ended_slots(self) -> None:
+        """end_session for every slot whose call has ended, then hand the slot to the queue's head."""
+        with self._lock:
+            ended = [slot for slot, _ in self._table.seated(CallState.ENDED)]
+        for slot in ended:
+            if self._engine_active[slot]:
+                try:
+                    self.engine.end_session(slot)
+                except Exception:
+                    logger.exception("engine.end_session(%d) failed; the slot is reused anyway", slot)
+                self._engine_active[slot] = False
+            with self._lock:
+                self._table.vacate(slot, seat_next=not self.closed)
+
+    def _run_prefills(self) -> None:
+        """Prefill waiting slots, one after another, until the gap's budget is spent (at least one)."""
+        clock = self._clock
+        budget_end = clock.monotonic() + self.config.prefill_budget_seconds
+        first = True
+        while first or clock.monotonic() < budget_end:
+            first = False
+            with self._lock:
+                pending = self._table.next_prefill()
+            if pending is None:
+                return
+            slot, call = pending
+            self._engine_active[slot] = True
+            began = clock.monotonic()
+            try:
+                self.engine.start_session(slot, call.voice, call.persona, call.sampling)
+            except Exception as exc:
+                self._engine_failed([call], exc, f"engine.start_session on slot {slot}")
+            else:
+                now = clock.monotonic()
+                with self._lock:
+                    live = call.go_live(now)  # False: released while the prompt was playing
+                if live:
+                    logger.info("call %s live on slot %d (prefill %.0f ms)", call.id, slot, (now - began) * 1e3)
+            self._free_ended_slots()  # a release during prefill, or a failure, frees the slot now
+
+    # ---- metrics -------------------------------------------------------------------------------
+
+    def snapshot(self) -> PoolMetrics:
+        with self._lock:
+            slots = self._table.counts()
+            counters = dataclasses.replace(self._counters, calls_ended=collections.Counter(self._counters.calls_ended))
+            sample, ticks = self._windows.sample(), self._tick
+        return sample.metrics(slots, counters, ticks, self.config.tick_seconds)
+
+    def _maybe_log_summary(self) -> None:
+        if self._clock.monotonic() - self._last_summary >= self.config.summary_log_seconds:
+            self._last_summary = self._clock.monotonic()
+            if (metrics := self.snapshot()).slots_live:
+                logger.info("slot pool: %s", metrics.summary())

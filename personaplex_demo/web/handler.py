@@ -1,0 +1,429 @@
+"""The fastrtc call handler: browser audio in, agent audio and transcript out, one per call.
+
+fastrtc resamples the browser's Opus to 24 kHz and calls `receive` with 40 ms chunks; two of
+them make one engine frame. The handler never touches torch and never blocks the event loop:
+it only moves numpy arrays to and from its SlotPool `Call`.
+
+Life of a call (fastrtc runs `start_up`, `receive` and `emit` concurrently):
+
+1. `start_up` reads the page's inputs and asks the pool for a slot. The slot's system prompt is
+   prefilled at once (or the caller waits in the queue, with the position on the page).
+2. Until the slot is live, microphone audio is dropped: the model is not listening yet.
+3. `emit` returns each agent frame, plus transcript and status updates for the page.
+4. Hang-up (`shutdown`), a closed tab (the pool's idle release), the time limit and a full room
+   all free the slot; everything but a plain hang-up ends the call with a message
+   (`CloseStream`), so nobody waits in silence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import inspect
+import logging
+import secrets
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from fastrtc import AdditionalOutputs, AsyncStreamHandler, CloseStream, get_current_context
+
+from ..errors import CallerError
+from ..rtc.audio import output_frame_samples
+from ..runtime.voice_names import DEFAULT_VOICE
+from ..sampling_params import SamplingParams
+from ..serving.call import Call, CallEnded, CallState, EndReason
+from ..serving.pool import PoolClosedError, PoolFullError, PoolMetrics, SlotPool
+from .page_inputs import PageInputs
+from .recording import CallRecording, RecordingFiles, RecordingStore
+
+if TYPE_CHECKING:  # the same surfaces for an engine in another process
+    from ..procs.remote_pool import EngineRouter, RemoteCall
+
+log = logging.getLogger(__name__)
+
+FRAME = 1920
+SAMPLE_RATE = 24000
+# Each page update costs the server a data-channel message and a Gradio event step, per caller:
+# new text is batched to at most one update per TEXT_SECONDS, and the status line (time left,
+# queue position, room) is looked at once per STATUS_SECONDS and sent only when it changed.
+STATUS_SECONDS = 1.0
+TEXT_SECONDS = 0.5
+CLOSE_GRACE_SECONDS = 0.3  # between the final page update and CloseStream
+ARGS_TIMEOUT = 5.0  # seconds to wait for the page's inputs before using the defaults
+QUEUED_SILENCE_SECONDS = 5.0  # a queued caller sending no audio for this long has gone away
+
+END_MESSAGES = {
+    EndReason.TIME_LIMIT: "Time is up for this call. Thanks for talking! Press Record to start a new one.",
+    EndReason.IDLE: "The call ended: no microphone audio arrived for a few seconds.",
+    EndReason.SHUTDOWN: "The server is restarting. Please try again in a minute.",
+    EndReason.QUEUE_TIMEOUT: "Still no free slot after a long wait, sorry. Please try again in a few minutes.",
+}
+
+
+@dataclass(frozen=True)
+class CallRequest:
+    voice: str
+    persona: str
+    sampling: SamplingParams
+
+    @classmethod
+    def from_args(cls, args: list) -> CallRequest:
+        """The request the page's inputs make (the defaults, with a new seed, before it sent any)."""
+        page = PageInputs.from_args(args)
+        if page is None:
+            return cls(DEFAULT_VOICE, "", SamplingParams(seed=new_seed()))
+        seed = page.seed
+        try:
+            sampling = SamplingParams(text_temperature=float(page.text_temperature), text_top_k=int(page.text_top_k),
+                                      audio_temperature=float(page.audio_temperature),
+                                      audio_top_k=int(page.audio_top_k),
+                                      seed=new_seed() if seed in (None, "", -1) else int(seed))
+        except (TypeError, ValueError) as e:
+            raise CallerError(f"the sampling settings must be numbers: {e}") from e
+        return cls(str(page.voice or DEFAULT_VOICE), str(page.persona or ""), sampling)
+
+    def recording_meta(self, call_id: str, model: str) -> dict[str, Any]:
+        """The call's settings, as they head its transcript JSON (documented in the README)."""
+        return {"call_id": call_id, "model": model, "voice": self.voice, "persona": self.persona,
+                "sampling": asdict(self.sampling)}
+
+
+def new_seed() -> int:
+    """A seed for a caller who asked for a random one. Drawn here, not in the engine, so that it
+    goes into the call's transcript JSON and the call can be replayed with it."""
+    return secrets.randbits(32)
+
+
+class RoomMetrics:
+    """`pool.snapshot()` shared by every handler and page refresh, at most every `ttl` seconds:
+    a snapshot sorts thousands of samples under the ticker's lock, and many callers ask for it."""
+
+    _lock = threading.Lock()
+    _cache: weakref.WeakKeyDictionary[SlotPool, tuple[float, PoolMetrics]] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def get(cls, pool: SlotPool, ttl: float = 0.5) -> PoolMetrics:
+        now = time.monotonic()
+        with cls._lock:
+            hit = cls._cache.get(pool)
+            if hit is not None and now - hit[0] < ttl:
+                return hit[1]
+        metrics = pool.snapshot()
+        with cls._lock:
+            cls._cache[pool] = (now, metrics)
+        return metrics
+
+
+class FinalUpdates:
+    """The last page update of each call that ended with a message, by fastrtc connection id.
+
+    fastrtc drops a connection's pending page updates when it closes; the page's relay picks the
+    final one (status and downloads) up from here even if it only starts after the close."""
+
+    _lock = threading.Lock()
+    _updates: collections.OrderedDict[str, tuple] = collections.OrderedDict()
+    limit = 1024
+
+    @classmethod
+    def put(cls, webrtc_id: str, args: tuple) -> None:
+        with cls._lock:
+            cls._updates[webrtc_id] = args
+            while len(cls._updates) > cls.limit:
+                cls._updates.popitem(last=False)
+
+    @classmethod
+    def pop(cls, webrtc_id: str) -> tuple | None:
+        with cls._lock:
+            return cls._updates.pop(webrtc_id, None)
+
+
+def room_line(m: PoolMetrics) -> str:
+    room = f"slots {m.slots_live + m.slots_prefill}/{m.slots_total} in use"
+    if m.queue_length:
+        room += f", {m.queue_length} waiting"
+    return room
+
+
+def status_line(call: Call | None, pool: SlotPool) -> str:
+    """One line for the page: the call's state (preparing / live with time left / queued) and the room."""
+    room = room_line(RoomMetrics.get(pool))
+    if call is None:
+        return f"Connecting… · {room}"
+    if call.state == CallState.QUEUED:
+        return f"All slots are busy: you are number {call.queue_position} in the queue · {room}"
+    if call.state == CallState.PREFILL:
+        return f"Preparing your voice and persona… · {room}"
+    if call.state == CallState.LIVE:
+        left = call.time_left()
+        tail = f" · {int(left // 60)}:{int(left % 60):02d} left" if left is not None else ""
+        return f"Live{tail} · {room}"
+    return f"Call ended ({call.end_reason}) · {room}"
+
+
+class Phase(enum.Enum):
+    """Where a handler is in its call; fastrtc runs `start_up`, `receive` and `emit` concurrently."""
+
+    STARTING = "starting"  # start_up is reading the page's inputs and asking for a slot
+    ACTIVE = "active"  # queued, preparing or live: the pool's Call says which
+    FAILING = "failing"  # cannot go on (refused, unusable audio): the next emit ends it with `close_message`
+    CLOSING = "closing"  # the final page update went out; the next emit closes the stream
+    CLOSED = "closed"  # ended, and the page was shown why (FinalUpdates holds it when the connection is known)
+    ENDED = "ended"  # ended without a final update: a plain hang-up, or no page listening
+
+
+class PageThrottle:
+    """When a page update is due: new text at most every TEXT_SECONDS, a changed status line at
+    most every STATUS_SECONDS, and nothing that would repeat the previous update."""
+
+    def __init__(self) -> None:
+        self.last_status = ""
+        self.last_at = 0.0
+        self.text_pending = False  # transcript text not yet sent to the page
+
+    def take(self, text_changed: bool, status_due: bool, status: Callable[[], str]) -> str | None:
+        """The status line to send now with the transcript, or None. `status_due` (while waiting
+        for a slot) looks at the status now; `status` is only called when an update could be due."""
+        now = time.monotonic()
+        self.text_pending |= text_changed
+        since = now - self.last_at
+        if not status_due and since < (TEXT_SECONDS if self.text_pending else STATUS_SECONDS):
+            return None
+        line = status()
+        if not self.text_pending and line == self.last_status:
+            return None
+        self.text_pending = False
+        self.last_status, self.last_at = line, now
+        return line
+
+
+class CallHandler(AsyncStreamHandler):
+    """One call. The instance given to fastrtc is a template; `copy()` makes one per connection.
+
+    Page updates are `AdditionalOutputs(transcript, status, call_id, files)`, where `files` is
+    None or the (WAV, JSON) paths of the finished recording."""
+
+    def __init__(self, pool: SlotPool | EngineRouter, recordings: RecordingStore | None = None, *,
+                 max_wait_seconds: float | None = 600.0, model_name: str | None = None):
+        super().__init__(expected_layout="mono", output_sample_rate=SAMPLE_RATE, input_sample_rate=SAMPLE_RATE)
+        # fastrtc paces agent audio in frames of this length; one frame makes one Opus packet (rtc/audio.py).
+        self.output_frame_size = output_frame_samples(SAMPLE_RATE)
+        self.pool = pool
+        self.recordings = recordings if recordings is not None else RecordingStore()
+        self.max_wait_seconds = max_wait_seconds
+        self.model_name = model_name
+        self.phase = Phase.STARTING
+        self.call: Call | RemoteCall | None = None
+        self.call_id = uuid.uuid4().hex[:12]
+        self.webrtc_id: str | None = None
+        self.close_message: str | None = None  # FAILING: why; CLOSING: what CloseStream says
+        self.recording: CallRecording | None = None
+        self.transcript = ""
+        self.frames_in = 0
+        self.frames_out = 0
+        self._pending = np.zeros(0, np.int16)
+        self._started = asyncio.Event()  # set when STARTING is over
+        self._throttle = PageThrottle()
+        self._connected_at = time.monotonic()
+        self._last_receive: float | None = None
+
+    def copy(self) -> CallHandler:
+        return CallHandler(self.pool, self.recordings, max_wait_seconds=self.max_wait_seconds,
+                           model_name=self.model_name)
+
+    def _fail(self, message: str) -> None:
+        self.phase, self.close_message = Phase.FAILING, message
+
+    # ---- start-up ---------------------------------------------------------------------------
+
+    async def start_up(self) -> None:
+        self._connected_at = time.monotonic()
+        try:
+            self.webrtc_id = get_current_context().webrtc_id
+        except RuntimeError:  # driven directly, outside a fastrtc connection
+            self.webrtc_id = None
+        try:
+            await asyncio.wait_for(self.wait_for_args(), ARGS_TIMEOUT)
+        except TimeoutError:
+            log.info("call %s: no page inputs within %.0f s, using the defaults", self.call_id, ARGS_TIMEOUT)
+        try:
+            req = CallRequest.from_args(list(self.latest_args or []))
+            call = self.pool.acquire(req.voice, req.persona, req.sampling)
+            # An engine in another process answers asynchronously (engine_client).
+            self.call = await call if inspect.isawaitable(call) else call
+        except CallerError as e:
+            self._fail(f"This call cannot start: {e}")
+            log.info("call %s refused: %s", self.call_id, e)
+        except PoolFullError:
+            busy = f"All {self.pool.slots_total} conversation slots are busy"
+            self._fail(f"{busy}. Please try again in a minute." if not self.pool.config.max_queue else
+                       f"{busy} and the waiting line is full. Please try again in a minute.")
+            log.info("call %s refused: pool full", self.call_id)
+        except PoolClosedError:
+            self._fail(END_MESSAGES[EndReason.SHUTDOWN])
+        else:
+            self.phase = Phase.ACTIVE
+            self.recording = self.recordings.start(self.call_id, req.recording_meta(self.call_id, self.model_name))
+            log.info("call %s: %s, voice %s (pool call %s)", self.call_id, self.call.state, req.voice, self.call.id)
+        finally:
+            self._started.set()
+
+    # ---- microphone -------------------------------------------------------------------------
+
+    async def receive(self, frame: tuple[int, np.ndarray]) -> None:
+        sr, audio = frame
+        self._last_receive = time.monotonic()
+        call = self.call
+        if call is None or self.phase != Phase.ACTIVE:
+            return  # before admission there is nowhere to send it; after the end, nobody to send it to
+        audio = np.asarray(audio)
+        if sr != SAMPLE_RATE or audio.dtype != np.int16 or audio.ndim > 2:
+            # fastrtc resamples to 24 kHz int16; anything else is a client this server cannot serve.
+            self._fail(f"The audio arrived as {sr} Hz {audio.dtype} {audio.shape}; this server takes "
+                       f"{SAMPLE_RATE} Hz 16-bit mono.")
+            log.warning("call %s: %s", self.call_id, self.close_message)
+            call.release(EndReason.error("bad audio format"))
+            return
+        if audio.ndim == 2 and min(audio.shape) > 1:  # more than one channel: average them
+            audio = audio.mean(axis=0 if audio.shape[0] < audio.shape[1] else 1).astype(np.int16)
+        if call.state != CallState.LIVE:
+            # Prefill or queue: the model is not listening yet, so this audio is dropped (not
+            # buffered: played late it would only add delay to the conversation).
+            self._pending = np.zeros(0, np.int16)
+            return
+        self._pending = np.concatenate([self._pending, audio.reshape(-1)])
+        while self._pending.size >= FRAME:
+            chunk, self._pending = self._pending[:FRAME], self._pending[FRAME:]
+            call.push_frame(chunk)
+            self.frames_in += 1
+            if self.recording is not None:
+                self.recording.add_caller(chunk)
+
+    # ---- agent audio and page updates -------------------------------------------------------
+
+    async def emit(self):
+        phase = self.phase
+        if phase == Phase.STARTING:
+            try:
+                await asyncio.wait_for(self._started.wait(), 0.1)
+            except TimeoutError:
+                pass
+            return None
+        if phase == Phase.CLOSING:
+            # The final page update went out with the previous item; give the page a moment to
+            # fetch it before the connection closes.
+            self.phase = Phase.CLOSED
+            await asyncio.sleep(CLOSE_GRACE_SECONDS)
+            return CloseStream(self.close_message)
+        if phase == Phase.FAILING:
+            return await self._close(self.close_message, EndReason.ERROR)
+        call = self.call
+        if phase != Phase.ACTIVE or call is None:
+            await asyncio.sleep(0.1)  # emit is polled in a loop: never return at once
+            return None
+        try:
+            if call.state.waiting:
+                return await self._wait_for_slot(call)
+            out = await call.next_output(timeout=0.1)
+        except CallEnded as e:
+            return await self._ended_with(e.reason)
+        if out is None:
+            return None
+        self.frames_out += 1
+        if self.recording is not None:
+            self.recording.add_agent(out.pcm, out.text)
+        audio = (SAMPLE_RATE, out.pcm)
+        if out.text:
+            self.transcript += out.text
+        update = self._update(text_changed=bool(out.text))
+        return (audio, update) if update is not None else audio
+
+    async def _wait_for_slot(self, call: Call):
+        now = time.monotonic()
+        if call.state == CallState.QUEUED:
+            if self.max_wait_seconds is not None and now - self._connected_at > self.max_wait_seconds:
+                call.release(EndReason.QUEUE_TIMEOUT)
+                return await self._ended_with(EndReason.QUEUE_TIMEOUT)
+            # The pool releases silent LIVE calls; a queued caller whose tab closed is noticed here,
+            # long before WebRTC's own consent checks give up on the connection.
+            if now - (self._last_receive or self._connected_at) > QUEUED_SILENCE_SECONDS:
+                log.info("call %s: no audio while queued; giving up its place", self.call_id)
+                call.release(EndReason.IDLE)
+                return await self._ended_with(EndReason.IDLE)
+        try:
+            await call.wait_live(timeout=STATUS_SECONDS)
+        except TimeoutError:
+            pass
+        return self._update(status_due=True)
+
+    def _update(self, text_changed: bool = False, status_due: bool = False) -> AdditionalOutputs | None:
+        """The page update, or None (PageThrottle)."""
+        status = self._throttle.take(text_changed, status_due, lambda: status_line(self.call, self.pool))
+        return None if status is None else AdditionalOutputs(self.transcript, status, self.call_id, None)
+
+    async def _ended_with(self, reason: str):
+        if reason == EndReason.HANGUP:
+            self.phase = Phase.ENDED
+            self._finish_recording(reason)
+            return None
+        return await self._close(END_MESSAGES.get(reason, f"The call ended: {reason}"), reason)
+
+    async def _close(self, message: str, reason: str):
+        """End the call with `message`: finish the recording, then (when the page is listening on
+        the data channel) send the final status and the downloads, then CloseStream."""
+        self.phase = Phase.ENDED  # until the final update below is on its way
+        if self.call is not None:
+            self.call.release(reason)
+        files = await self._finish_recording_async(reason)
+        log.info("call %s ended: %s", self.call_id, message)
+        if self.channel is None:
+            return CloseStream(message)  # nobody to show a final update to
+        paths = (str(files.wav), str(files.transcript)) if files is not None else None
+        final = (self.transcript, f"Call ended: {message}", self.call_id, paths)
+        if self.webrtc_id is not None:
+            FinalUpdates.put(self.webrtc_id, final)
+        self.phase, self.close_message = Phase.CLOSING, message
+        return AdditionalOutputs(*final)
+
+    # ---- hang-up ----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """fastrtc calls this when the connection closes (Stop, lost network, closed tab)."""
+        if self.call is not None:
+            self.call.release(EndReason.HANGUP)
+            log.info("call %s: closed after %d frames in, %d out", self.call_id, self.frames_in, self.frames_out)
+        if self.phase not in (Phase.CLOSING, Phase.CLOSED):  # no final update went to the page yet
+            self.phase = Phase.ENDED
+            if self.webrtc_id is not None:
+                # The page's relay delivers the updates still queued at the close; this one comes
+                # last, so a late "Live" status cannot overwrite the end of the call.
+                FinalUpdates.put(self.webrtc_id, (self.transcript,
+                                                  f"Call ended · {room_line(RoomMetrics.get(self.pool))}",
+                                                  self.call_id, None))
+        self._finish_recording(EndReason.HANGUP)
+
+    def _finish_recording(self, reason: str) -> None:
+        rec = self.recording
+        if rec is None or rec.finished:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            rec.finish(reason)
+            return
+        # Writing the WAV takes a moment for a long call: keep it off the event loop.
+        loop.run_in_executor(None, rec.finish, reason)
+
+    async def _finish_recording_async(self, reason: str) -> RecordingFiles | None:
+        rec = self.recording
+        if rec is None:
+            return None
+        if rec.finished:
+            return rec.files
+        return await asyncio.get_running_loop().run_in_executor(None, rec.finish, reason)

@@ -1,0 +1,106 @@
+"""`GET /metrics`: the pool's state and counters in the Prometheus text format.
+
+Gauges and counters are read from `pool.snapshot()` when Prometheus scrapes (a custom collector),
+so nothing is counted twice. The tick and latency histograms are fed by the pool's ticker through
+`add_tick_listener`: every sample lands in its bucket, however long between two scrapes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ..serving.call import EndReason
+from ..serving.pool import SlotPool
+
+log = logging.getLogger(__name__)
+
+PREFIX = "personaplex"
+# One tick is due every 80 ms; the GPU targets are 15 ms (1 slot) to 45 ms (64 slots).
+TICK_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.045, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
+# Frame pushed -> matching agent frame ready; the engine's own share is one tick.
+LATENCY_BUCKETS = (0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.16, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+
+# Listed with 0 before the first of each happens, so rates and alerts work from the start.
+END_REASONS = tuple(reason.value for reason in EndReason)
+GAUGES = (  # (name, PoolMetrics field, help)
+    ("slots", "slots_total", "Conversation slots (batch rows) of the engine."),
+    ("slots_live", "slots_live", "Slots holding a live call."),
+    ("slots_prefilling", "slots_prefill", "Slots preparing a call (voice and persona prompt)."),
+    ("slots_free", "slots_free", "Slots held by no call."),
+    ("queue_length", "queue_length", "Callers waiting for a slot."),
+)
+COUNTERS = (
+    ("calls_started", "calls_started", "Calls that went live."),
+    ("calls_refused", "calls_refused", "Calls refused because every slot and the queue were full."),
+    ("engine_errors", "engine_errors", "Exceptions from the engine's step or prefill."),
+    ("ticks", "ticks", "Engine steps run."),
+    ("tick_overruns", "overruns", "Ticks that finished after their deadline."),
+    ("resyncs", "resyncs", "Times the ticker fell too far behind and skipped ahead."),
+    ("input_underruns", "underruns", "Ticks where a live call had no microphone frame (silence stood in)."),
+    ("input_drops", "input_drops", "Microphone frames dropped from full jitter buffers."),
+    ("output_drops", "output_drops", "Agent frames dropped because a caller did not read them in time."),
+)
+
+
+class PoolCollector(Collector):
+    """Reads one `pool.snapshot()` per scrape."""
+
+    def __init__(self, pool: SlotPool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterable[Metric]:
+        m = self.pool.snapshot()
+        for name, field, text in GAUGES:
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=getattr(m, field))
+        for name, field, text in COUNTERS:
+            yield CounterMetricFamily(f"{PREFIX}_{name}", text, value=getattr(m, field))
+        ended = CounterMetricFamily(f"{PREFIX}_calls_ended", "Calls ended, by reason.", labels=["reason"])
+        for reason, count in sorted({**dict.fromkeys(END_REASONS, 0), **m.calls_ended}.items()):
+            ended.add_metric([reason], count)
+        yield ended
+
+
+def build_registry(pool: SlotPool) -> CollectorRegistry:
+    """A registry of this pool's metrics plus the process's (memory, CPU, GC). Its own registry, not
+    prometheus_client's global one, so several pools (tests) never clash."""
+    registry = CollectorRegistry()
+    registry.register(PoolCollector(pool))
+    tick = Histogram(f"{PREFIX}_tick_seconds", "Wall time of one tick: the batched engine step and its bookkeeping.",
+                     buckets=TICK_BUCKETS, registry=registry)
+    latency = Histogram(f"{PREFIX}_frame_latency_seconds",
+                        "From a caller's frame entering the pool to the matching agent frame being ready.",
+                        buckets=LATENCY_BUCKETS, registry=registry)
+
+    def observe(tick_seconds: float, latencies: list[float]) -> None:
+        tick.observe(tick_seconds)
+        for value in latencies:
+            latency.observe(value)
+
+    pool.add_tick_listener(observe)
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
+
+
+def metrics_routes(pool: SlotPool) -> list[Route]:
+    registry = build_registry(pool)
+
+    async def metrics(_: Request) -> Response:
+        # A snapshot sorts thousands of samples under the ticker's lock: not on the event loop.
+        body = await run_in_threadpool(generate_latest, registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST, headers={"Cache-Control": "no-store"})
+
+    return [Route("/metrics", metrics, methods=["GET"])]

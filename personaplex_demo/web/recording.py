@@ -1,0 +1,256 @@
+"""Per-call recordings for the page's download buttons.
+
+Each call gets its own folder under one temporary directory:
+
+- `<name>.wav`: 16-bit stereo at 24 kHz, the caller on the LEFT channel and the agent on the
+  RIGHT. Both tracks start when the call goes live and advance one 80 ms frame at a time, so they
+  line up to within the model's own latency.
+- `<name>.json`: the agent's words, each piece with its frame and its start and end in the WAV
+  (as the offline CLI writes them), plus the call's voice, persona, sampling and how it ended.
+
+While a call runs its audio is streamed to two raw files, so memory stays flat however long calls
+are; `finish` interleaves them into the WAV. Old recordings are deleted after `max_age_seconds`
+(they hold the caller's voice) and at most `max_recordings` are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import shutil
+import tempfile
+import threading
+import time
+import wave
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..cli.lifecycle import recordings_prefix
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_RATE = 24000
+FRAME_SAMPLES = 1920  # one 80 ms engine frame
+_CHUNK_SAMPLES = SAMPLE_RATE * 10  # interleave 10 s at a time when writing the WAV
+_WRITE_BUFFER_BYTES = SAMPLE_RATE * 2 * 4  # 4 s of int16 audio per track
+
+
+@dataclass(frozen=True)
+class RecordingFiles:
+    wav: Path
+    transcript: Path
+
+
+def _to_int16(samples: np.ndarray) -> np.ndarray:
+    arr = np.asarray(samples).reshape(-1)
+    if arr.dtype == np.int16:
+        return arr
+    return (np.clip(arr.astype(np.float32), -1.0, 1.0) * 32767.0).astype(np.int16)
+
+
+@dataclass
+class CallRecording:
+    """One call's audio and transcript. Thread-safe; every method is cheap except `finish`."""
+
+    directory: Path
+    meta: dict[str, Any] = field(default_factory=dict)
+    sample_rate: int = SAMPLE_RATE
+
+    def __post_init__(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._caller_path = self.directory / "caller.raw"
+        self._agent_path = self.directory / "agent.raw"
+        # A few seconds of audio per write instead of a system call per 80 ms frame.
+        self._caller = open(self._caller_path, "wb", buffering=_WRITE_BUFFER_BYTES)  # noqa: SIM115 - closed in finish()
+        self._agent = open(self._agent_path, "wb", buffering=_WRITE_BUFFER_BYTES)  # noqa: SIM115
+        self._caller_samples = 0
+        self._agent_samples = 0
+        self._segments: list[dict[str, Any]] = []
+        self._started_at = time.time()
+        self._finished = threading.Event()
+        self._finishing = False
+        self._files: RecordingFiles | None = None
+        self.end_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    @property
+    def files(self) -> RecordingFiles | None:
+        return self._files
+
+    @property
+    def duration_seconds(self) -> float:
+        with self._lock:
+            return max(self._caller_samples, self._agent_samples) / self.sample_rate
+
+    def add_caller(self, samples: np.ndarray) -> None:
+        data = _to_int16(samples)
+        with self._lock:
+            if self._caller.closed:
+                return
+            self._caller.write(data.tobytes())
+            self._caller_samples += data.size
+
+    def add_agent(self, samples: np.ndarray, text: str = "") -> None:
+        """Agent audio, and the transcript text that became final with it."""
+        data = _to_int16(samples)
+        with self._lock:
+            if self._agent.closed:
+                return
+            if text:
+                start = self._agent_samples / self.sample_rate
+                self._segments.append({"frame": self._agent_samples // FRAME_SAMPLES, "start_s": round(start, 3),
+                                       "end_s": round(start + data.size / self.sample_rate, 3), "text": text})
+            self._agent.write(data.tobytes())
+            self._agent_samples += data.size
+
+    def transcript_text(self) -> str:
+        with self._lock:
+            return "".join(s["text"] for s in self._segments)
+
+    def abandon(self) -> None:
+        """Close the tracks without writing any file; if `finish` is already writing, wait for it.
+        A later `finish` writes nothing."""
+        with self._lock:
+            first = not self._finishing
+            self._finishing = True
+            if first:
+                self._caller.close()
+                self._agent.close()
+        if first:
+            self._finished.set()
+        else:
+            self._finished.wait(60)
+
+    def finish(self, end_reason: str | None = None) -> RecordingFiles | None:
+        """Close the tracks and write the WAV and the JSON. Idempotent; returns None if nothing was
+        recorded (the call never went live)."""
+        with self._lock:
+            first = not self._finishing
+            self._finishing = True
+        if not first:  # another thread is writing the files: wait for it
+            self._finished.wait(60)
+            return self._files
+        with self._lock:
+            self._caller.close()
+            self._agent.close()
+            self.end_reason = end_reason
+            caller_n, agent_n = self._caller_samples, self._agent_samples
+            segments = list(self._segments)
+        try:
+            if caller_n == 0 and agent_n == 0:
+                return None
+            wav_path = self.directory / f"{self.directory.name}.wav"
+            self._write_wav(wav_path, caller_n, agent_n)
+            json_path = self.directory / f"{self.directory.name}.json"
+            payload = {
+                **self.meta,
+                "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self._started_at)),
+                "duration_seconds": round(max(caller_n, agent_n) / self.sample_rate, 3),
+                "end_reason": end_reason,
+                "channels": {"left": "caller", "right": "agent"},
+                "sample_rate": self.sample_rate,
+                "text": "".join(s["text"] for s in segments),
+                "segments": segments,
+            }
+            json_path.write_text(json.dumps(payload, ensure_ascii=False, indent=2), encoding="utf-8")
+            self._files = RecordingFiles(wav_path, json_path)
+            return self._files
+        except OSError:
+            logger.exception("could not write the recording in %s", self.directory)
+            return None
+        finally:
+            for raw in (self._caller_path, self._agent_path):
+                raw.unlink(missing_ok=True)
+            self._finished.set()
+
+    def _write_wav(self, path: Path, caller_n: int, agent_n: int) -> None:
+        total = max(caller_n, agent_n)
+        with open(self._caller_path, "rb") as left, open(self._agent_path, "rb") as right, \
+                wave.open(str(path), "wb") as out:
+            out.setnchannels(2)
+            out.setsampwidth(2)
+            out.setframerate(self.sample_rate)
+            for _ in range(0, total, _CHUNK_SAMPLES):
+                a = np.frombuffer(left.read(_CHUNK_SAMPLES * 2), dtype=np.int16)
+                b = np.frombuffer(right.read(_CHUNK_SAMPLES * 2), dtype=np.int16)
+                n = max(a.size, b.size)
+                frame = np.zeros((n, 2), dtype=np.int16)  # the shorter track is padded with silence
+                frame[: a.size, 0] = a
+                frame[: b.size, 1] = b
+                out.writeframes(frame.tobytes())
+
+    async def wait_finished(self, timeout: float) -> RecordingFiles | None:
+        """Wait (without blocking the event loop) until `finish` has run; its files, or None."""
+        deadline = time.monotonic() + timeout
+        while not self._finished.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self._files
+
+
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+class RecordingStore:
+    """Recordings by connection id, in one temporary directory that is pruned as calls come in."""
+
+    def __init__(self, root: Path | str | None = None, max_age_seconds: float = 3600.0,
+                 max_recordings: int = 256) -> None:
+        # The pid in the name lets the next start tell a crashed app's folder from a running one's.
+        self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix=recordings_prefix()))
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.max_age_seconds = max_age_seconds
+        self.max_recordings = max_recordings
+        self._lock = threading.Lock()
+        self._recordings: dict[str, tuple[float, CallRecording]] = {}
+
+    def start(self, key: str, meta: dict[str, Any] | None = None) -> CallRecording:
+        """A new recording for connection `key` (replacing an older one of the same key)."""
+        self.prune()
+        name = f"personaplex-{time.strftime('%Y%m%d-%H%M%S')}-{_SAFE.sub('_', key)[:40]}"
+        recording = CallRecording(self.root / name, dict(meta or {}))
+        with self._lock:
+            old = self._recordings.pop(key, None)
+            self._recordings[key] = (time.monotonic(), recording)
+        if old is not None:
+            self._delete(old[1])
+        return recording
+
+    def get(self, key: str) -> CallRecording | None:
+        with self._lock:
+            entry = self._recordings.get(key)
+        return entry[1] if entry else None
+
+    def prune(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            by_age = sorted(self._recordings.items(), key=lambda kv: kv[1][0])
+            doomed = [k for k, (t, rec) in by_age if rec.finished and now - t > self.max_age_seconds]
+            finished = [k for k, (_, rec) in by_age if rec.finished and k not in doomed]
+            excess = len(self._recordings) - len(doomed) - self.max_recordings + 1
+            doomed += finished[: max(0, excess)]
+            removed = [self._recordings.pop(k)[1] for k in doomed]
+        for rec in removed:
+            self._delete(rec)
+
+    def close(self) -> None:
+        """Delete every recording and the directory (the app calls this on exit). A recording still
+        being written is waited for, so that no file lands in the folder after it is gone."""
+        with self._lock:
+            recordings = [rec for _, rec in self._recordings.values()]
+            self._recordings.clear()
+        for rec in recordings:
+            rec.abandon()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    @staticmethod
+    def _delete(recording: CallRecording) -> None:
+        shutil.rmtree(recording.directory, ignore_errors=True)
