@@ -414,7 +414,8 @@ def run_engine_only(n: int, slots: int, seconds: float, settle: float, cache_dir
     torch.set_num_threads(1)
     from personaplex_demo.engine.pcm import SamplingParams
     from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
-    from personaplex_demo.serving.pool import PoolConfig, SlotPool
+    from personaplex_demo.serving.config import PoolConfig
+    from personaplex_demo.serving.pool import SlotPool
 
     runtime = build_runtime(RuntimeOptions(model="tiny", slots=slots,
                                            cache_dir=Path(cache_dir) if cache_dir else None))
@@ -433,7 +434,7 @@ def run_engine_only(n: int, slots: int, seconds: float, settle: float, cache_dir
             await asyncio.sleep(max(0.0, t + k * 0.08 - time.monotonic()))
 
     async def everyone():
-        calls = [pool.acquire("NATF2", PERSONA, SamplingParams(seed=1000 + i)) for i in range(n)]
+        calls = [pool.admit("NATF2", PERSONA, SamplingParams(seed=1000 + i)) for i in range(n)]
         stop_at = time.monotonic() + settle + seconds + 2
         tasks = [asyncio.ensure_future(feed(c, stop_at)) for c in calls]
         await asyncio.sleep(settle)

@@ -33,7 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from personaplex_demo.engine.pcm import SamplingParams, TickOutput  # noqa: E402
-from personaplex_demo.serving.pool import CallEnded, PoolConfig, PoolMetrics, SlotPool  # noqa: E402
+from personaplex_demo.serving.config import PoolConfig  # noqa: E402
+from personaplex_demo.serving.metrics import PoolMetrics  # noqa: E402
+from personaplex_demo.serving.pool import SlotPool  # noqa: E402
+from personaplex_demo.serving.room import CallEnded  # noqa: E402
 
 FRAME = 1920
 TICK = 0.08
@@ -104,7 +107,7 @@ class Row:
 
 
 async def caller(pool: SlotPool, voice: str, seconds: float, phase: float, rng: np.random.Generator):
-    call = pool.acquire(voice, PERSONA)
+    call = pool.admit(voice, PERSONA)
     await call.wait_live(timeout=60)
     ticks: list[int] = []
 

@@ -23,7 +23,8 @@ from personaplex_demo.runtime.capacity import (
     safety_margin,
 )
 from personaplex_demo.runtime.slot_memory import estimated_tick_bytes, graphs_kept, mimi_state_bytes, prefix_cache_bytes
-from personaplex_demo.serving.pool import PoolConfig, SlotPool
+from personaplex_demo.serving.config import PoolConfig
+from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.web.page import status_payload
 
 FULL = LMConfig.personaplex_7b()

@@ -92,7 +92,8 @@ def test_copy_link_script_carries_the_presets_and_the_limit():
 
 def test_the_load_event_applies_a_link(tiny_cache_dir, recordings):
     from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
-    from personaplex_demo.serving.pool import PoolConfig, SlotPool
+    from personaplex_demo.serving.config import PoolConfig
+    from personaplex_demo.serving.pool import SlotPool
     from personaplex_demo.web.page import build_ui
 
     runtime = build_runtime(RuntimeOptions(model="tiny", slots=1, cache_dir=tiny_cache_dir))

@@ -18,7 +18,9 @@ from personaplex_demo.errors import AudioFormatError, CallerError
 from personaplex_demo.procs.pool_server import EngineServer
 from personaplex_demo.procs.remote_pool import ENGINE_LOST, EngineRouter, RemoteEngine
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
-from personaplex_demo.serving.pool import CallEnded, PoolConfig, PoolFullError, SlotPool
+from personaplex_demo.serving.config import PoolConfig
+from personaplex_demo.serving.pool import SlotPool
+from personaplex_demo.serving.room import CallEnded, PoolFullError
 
 from .callers import wait_all_free
 

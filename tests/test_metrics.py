@@ -11,7 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
-from personaplex_demo.serving.pool import PoolConfig, PoolFullError, SlotPool
+from personaplex_demo.serving.config import PoolConfig
+from personaplex_demo.serving.pool import SlotPool
+from personaplex_demo.serving.room import PoolFullError
 from personaplex_demo.web.prometheus import metrics_routes
 
 
@@ -44,10 +46,10 @@ async def test_metrics_during_and_after_calls(runtime):
             assert before[("personaplex_tick_seconds_count", ())] == 0
             assert ("process_resident_memory_bytes", ()) in before
 
-            a = pool.acquire("NATF2", "You enjoy having a good conversation.")
-            b = pool.acquire("NATM1", "")
+            a = pool.admit("NATF2", "You enjoy having a good conversation.")
+            b = pool.admit("NATM1", "")
             with pytest.raises(PoolFullError):
-                pool.acquire("NATF2", "")
+                pool.admit("NATF2", "")
             await asyncio.gather(a.wait_live(10), b.wait_live(10))
             frame = (0.1 * np.sin(np.arange(1920) / 10)).astype(np.float32)
             for _ in range(25):  # 2 s of microphone audio for each call, in real time

@@ -1,6 +1,6 @@
 """SlotPool: admission, queue, pacing, limits, metrics and failures, against a fake engine.
 
-Most tests drive the ticker by hand (`tick_once`, or `run` with a FakeClock), so every time they
+Most tests drive the ticker by hand (`tick_once`, or `iterate` with a FakeClock), so every time they
 check is exact. A few use the real clock and the ticker thread for the cross-thread paths."""
 
 from __future__ import annotations
@@ -16,16 +16,13 @@ import pytest
 
 from personaplex_demo.engine.pcm import SamplingParams, TickOutput
 from personaplex_demo.errors import AudioFormatError, CallerError, UnknownVoiceError
-from personaplex_demo.serving.clock import FakeClock, RealClock
-from personaplex_demo.serving.pool import (
-    Call,
-    CallEnded,
-    PoolClosedError,
-    PoolConfig,
-    PoolFullError,
-    SlotOutput,
-    SlotPool,
-)
+from personaplex_demo.serving.call import Call
+from personaplex_demo.serving.clock import RealClock
+from personaplex_demo.serving.config import PoolConfig
+from personaplex_demo.serving.pool import SlotPool
+from personaplex_demo.serving.room import CallEnded, PoolClosedError, PoolFullError, SlotOutput
+
+from .support.fake_clock import FakeClock
 
 FRAME = 1920
 
@@ -110,6 +107,12 @@ def frame(value: float) -> np.ndarray:
     return np.full(FRAME, value, dtype=np.float32)
 
 
+def run_for(pool: SlotPool, iterations: int) -> None:
+    """The ticker loop, for a given number of turns (on this thread, with the pool's clock)."""
+    for _ in range(iterations):
+        pool.iterate()
+
+
 def make(batch: int = 2, step_seconds: float = 0.0, **config) -> tuple[SlotPool, FakeEngine, FakeClock]:
     clock = FakeClock()
     engine = FakeEngine(batch, clock, step_seconds=step_seconds)
@@ -132,7 +135,7 @@ def drain(call: Call) -> list[SlotOutput]:
 
 
 def live_call(pool: SlotPool, voice: str = "NATF0") -> Call:
-    call = pool.acquire(voice, "You are a helpful caller.")
+    call = pool.admit(voice, "You are a helpful caller.")
     pool.tick_once()
     assert call.state == "live"
     return call
@@ -143,7 +146,7 @@ def live_call(pool: SlotPool, voice: str = "NATF0") -> Call:
 
 def test_admission_order_prefill_then_live_and_queue_takes_freed_slot():
     pool, engine, _ = make(batch=2)
-    a, b, c = (pool.acquire("NATF0", "p") for _ in range(3))
+    a, b, c = (pool.admit("NATF0", "p") for _ in range(3))
     assert (a.state, a.slot, b.state, b.slot) == ("prefill", 0, "prefill", 1)
     assert (c.state, c.slot, c.queue_position) == ("queued", None, 1)
     m = pool.snapshot()
@@ -164,7 +167,7 @@ def test_admission_order_prefill_then_live_and_queue_takes_freed_slot():
 def test_queue_positions_follow_callers_ahead_leaving():
     pool, _, _ = make(batch=1)
     head = live_call(pool)
-    q1, q2, q3 = (pool.acquire("NATF0", "p") for _ in range(3))
+    q1, q2, q3 = (pool.admit("NATF0", "p") for _ in range(3))
     assert [q.queue_position for q in (q1, q2, q3)] == [1, 2, 3]
 
     q2.release("cancelled")
@@ -183,7 +186,7 @@ def test_burst_of_50_connects_against_4_slots_and_a_queue_of_32():
     admitted, refused = [], []
     for _ in range(50):
         try:
-            admitted.append(pool.acquire("NATM1", "p"))
+            admitted.append(pool.admit("NATM1", "p"))
         except PoolFullError as exc:
             refused.append(str(exc))
     assert [c.state for c in admitted[:4]] == ["prefill"] * 4
@@ -196,10 +199,10 @@ def test_burst_of_50_connects_against_4_slots_and_a_queue_of_32():
 
 def test_acquire_without_queueing_takes_a_free_slot_or_refuses_without_counting_a_refusal():
     pool, _, _ = make(batch=1, max_queue=4)
-    first = pool.acquire("NATF0", "p", queue=False)
+    first = pool.admit("NATF0", "p", queue=False)
     assert first.state == "prefill"
     with pytest.raises(PoolFullError, match="all 1 slots busy"):
-        pool.acquire("NATF0", "p", queue=False)
+        pool.admit("NATF0", "p", queue=False)
     m = pool.snapshot()
     assert (m.queue_length, m.calls_refused) == (0, 0)  # a probe for another engine, not a refusal
 
@@ -207,7 +210,7 @@ def test_acquire_without_queueing_takes_a_free_slot_or_refuses_without_counting_
 def test_caller_error_from_validation_takes_nothing():
     pool, _, _ = make()
     with pytest.raises(UnknownVoiceError) as info:
-        pool.acquire("NOPE", "p")
+        pool.admit("NOPE", "p")
     assert isinstance(info.value, CallerError)
     m = pool.snapshot()
     assert (m.slots_prefill, m.queue_length) == (0, 0)
@@ -218,7 +221,7 @@ def test_caller_error_from_validation_takes_nothing():
 
 def test_routing_latency_and_underruns():
     pool, engine, clock = make(batch=3, step_seconds=0.005)
-    a, b, c = (pool.acquire("NATF0", "p") for _ in range(3))
+    a, b, c = (pool.admit("NATF0", "p") for _ in range(3))
     pool.tick_once()  # all three prefilled and live
     clock.advance(0.010)
     a.push_frame(frame(7))
@@ -255,7 +258,7 @@ def test_input_backlog_drops_the_oldest_frames():
 
 def test_push_frame_formats_and_states():
     pool, _, _ = make(batch=1)
-    early = pool.acquire("NATF0", "p")
+    early = pool.admit("NATF0", "p")
     early.push_frame(frame(1))  # not live yet: dropped, not an error
     assert early.counters.frames_pushed == 0
     pool.tick_once()
@@ -287,13 +290,13 @@ def test_slow_consumer_loses_oldest_outputs_and_never_blocks_the_ticker():
 
 def test_cadence_idle_sleep_and_summary_log(caplog):
     pool, engine, clock = make(batch=2, summary_log_seconds=0.3)
-    pool.run(max_iterations=3)  # nothing to do: three 20 ms naps, no step
+    run_for(pool, 3)  # nothing to do: three 20 ms naps, no step
     assert clock.sleeps == pytest.approx([0.02] * 3) and engine.steps == 0
 
     t0 = clock.monotonic()
-    a = pool.acquire("NATF0", "p")
+    a = pool.admit("NATF0", "p")
     with caplog.at_level(logging.INFO, logger="personaplex_demo.serving.pool"):
-        pool.run(max_iterations=6)  # prefill at t0, then one step every 80 ms
+        run_for(pool, 6)  # prefill at t0, then one step every 80 ms
     assert a.state == "live"
     assert [t - t0 for t in engine.step_times] == pytest.approx([0.08, 0.16, 0.24, 0.32, 0.40])
     assert pool.snapshot().overruns == 0
@@ -301,7 +304,7 @@ def test_cadence_idle_sleep_and_summary_log(caplog):
 
     a.release()
     clock.sleeps.clear()
-    pool.run(max_iterations=3)  # frees the slot, then naps
+    run_for(pool, 3)  # frees the slot, then naps
     assert engine.ended == [0] and engine.steps == 5
     assert clock.sleeps[-2:] == pytest.approx([0.02, 0.02])
 
@@ -309,8 +312,8 @@ def test_cadence_idle_sleep_and_summary_log(caplog):
 def test_overrun_catches_up_without_a_burst():
     pool, engine, clock = make(batch=1)
     engine.step_delays[3] = 0.2  # the third step takes 200 ms
-    pool.acquire("NATF0", "p")
-    pool.run(max_iterations=8)
+    pool.admit("NATF0", "p")
+    run_for(pool, 8)
     # Steps are due every 80 ms. The slow step ends at 0.44, so the steps due at 0.32, 0.40 and 0.48
     # run at 0.44, 0.48 and 0.52 (40 ms apart, no burst); the one due at 0.56 is on time again.
     assert engine.step_times == pytest.approx([0.08, 0.16, 0.24, 0.44, 0.48, 0.52, 0.56])
@@ -322,7 +325,7 @@ def test_overrun_catches_up_without_a_burst():
 def test_far_behind_resynchronises_and_cuts_the_backlog():
     pool, engine, clock = make(batch=1)
     engine.step_delays[3] = 1.5
-    a = pool.acquire("NATF0", "p")
+    a = pool.admit("NATF0", "p")
 
     def feed(step: int) -> None:  # the caller keeps sending while the ticker is stuck
         if step == 3:
@@ -330,7 +333,7 @@ def test_far_behind_resynchronises_and_cuts_the_backlog():
                 a.push_frame(frame(k))
 
     engine.on_step = feed
-    pool.run(max_iterations=6)
+    run_for(pool, 6)
     assert engine.step_times == pytest.approx([0.08, 0.16, 0.24, 1.74, 1.82])
     m = pool.snapshot()
     assert (m.overruns, m.resyncs, m.input_drops) == (1, 1, 18)
@@ -357,7 +360,7 @@ def test_idle_release_after_two_seconds_without_input():
 
 def test_time_limit_counts_from_going_live():
     pool, engine, clock = make(batch=1, time_limit_seconds=5.0, idle_release_seconds=100.0)
-    queued_for = pool.acquire("NATF0", "p")
+    queued_for = pool.admit("NATF0", "p")
     clock.advance(3.0)  # prefill waits: does not count against the limit
     assert queued_for.time_left() is None
     pool.tick_once()
@@ -380,7 +383,7 @@ def test_time_limit_counts_from_going_live():
 def test_exception_in_one_tick_ends_those_calls_and_the_pool_keeps_serving(caplog):
     pool, engine, _ = make(batch=2)
     a, b = live_call(pool), live_call(pool)
-    waiting = pool.acquire("NATF0", "p")
+    waiting = pool.admit("NATF0", "p")
     engine.fail_step = RuntimeError("boom")
     with caplog.at_level(logging.ERROR, logger="personaplex_demo.serving.pool"):
         pool.tick_once()
@@ -400,11 +403,11 @@ def test_exception_in_one_tick_ends_those_calls_and_the_pool_keeps_serving(caplo
 def test_exception_in_start_session_ends_only_that_call():
     pool, engine, _ = make(batch=2)
     engine.fail_start = ValueError("bad voice file")
-    a, b = pool.acquire("NATF0", "p"), pool.acquire("NATF0", "p")
+    a, b = pool.admit("NATF0", "p"), pool.admit("NATF0", "p")
     pool.tick_once()
     assert (a.state, a.end_reason) == ("ended", "error: ValueError: bad voice file")
     assert b.state == "live" and engine.ended == [0]
-    c = pool.acquire("NATF0", "p")
+    c = pool.admit("NATF0", "p")
     assert c.slot == 0  # the failed call's slot is free again
     pool.tick_once()
     assert c.state == "live" and sorted(engine.active) == [0, 1]
@@ -416,7 +419,7 @@ def test_release_during_prefill_frees_the_slot_and_ends_the_session():
     pool = SlotPool(engine, PoolConfig())
     pool.start()
     try:
-        a = pool.acquire("NATF0", "p")
+        a = pool.admit("NATF0", "p")
         assert engine.prefill_entered.wait(2)
         a.release()
         a.release()  # double release: harmless
@@ -426,7 +429,7 @@ def test_release_during_prefill_frees_the_slot_and_ends_the_session():
             time.sleep(0.01)
         assert (a.state, a.end_reason) == ("ended", "hangup")
         assert engine.ended == [0] and engine.active == set()
-        b = pool.acquire("NATF0", "p")
+        b = pool.admit("NATF0", "p")
         asyncio.run(b.wait_live(2))
         assert b.slot == 0
     finally:
@@ -436,11 +439,11 @@ def test_release_during_prefill_frees_the_slot_and_ends_the_session():
 
 def test_release_before_prefill_started_needs_no_engine_call():
     pool, engine, _ = make(batch=1)
-    a = pool.acquire("NATF0", "p")
+    a = pool.admit("NATF0", "p")
     a.release()
     pool.tick_once()
     assert engine.started == [] and engine.ended == []
-    assert pool.acquire("NATF0", "p").slot == 0
+    assert pool.admit("NATF0", "p").slot == 0
 
 
 def test_double_release_frees_once():
@@ -452,7 +455,7 @@ def test_double_release_frees_once():
     pool.tick_once()
     pool.tick_once()
     assert engine.ended == [0]
-    assert [pool.acquire("NATF0", "p").slot for _ in range(2)] == [0, 1]
+    assert [pool.admit("NATF0", "p").slot for _ in range(2)] == [0, 1]
 
 
 def test_shutdown_ends_everything_and_refuses_new_calls():
@@ -460,13 +463,13 @@ def test_shutdown_ends_everything_and_refuses_new_calls():
     a = live_call(pool)
     a.push_frame(frame(1))
     pool.tick_once()
-    q = pool.acquire("NATF0", "p")
+    q = pool.admit("NATF0", "p")
     pool.shutdown()
     pool.shutdown()  # idempotent
     assert (a.end_reason, q.end_reason, q.queue_position) == ("shutdown", "shutdown", None)
     assert engine.ended == [0] and engine.active == set()
     with pytest.raises(PoolClosedError):
-        pool.acquire("NATF0", "p")
+        pool.admit("NATF0", "p")
     with pytest.raises(PoolClosedError):
         pool.start()
     assert len(drain(a)) == 1  # what was produced can still be read, then CallEnded
@@ -483,7 +486,7 @@ def test_shutdown_ends_everything_and_refuses_new_calls():
 def test_awaiting_never_blocks_the_loop_and_wakes_across_threads():
     pool, _, _ = make(batch=1)
     a = live_call(pool)
-    queued = pool.acquire("NATF0", "p")
+    queued = pool.admit("NATF0", "p")
 
     async def scenario() -> None:
         beats = 0
@@ -553,7 +556,7 @@ def test_real_clock_several_callers_no_leak_and_audio_every_live_tick():
     received: dict[str, list[SlotOutput]] = {}
 
     async def caller(talk_seconds: float) -> Call:
-        call = pool.acquire("NATF0", "p")
+        call = pool.admit("NATF0", "p")
         await call.wait_live(timeout=5)
         outs = received.setdefault(call.id, [])
 

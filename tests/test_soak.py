@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from personaplex_demo.soak import run_soak
+from .support.soak import run_soak
 
 
 def test_soak_leaves_every_slot_free(tiny_cache_dir):

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..errors import CheckpointError
     from ..procs.topology import TopologyOptions, default_media_workers, resolve_devices, start_topology
     from ..runtime.build import RuntimeOptions, check_placement
-    from ..serving.pool import PoolConfig
+    from ..serving.config import PoolConfig
     from ..web.deeplink import RefuseLongQueries
     from ..web.page import PageOptions, build_ui, status_routes
     from ..web.prometheus import metrics_routes

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime.build import Runtime, RuntimeOptions
-from ..serving.pool import PoolConfig
+from ..serving.config import PoolConfig
 
 log = logging.getLogger(__name__)
 

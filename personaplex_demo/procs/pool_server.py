@@ -22,8 +22,9 @@ from typing import Any
 
 from ..errors import CallerError
 from ..sampling_params import SamplingParams
-from ..serving.call import Call, CallEnded, CallState, EndReason
-from ..serving.pool import PoolClosedError, PoolFullError, SlotPool
+from ..serving.call import Call
+from ..serving.pool import SlotPool
+from ..serving.room import CallEnded, CallState, EndReason, PoolClosedError, PoolFullError
 from .channel import Channel, daemon_threads
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class _Client:
     def start(self, rid: int, voice: str, persona: str, sampling: dict[str, Any], may_queue: bool) -> None:
         pool = self.server.pool
         try:
-            call = pool.acquire(voice, persona, SamplingParams(**sampling), queue=may_queue)
+            call = pool.admit(voice, persona, SamplingParams(**sampling), queue=may_queue)
         except CallerError as exc:
             self.send(("refused", rid, "caller", str(exc)))
             return

@@ -45,9 +45,10 @@ import numpy as np
 
 from ..errors import CallerError
 from ..sampling_params import SamplingParams
-from ..serving.call import CallEnded, CallState, CallView, EndReason, SlotOutput, checked_frame
-from ..serving.metrics import tell_listeners
-from ..serving.pool import PoolClosedError, PoolConfig, PoolFullError, PoolMetrics
+from ..serving.call import CallView, checked_frame
+from ..serving.config import PoolConfig
+from ..serving.metrics import PoolMetrics, tell_listeners
+from ..serving.room import CallEnded, CallState, EndReason, PoolClosedError, PoolFullError, SlotOutput
 from .channel import Channel
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime.build import RuntimeOptions, build_runtime
-from ..serving.pool import PoolConfig, SlotPool
+from ..serving.config import PoolConfig
+from ..serving.pool import SlotPool
 from .engine_process import EngineProcesses, EngineSpec, PageRuntime
 from .media_worker import WorkerSpec
 from .media_workers import MediaWorkers

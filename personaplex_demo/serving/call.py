@@ -13,96 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import AudioFormatError
 from ..sampling_params import SamplingParams
 from .clock import Clock
-
-if TYPE_CHECKING:
-    from .pool import PoolConfig
-
-__all__ = ["Call", "CallContext", "CallView", "CallCounters", "CallEnded", "CallState", "EndReason", "PoolCounters",
-           "SlotOutput", "checked_frame", "input_frame"]
-
-
-class CallState(enum.StrEnum):
-    QUEUED = "queued"  # waiting for a free slot
-    PREFILL = "prefill"  # holds a slot; the voice and persona prompt is being played into it
-    LIVE = "live"  # stepped every tick
-    ENDED = "ended"  # for good; the slot stays held until the engine has dropped the session
-
-    @property
-    def waiting(self) -> bool:
-        """Not live yet, not ended: the caller sees a queue position or "preparing"."""
-        return self in (CallState.QUEUED, CallState.PREFILL)
-
-
-class EndReason(enum.StrEnum):
-    """Why a call ended. An engine failure is "error: <details>" (see `error`), counted as ERROR."""
-
-    HANGUP = "hangup"
-    IDLE = "idle"  # no input frame for `idle_release_seconds`
-    TIME_LIMIT = "time_limit"
-    QUEUE_TIMEOUT = "queue_timeout"
-    SHUTDOWN = "shutdown"
-    ERROR = "error"
-
-    @staticmethod
-    def error(detail: object) -> str:
-        return f"error: {detail}"
-
-    @staticmethod
-    def kind(reason: str) -> str:
-        """The counter a reason goes under: "error: ..." counts as "error"."""
-        return reason.partition(":")[0]
-
-
-class CallEnded(Exception):
-    """The call has ended (and, for `next_output`, every output has been read)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"call ended: {reason}")
-        self.reason = reason
-
-
-@dataclass
-class SlotOutput:
-    pcm: np.ndarray  # float32 [1920] agent audio at 24 kHz
-    text: str  # transcript text that became final this tick ("" if none)
-    tick: int
-
-
-@dataclass
-class FrameCounters:
-    underruns: int = 0  # live ticks with no input frame (after the first): silence stood in
-    input_drops: int = 0  # oldest input frames dropped from a full jitter buffer or at a resync
-    output_drops: int = 0  # oldest outputs dropped because nobody read them in time
-
-
-@dataclass
-class CallCounters(FrameCounters):
-    frames_pushed: int = 0
-    frames_out: int = 0
-
-
-@dataclass
-class PoolCounters(FrameCounters):
-    """The room's totals; a call's frame counters are added here as they happen."""
-
-    overruns: int = 0  # steps that finished after their deadline
-    resyncs: int = 0  # times the ticker fell more than `resync_after_seconds` behind and skipped ahead
-    engine_errors: int = 0  # exceptions from engine.step / start_session
-    calls_started: int = 0  # calls that went live
-    calls_refused: int = 0  # PoolFullError raised
-    calls_ended: collections.Counter[str] = field(default_factory=collections.Counter)  # by `EndReason.kind`
+from .config import PoolConfig
+from .counters import CallCounters, PoolCounters
+from .room import CallEnded, CallState, EndReason, SlotOutput
 
 
 @dataclass(frozen=True)

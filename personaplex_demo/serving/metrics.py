@@ -6,16 +6,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from .call import PoolCounters
+from .counters import PoolCounters, SlotCounts
+from .room import TickListener
 
 logger = logging.getLogger(__name__)
-
-TickListener = Callable[[float, list[float]], None]
 
 # How many recent ticks / frames the percentiles are computed over.
 TICK_WINDOW = 4096
@@ -63,15 +61,6 @@ class PoolMetrics:
             f"underruns {self.underruns} input drops {self.input_drops} output drops {self.output_drops} "
             f"engine errors {self.engine_errors}"
         )
-
-
-@dataclass(frozen=True)
-class SlotCounts:
-    total: int
-    live: int
-    prefill: int
-    free: int
-    queued: int
 
 
 def tell_listeners(listeners: list[TickListener], samples: list[tuple[float, list[float]]]) -> None:

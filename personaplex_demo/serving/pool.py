@@ -18,67 +18,30 @@ import collections
 import dataclasses
 import logging
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import CallerError
 from ..sampling_params import SamplingParams
-from .call import Call, CallContext, CallEnded, CallState, EndReason, PoolCounters, SlotOutput
-from .clock import Clock, FakeClock, RealClock
+from .call import Call, CallContext
+from .clock import Clock, RealClock
+from .config import PoolConfig
+from .counters import PoolCounters
 from .metrics import PoolMetrics, PoolWindows, TickListener
 from .pacing import TickPacer
+from .room import CallState, EndReason, PoolClosedError, PoolFullError, SlotOutput
 from .slot_table import SlotTable
 
 if TYPE_CHECKING:
     # Only for annotations: the pool drives any object with the LockstepEngine thread API.
     from ..engine.pcm import LockstepEngine
 
-__all__ = [
-    "Call",
-    "CallEnded",
-    "CallerError",
-    "CallState",
-    "Clock",
-    "EndReason",
-    "FakeClock",
-    "PoolClosedError",
-    "PoolConfig",
-    "PoolFullError",
-    "PoolMetrics",
-    "RealClock",
-    "SlotOutput",
-    "SlotPool",
-]
+__all__ = ["CallerError", "PoolClosedError", "PoolConfig", "PoolFullError", "PoolMetrics", "SlotPool"]
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_SAMPLING = SamplingParams()
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    tick_seconds: float = 0.08
-    input_buffer_frames: int = 25  # per-slot jitter buffer bound (2 s); beyond it the OLDEST frames are dropped
-    output_queue_frames: int = 50  # per-slot output bound; a slow consumer loses its OLDEST outputs
-    idle_release_seconds: float = 2.0  # a LIVE call with no input frame for this long is released ("idle")
-    time_limit_seconds: float | None = 300.0  # per-call limit from going live ("time_limit")
-    max_queue: int | None = 32  # callers waiting for a slot beyond this are refused (PoolFullError)
-    resync_after_seconds: float = 1.0  # further behind than this, the ticker skips ahead instead of bursting
-    catch_up_gap_seconds: float = 0.04  # shortest gap between two steps while catching up after an overrun
-    resync_keep_frames: int = 2  # on a resync each caller's backlog is cut to this many newest frames
-    idle_sleep_seconds: float = 0.02  # ticker nap when no call holds a slot
-    prefill_budget_seconds: float = 0.04  # prefills per gap between steps stop after this (at least one runs)
-    summary_log_seconds: float = 30.0  # INFO summary period while calls are live
-
-
-class PoolFullError(Exception):
-    """Every slot is busy and the waiting queue is full."""
-
-
-class PoolClosedError(Exception):
-    """The pool has been shut down."""
 
 
 def _checked_step(engine: LockstepEngine, pcm: np.ndarray) -> tuple[np.ndarray, list[str]]:
@@ -93,9 +56,9 @@ def _checked_step(engine: LockstepEngine, pcm: np.ndarray) -> tuple[np.ndarray, 
 class SlotPool:
     """Shares one `LockstepEngine` among callers; see the module docstring."""
 
-    def __init__(self, engine: LockstepEngine, config: PoolConfig = PoolConfig(), clock: Clock | None = None) -> None:
+    def __init__(self, engine: LockstepEngine, config: PoolConfig | None = None, clock: Clock | None = None) -> None:
         self.engine = engine
-        self.config = config
+        self.config = config = config if config is not None else PoolConfig()
         self.frame_size = int(getattr(engine, "frame_size", 1920))
         self._clock: Clock = clock if clock is not None else RealClock()
         self._lock = threading.Lock()
@@ -128,7 +91,7 @@ class SlotPool:
                 raise PoolClosedError("the pool has been shut down; create a new SlotPool")
             if self._thread is not None:
                 return
-            self._thread = threading.Thread(target=self._thread_main, name="slot-pool-ticker", daemon=True)
+            self._thread = threading.Thread(target=self.run, name="slot-pool-ticker", daemon=True)
         self._thread.start()
         logger.info("slot pool started: %d slots, tick %.0f ms", self.slots_total, self.config.tick_seconds * 1e3)
 
@@ -152,13 +115,16 @@ class SlotPool:
 
     # ---- admission -----------------------------------------------------------------------------
 
-    def acquire(self, voice: str, persona: str, sampling: SamplingParams = _DEFAULT_SAMPLING,
-                queue: bool = True) -> Call:
+    async def acquire(self, voice: str, persona: str, sampling: SamplingParams = _DEFAULT_SAMPLING) -> Call:
+        """The room contract's `acquire` (room.py): `admit`, which never blocks."""
+        return self.admit(voice, persona, sampling)
+
+    def admit(self, voice: str, persona: str, sampling: SamplingParams = _DEFAULT_SAMPLING,
+              queue: bool = True) -> Call:
         """Take a free slot (state PREFILL) or a place in the queue (state QUEUED).
 
-        Non-blocking. Raises a CallerError subclass for a bad request, PoolFullError when the queue
-        is full (or, with `queue=False`, when no slot is free: for a caller who may try another
-        engine first), PoolClosedError after shutdown."""
+        Non-blocking, for any thread. Raises a CallerError for a bad request, PoolFullError when the
+        queue is full (with `queue=False`: when no slot is free), PoolClosedError after shutdown."""
         if self.closed:
             raise PoolClosedError("the pool has been shut down; no new calls are taken")
         self.engine.validate_request(voice, persona, sampling)
@@ -183,40 +149,39 @@ class SlotPool:
         if ended:
             logger.info("call %s ended: %s", call.id, reason)
 
-
     # ---- the ticker ----------------------------------------------------------------------------
 
-    def _thread_main(self) -> None:
+    def run(self) -> None:
+        """The ticker loop (serving/pacing.py): the thread's target."""
         try:
-            self.run()
+            while not self._stop.is_set():
+                self.iterate()
         finally:
             self._free_ended_slots()  # shutdown ended every call; give their slots back to the engine
 
-    def run(self, max_iterations: int | None = None) -> None:
-        """The ticker loop (serving/pacing.py): the thread's target. Tests drive it with a FakeClock and a bound."""
-        iterations = 0
-        while not self._stop.is_set() and (max_iterations is None or iterations < max_iterations):
-            iterations += 1
-            try:
-                with self._lock:
-                    busy = self._table.busy
-                if not busy:
-                    self._pacer.stop()
-                    self._clock.sleep(self.config.idle_sleep_seconds)
-                    continue
-                self._pacer.wait()
-                self.tick_once()
-                late = self._pacer.stepped()
-                if late.seconds > 0:
-                    with self._lock:
-                        self._counters.overruns += 1
-                if late.resync:
-                    self._resync(late.seconds)
-                self._maybe_log_summary()
-            except Exception:
-                # A bug here must not silently stop every call; log it and keep serving.
-                logger.exception("slot pool ticker iteration failed")
+    def iterate(self) -> None:
+        """One turn of the ticker loop: a nap while nobody holds a slot or waits for one, else a
+        wait for the deadline and a tick."""
+        try:
+            with self._lock:
+                busy = self._table.busy
+            if not busy:
+                self._pacer.stop()
                 self._clock.sleep(self.config.idle_sleep_seconds)
+                return
+            self._pacer.wait()
+            self.tick_once()
+            late = self._pacer.stepped()
+            if late.seconds > 0:
+                with self._lock:
+                    self._counters.overruns += 1
+            if late.resync:
+                self._resync(late.seconds)
+            self._maybe_log_summary()
+        except Exception:
+            # A bug here must not silently stop every call; log it and keep serving.
+            logger.exception("slot pool ticker iteration failed")
+            self._clock.sleep(self.config.idle_sleep_seconds)
 
     def _resync(self, late: float) -> None:
         with self._lock:
@@ -324,8 +289,6 @@ class SlotPool:
                 if live:
                     logger.info("call %s live on slot %d (prefill %.0f ms)", call.id, slot, (now - began) * 1e3)
             self._free_ended_slots()  # a release during prefill, or a failure, frees the slot now
-
-    # ---- metrics -------------------------------------------------------------------------------
 
     def snapshot(self) -> PoolMetrics:
         with self._lock:

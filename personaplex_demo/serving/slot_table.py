@@ -8,8 +8,9 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterator
 
-from .call import Call, CallState
-from .metrics import SlotCounts
+from .call import Call
+from .counters import SlotCounts
+from .room import CallState
 
 
 class SlotTable:

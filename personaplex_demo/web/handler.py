@@ -2,15 +2,16 @@
 
 fastrtc resamples the browser's Opus to 24 kHz and calls `receive` with 40 ms chunks; two of
 them make one engine frame. The handler never touches torch and never blocks the event loop:
-it only moves numpy arrays to and from its SlotPool `Call`.
+it only moves numpy arrays to and from its call, a `CallHandle` of the room (serving/room.py),
+whichever back end holds it.
 
 Life of a call (fastrtc runs `start_up`, `receive` and `emit` concurrently):
 
-1. `start_up` reads the page's inputs and asks the pool for a slot. The slot's system prompt is
+1. `start_up` reads the page's inputs and asks the room for a slot. The slot's system prompt is
    prefilled at once (or the caller waits in the queue, with the position on the page).
 2. Until the slot is live, microphone audio is dropped: the model is not listening yet.
 3. `emit` returns each agent frame, plus transcript and status updates for the page.
-4. Hang-up (`shutdown`), a closed tab (the pool's idle release), the time limit and a full room
+4. Hang-up (`shutdown`), a closed tab (the room's idle release), the time limit and a full room
    all free the slot; everything but a plain hang-up ends the call with a message
    (`CloseStream`), so nobody waits in silence.
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
-import inspect
 import logging
 import secrets
 import threading
@@ -29,7 +29,7 @@ import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from fastrtc import AdditionalOutputs, AsyncStreamHandler, CloseStream, get_current_context
@@ -38,13 +38,10 @@ from ..errors import CallerError
 from ..rtc.audio import output_frame_samples
 from ..runtime.voice_names import DEFAULT_VOICE
 from ..sampling_params import SamplingParams
-from ..serving.call import Call, CallEnded, CallState, EndReason
-from ..serving.pool import PoolClosedError, PoolFullError, PoolMetrics, SlotPool
+from ..serving.metrics import PoolMetrics
+from ..serving.room import CallEnded, CallHandle, CallState, EndReason, PoolClosedError, PoolFullError, Room
 from .page_inputs import PageInputs
 from .recording import CallRecording, RecordingFiles, RecordingStore
-
-if TYPE_CHECKING:  # the same surfaces for an engine in another process
-    from ..procs.remote_pool import EngineRouter, RemoteCall
 
 log = logging.getLogger(__name__)
 
@@ -102,22 +99,22 @@ def new_seed() -> int:
 
 
 class RoomMetrics:
-    """`pool.snapshot()` shared by every handler and page refresh, at most every `ttl` seconds:
+    """`room.snapshot()` shared by every handler and page refresh, at most every `ttl` seconds:
     a snapshot sorts thousands of samples under the ticker's lock, and many callers ask for it."""
 
     _lock = threading.Lock()
-    _cache: weakref.WeakKeyDictionary[SlotPool, tuple[float, PoolMetrics]] = weakref.WeakKeyDictionary()
+    _cache: weakref.WeakKeyDictionary[Room, tuple[float, PoolMetrics]] = weakref.WeakKeyDictionary()
 
     @classmethod
-    def get(cls, pool: SlotPool, ttl: float = 0.5) -> PoolMetrics:
+    def get(cls, room: Room, ttl: float = 0.5) -> PoolMetrics:
         now = time.monotonic()
         with cls._lock:
-            hit = cls._cache.get(pool)
+            hit = cls._cache.get(room)
             if hit is not None and now - hit[0] < ttl:
                 return hit[1]
-        metrics = pool.snapshot()
+        metrics = room.snapshot()
         with cls._lock:
-            cls._cache[pool] = (now, metrics)
+            cls._cache[room] = (now, metrics)
         return metrics
 
 
@@ -151,27 +148,27 @@ def room_line(m: PoolMetrics) -> str:
     return room
 
 
-def status_line(call: Call | None, pool: SlotPool) -> str:
+def status_line(call: CallHandle | None, room: Room) -> str:
     """One line for the page: the call's state (preparing / live with time left / queued) and the room."""
-    room = room_line(RoomMetrics.get(pool))
+    figures = room_line(RoomMetrics.get(room))
     if call is None:
-        return f"Connecting… · {room}"
+        return f"Connecting… · {figures}"
     if call.state == CallState.QUEUED:
-        return f"All slots are busy: you are number {call.queue_position} in the queue · {room}"
+        return f"All slots are busy: you are number {call.queue_position} in the queue · {figures}"
     if call.state == CallState.PREFILL:
-        return f"Preparing your voice and persona… · {room}"
+        return f"Preparing your voice and persona… · {figures}"
     if call.state == CallState.LIVE:
         left = call.time_left()
         tail = f" · {int(left // 60)}:{int(left % 60):02d} left" if left is not None else ""
-        return f"Live{tail} · {room}"
-    return f"Call ended ({call.end_reason}) · {room}"
+        return f"Live{tail} · {figures}"
+    return f"Call ended ({call.end_reason}) · {figures}"
 
 
 class Phase(enum.Enum):
     """Where a handler is in its call; fastrtc runs `start_up`, `receive` and `emit` concurrently."""
 
     STARTING = "starting"  # start_up is reading the page's inputs and asking for a slot
-    ACTIVE = "active"  # queued, preparing or live: the pool's Call says which
+    ACTIVE = "active"  # queued, preparing or live: the call says which
     FAILING = "failing"  # cannot go on (refused, unusable audio): the next emit ends it with `close_message`
     CLOSING = "closing"  # the final page update went out; the next emit closes the stream
     CLOSED = "closed"  # ended, and the page was shown why (FinalUpdates holds it when the connection is known)
@@ -209,17 +206,17 @@ class CallHandler(AsyncStreamHandler):
     Page updates are `AdditionalOutputs(transcript, status, call_id, files)`, where `files` is
     None or the (WAV, JSON) paths of the finished recording."""
 
-    def __init__(self, pool: SlotPool | EngineRouter, recordings: RecordingStore | None = None, *,
+    def __init__(self, room: Room, recordings: RecordingStore | None = None, *,
                  max_wait_seconds: float | None = 600.0, model_name: str | None = None):
         super().__init__(expected_layout="mono", output_sample_rate=SAMPLE_RATE, input_sample_rate=SAMPLE_RATE)
         # fastrtc paces agent audio in frames of this length; one frame makes one Opus packet (rtc/audio.py).
         self.output_frame_size = output_frame_samples(SAMPLE_RATE)
-        self.pool = pool
+        self.room = room
         self.recordings = recordings if recordings is not None else RecordingStore()
         self.max_wait_seconds = max_wait_seconds
         self.model_name = model_name
         self.phase = Phase.STARTING
-        self.call: Call | RemoteCall | None = None
+        self.call: CallHandle | None = None
         self.call_id = uuid.uuid4().hex[:12]
         self.webrtc_id: str | None = None
         self.close_message: str | None = None  # FAILING: why; CLOSING: what CloseStream says
@@ -234,7 +231,7 @@ class CallHandler(AsyncStreamHandler):
         self._last_receive: float | None = None
 
     def copy(self) -> CallHandler:
-        return CallHandler(self.pool, self.recordings, max_wait_seconds=self.max_wait_seconds,
+        return CallHandler(self.room, self.recordings, max_wait_seconds=self.max_wait_seconds,
                            model_name=self.model_name)
 
     def _fail(self, message: str) -> None:
@@ -254,23 +251,21 @@ class CallHandler(AsyncStreamHandler):
             log.info("call %s: no page inputs within %.0f s, using the defaults", self.call_id, ARGS_TIMEOUT)
         try:
             req = CallRequest.from_args(list(self.latest_args or []))
-            call = self.pool.acquire(req.voice, req.persona, req.sampling)
-            # An engine in another process answers asynchronously (engine_client).
-            self.call = await call if inspect.isawaitable(call) else call
+            self.call = await self.room.acquire(req.voice, req.persona, req.sampling)
         except CallerError as e:
             self._fail(f"This call cannot start: {e}")
             log.info("call %s refused: %s", self.call_id, e)
         except PoolFullError:
-            busy = f"All {self.pool.slots_total} conversation slots are busy"
-            self._fail(f"{busy}. Please try again in a minute." if not self.pool.config.max_queue else
+            busy = f"All {self.room.slots_total} conversation slots are busy"
+            self._fail(f"{busy}. Please try again in a minute." if not self.room.config.max_queue else
                        f"{busy} and the waiting line is full. Please try again in a minute.")
-            log.info("call %s refused: pool full", self.call_id)
+            log.info("call %s refused: room full", self.call_id)
         except PoolClosedError:
             self._fail(END_MESSAGES[EndReason.SHUTDOWN])
         else:
             self.phase = Phase.ACTIVE
             self.recording = self.recordings.start(self.call_id, req.recording_meta(self.call_id, self.model_name))
-            log.info("call %s: %s, voice %s (pool call %s)", self.call_id, self.call.state, req.voice, self.call.id)
+            log.info("call %s: %s, voice %s (room call %s)", self.call_id, self.call.state, req.voice, self.call.id)
         finally:
             self._started.set()
 
@@ -344,7 +339,7 @@ class CallHandler(AsyncStreamHandler):
         update = self._update(text_changed=bool(out.text))
         return (audio, update) if update is not None else audio
 
-    async def _wait_for_slot(self, call: Call):
+    async def _wait_for_slot(self, call: CallHandle):
         now = time.monotonic()
         if call.state == CallState.QUEUED:
             if self.max_wait_seconds is not None and now - self._connected_at > self.max_wait_seconds:
@@ -364,7 +359,7 @@ class CallHandler(AsyncStreamHandler):
 
     def _update(self, text_changed: bool = False, status_due: bool = False) -> AdditionalOutputs | None:
         """The page update, or None (PageThrottle)."""
-        status = self._throttle.take(text_changed, status_due, lambda: status_line(self.call, self.pool))
+        status = self._throttle.take(text_changed, status_due, lambda: status_line(self.call, self.room))
         return None if status is None else AdditionalOutputs(self.transcript, status, self.call_id, None)
 
     async def _ended_with(self, reason: str):
@@ -404,7 +399,7 @@ class CallHandler(AsyncStreamHandler):
                 # The page's relay delivers the updates still queued at the close; this one comes
                 # last, so a late "Live" status cannot overwrite the end of the call.
                 FinalUpdates.put(self.webrtc_id, (self.transcript,
-                                                  f"Call ended · {room_line(RoomMetrics.get(self.pool))}",
+                                                  f"Call ended · {room_line(RoomMetrics.get(self.room))}",
                                                   self.call_id, None))
         self._finish_recording(EndReason.HANGUP)
 

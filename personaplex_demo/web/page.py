@@ -24,7 +24,7 @@ from ..rtc.audio import answering_with_packet_time
 from ..rtc.ice import server_configuration
 from ..runtime.voices import DEFAULT_VOICE
 from ..sampling_params import SamplingParams
-from ..serving.pool import SlotPool
+from ..serving.room import Room
 from .deeplink import SEED_RANGE, LinkRules, NumberRule, add_deep_links, number_rule
 from .gradio_queue import bound_event_log
 from .handler import CallHandler, FinalUpdates, RoomMetrics, room_line
@@ -60,14 +60,14 @@ def load_presets() -> dict[str, str]:
     return json.loads((ASSETS / "personas.json").read_text(encoding="utf-8"))
 
 
-def status_payload(runtime, pool: SlotPool) -> dict[str, Any]:
+def status_payload(runtime, pool: Room) -> dict[str, Any]:
     """What `GET /api/status` returns: the model and the pool's live metrics."""
     capacity = getattr(runtime, "capacity", None)
     return {"model": runtime.model_name, "tiny": bool(runtime.is_tiny), "banner": runtime.banner,
             "capacity": capacity.as_dict() if capacity else None, **pool.snapshot().as_dict()}
 
 
-def status_routes(runtime, pool: SlotPool, extra: Callable[[], dict[str, Any]] | None = None) -> list[Route]:
+def status_routes(runtime, pool: Room, extra: Callable[[], dict[str, Any]] | None = None) -> list[Route]:
     """`extra`: more fields for the payload (per engine and per media worker, when there are several)."""
     async def status(_: Request) -> JSONResponse:
         payload = status_payload(runtime, pool)
@@ -78,7 +78,7 @@ def status_routes(runtime, pool: SlotPool, extra: Callable[[], dict[str, Any]] |
     return [Route("/api/status", status, methods=["GET"])]
 
 
-def stats_markdown(pool: SlotPool) -> str:
+def stats_markdown(pool: Room) -> str:
     m = RoomMetrics.get(pool)
     if not m.ticks:  # zeros would read as measurements
         return f"**Room** {room_line(m)} · latency and tick times appear once a call is live"
@@ -93,7 +93,7 @@ def page_values(transcript: str, status: str, call_id: str, files=None) -> tuple
     return transcript, status, call_id, call_id if files else ""
 
 
-def build_ui(runtime, pool: SlotPool, options: PageOptions | None = None,
+def build_ui(runtime, pool: Room, options: PageOptions | None = None,
              recordings: RecordingStore | None = None) -> gr.Blocks:
     """The page. `runtime` needs `.engine` (voice_names, max_persona_tokens, persona_tokens),
     `.model_name`, `.is_tiny` and `.banner`."""

@@ -21,8 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..serving.call import EndReason
-from ..serving.pool import SlotPool
+from ..serving.room import EndReason, Room
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +56,11 @@ COUNTERS = (
 class PoolCollector(Collector):
     """Reads one `pool.snapshot()` per scrape."""
 
-    def __init__(self, pool: SlotPool) -> None:
-        self.pool = pool
+    def __init__(self, room: Room) -> None:
+        self.room = room
 
     def collect(self) -> Iterable[Metric]:
-        m = self.pool.snapshot()
+        m = self.room.snapshot()
         for name, field, text in GAUGES:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=getattr(m, field))
         for name, field, text in COUNTERS:
@@ -72,11 +71,11 @@ class PoolCollector(Collector):
         yield ended
 
 
-def build_registry(pool: SlotPool) -> CollectorRegistry:
+def build_registry(room: Room) -> CollectorRegistry:
     """A registry of this pool's metrics plus the process's (memory, CPU, GC). Its own registry, not
     prometheus_client's global one, so several pools (tests) never clash."""
     registry = CollectorRegistry()
-    registry.register(PoolCollector(pool))
+    registry.register(PoolCollector(room))
     tick = Histogram(f"{PREFIX}_tick_seconds", "Wall time of one tick: the batched engine step and its bookkeeping.",
                      buckets=TICK_BUCKETS, registry=registry)
     latency = Histogram(f"{PREFIX}_frame_latency_seconds",
@@ -88,15 +87,15 @@ def build_registry(pool: SlotPool) -> CollectorRegistry:
         for value in latencies:
             latency.observe(value)
 
-    pool.add_tick_listener(observe)
+    room.add_tick_listener(observe)
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
     return registry
 
 
-def metrics_routes(pool: SlotPool) -> list[Route]:
-    registry = build_registry(pool)
+def metrics_routes(room: Room) -> list[Route]:
+    registry = build_registry(room)
 
     async def metrics(_: Request) -> Response:
         # A snapshot sorts thousands of samples under the ticker's lock: not on the event loop.

@@ -3,7 +3,7 @@
 Callers connect, talk, hang up, vanish without hanging up (idle release), hang up while queued or
 during prefill, and send bad input. At the end every slot must be free and the queue empty.
 
-    python -m personaplex_demo.soak --seconds 600 --slots 4 --callers 24
+    python -m tests.support.soak --seconds 600 --slots 4 --callers 24
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .engine.pcm import SamplingParams
-from .errors import CallerError
-from .runtime.build import RuntimeOptions, build_runtime
-from .serving.call import CallEnded, CallState
-from .serving.pool import PoolConfig, PoolFullError, SlotPool
+from personaplex_demo.errors import CallerError
+from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
+from personaplex_demo.sampling_params import SamplingParams
+from personaplex_demo.serving.config import PoolConfig
+from personaplex_demo.serving.pool import SlotPool
+from personaplex_demo.serving.room import CallEnded, CallState, PoolFullError
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ async def _caller(pool: SlotPool, voices: list[str], rng: random.Random, stop_at
         persona = "You enjoy having a good conversation." if kind < 0.9 else "x" * 100_000
         rep.calls += 1
         try:
-            call = pool.acquire(voice, persona, SamplingParams(seed=rng.randrange(2**31)))
+            call = pool.admit(voice, persona, SamplingParams(seed=rng.randrange(2**31)))
         except CallerError:
             rep.refused_bad_input += 1
             await asyncio.sleep(0.05)

@@ -1,0 +1,40 @@
+"""What the pool counts: per call, for the room, and who sits where."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+
+@dataclass
+class FrameCounters:
+    underruns: int = 0  # live ticks with no input frame (after the first): silence stood in
+    input_drops: int = 0  # oldest input frames dropped from a full jitter buffer or at a resync
+    output_drops: int = 0  # oldest outputs dropped because nobody read them in time
+
+
+@dataclass
+class CallCounters(FrameCounters):
+    frames_pushed: int = 0
+    frames_out: int = 0
+
+
+@dataclass
+class PoolCounters(FrameCounters):
+    """The room's totals; a call's frame counters are added here as they happen."""
+
+    overruns: int = 0  # steps that finished after their deadline
+    resyncs: int = 0  # times the ticker fell more than `resync_after_seconds` behind and skipped ahead
+    engine_errors: int = 0  # exceptions from engine.step / start_session
+    calls_started: int = 0  # calls that went live
+    calls_refused: int = 0  # PoolFullError raised
+    calls_ended: collections.Counter[str] = field(default_factory=collections.Counter)  # by `EndReason.kind`
+
+
+@dataclass(frozen=True)
+class SlotCounts:
+    total: int
+    live: int
+    prefill: int
+    free: int
+    queued: int

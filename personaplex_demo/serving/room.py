@@ -1,0 +1,131 @@
+"""The room contract: what every door (the WebRTC page, later other front ends) needs of a room of
+conversation slots, and what every back end (a `SlotPool` in this process, a `PoolRouter` over
+engine processes) provides. A door is typed against `Room` and `CallHandle` only, so it never
+knows which back end it has; docs/serving.md § The room contract draws both topologies.
+
+Everything here is torch-free: numpy frames in, numpy frames and text out.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from ..sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .config import PoolConfig
+    from .metrics import PoolMetrics
+
+TickListener = Callable[[float, list[float]], None]  # (tick seconds, latencies of the frames it stepped)
+
+
+class CallState(enum.StrEnum):
+    QUEUED = "queued"  # waiting for a free slot
+    PREFILL = "prefill"  # holds a slot; the voice and persona prompt is being played into it
+    LIVE = "live"  # stepped every tick
+    ENDED = "ended"  # for good; the slot stays held until the engine has dropped the session
+
+    @property
+    def waiting(self) -> bool:
+        """Not live yet, not ended: the caller sees a queue position or "preparing"."""
+        return self in (CallState.QUEUED, CallState.PREFILL)
+
+
+class EndReason(enum.StrEnum):
+    """Why a call ended. An engine failure is "error: <details>" (see `error`), counted as ERROR."""
+
+    HANGUP = "hangup"
+    IDLE = "idle"  # no input frame for `idle_release_seconds`
+    TIME_LIMIT = "time_limit"
+    QUEUE_TIMEOUT = "queue_timeout"
+    SHUTDOWN = "shutdown"
+    ERROR = "error"
+
+    @staticmethod
+    def error(detail: object) -> str:
+        return f"error: {detail}"
+
+    @staticmethod
+    def kind(reason: str) -> str:
+        """The counter a reason goes under: "error: ..." counts as "error"."""
+        return reason.partition(":")[0]
+
+
+class CallEnded(Exception):
+    """The call has ended (and, for `next_output`, every output has been read)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"call ended: {reason}")
+        self.reason = reason
+
+
+class PoolFullError(Exception):
+    """Every slot is busy and the waiting queue is full."""
+
+
+class PoolClosedError(Exception):
+    """The room has been shut down, or no engine behind it is running."""
+
+
+@dataclass
+class SlotOutput:
+    pcm: np.ndarray  # float32, one frame of agent audio at 24 kHz
+    text: str  # transcript text that became final this tick ("" if none)
+    tick: int
+
+
+class CallHandle(Protocol):
+    """One caller's call, as a door holds it. Non-blocking or awaitable: never blocks a loop."""
+
+    id: str
+    state: CallState
+    queue_position: int | None  # while QUEUED, 1 = next
+    slot: int | None
+    end_reason: str | None  # once ENDED
+
+    def push_frame(self, frame: np.ndarray) -> None:
+        """Queue one input frame (int16 or float, 24 kHz mono); dropped unless LIVE."""
+        ...
+
+    async def next_output(self, timeout: float) -> SlotOutput | None:
+        """The next output frame; None after `timeout` s without one; CallEnded once ended and drained."""
+        ...
+
+    async def wait_live(self, timeout: float | None = None) -> None:
+        """Return once LIVE; CallEnded if it ended first; TimeoutError after `timeout` s."""
+        ...
+
+    def time_left(self) -> float | None:
+        """Seconds until the time limit; None without a limit or while not LIVE."""
+        ...
+
+    def release(self, reason: str = EndReason.HANGUP) -> None:
+        """End the call (idempotent); the room frees its slot."""
+        ...
+
+
+class Room(Protocol):
+    """Slots shared by many callers, with one queue and one set of limits."""
+
+    config: PoolConfig
+
+    @property
+    def slots_total(self) -> int: ...
+
+    async def acquire(self, voice: str, persona: str, sampling: SamplingParams = ...) -> CallHandle:
+        """A call on a free slot (PREFILL) or in the queue (QUEUED). Raises a CallerError for a bad
+        request, PoolFullError when the queue is full, PoolClosedError after shutdown."""
+        ...
+
+    def snapshot(self) -> PoolMetrics:
+        """The room's figures now (slots, queue, tick and latency percentiles, counters)."""
+        ...
+
+    def add_tick_listener(self, listener: TickListener) -> None:
+        """Called with every tick's time and frame latencies (for /metrics); must be quick."""
+        ...
