@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import CallerError
+from .frame import AUDIO_CARD, TEXT_CARD
 
 
 @dataclass(frozen=True)
@@ -24,9 +25,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not (0.0 <= v <= 5.0) or v != v:
                 raise CallerError(f"{name} must be between 0 and 5, got {v}")
-        if not (1 <= self.text_top_k <= 32000):
-            raise CallerError(f"text_top_k must be between 1 and 32000, got {self.text_top_k}")
-        if not (1 <= self.audio_top_k <= 2048):
-            raise CallerError(f"audio_top_k must be between 1 and 2048, got {self.audio_top_k}")
+        if not (1 <= self.text_top_k <= TEXT_CARD):
+            raise CallerError(f"text_top_k must be between 1 and {TEXT_CARD}, got {self.text_top_k}")
+        if not (1 <= self.audio_top_k <= AUDIO_CARD):
+            raise CallerError(f"audio_top_k must be between 1 and {AUDIO_CARD}, got {self.audio_top_k}")
         if self.seed is not None and not (0 <= self.seed < 2**32):
             raise CallerError(f"seed must be between 0 and 4294967295, got {self.seed}")

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import AudioFormatError, CallerError, PersonaTooLongError
+from ..frame import FRAME_SAMPLES, SAMPLE_RATE
 from ..model.lm import PersonaPlexLM
 from ..sampling_params import SamplingParams
 from .core import LockstepCore
@@ -70,8 +71,8 @@ class LockstepEngine:
     `validate_request` and `persona_tokens` are safe from any thread.
     """
 
-    frame_size = 1920
-    sample_rate = 24000
+    frame_size = FRAME_SAMPLES
+    sample_rate = SAMPLE_RATE
 
     def __init__(self, lm: PersonaPlexLM, mimi, tokenizer, voices, batch_size: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

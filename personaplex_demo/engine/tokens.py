@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-TEXT_INITIAL = 32000  # input-only "initial" text id (= text_card)
-AUDIO_INITIAL = 2048  # input-only "initial" audio id (= card); never valid for Mimi
+from ..frame import AUDIO_CARD, TEXT_CARD
+
+TEXT_INITIAL = TEXT_CARD  # input-only "initial" text id
+AUDIO_INITIAL = AUDIO_CARD  # input-only "initial" audio id; never valid for Mimi
 TEXT_PAD = 3  # "zero text": the model is silent in text
 TEXT_EPAD = 0  # end of padding
 HIDDEN_TEXT_IDS = frozenset({TEXT_EPAD, TEXT_PAD})

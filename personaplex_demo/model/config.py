@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from ..frame import AUDIO_CARD, SAMPLE_RATE, TEXT_CARD
+
 # Delays of the rows of one frame: text, agent cb0..7, user cb0..7 (docs/engine.md § Frame layout).
 PERSONAPLEX_DELAYS = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
 
@@ -30,8 +32,8 @@ class LMConfig:
     context: int = 3000  # frames of attention (240 s), and the KV ring's capacity
     max_period: float = 10000.0  # RoPE
     # Streams: text vocabulary, audio codes, audio streams in / generated per frame
-    text_card: int = 32000
-    card: int = 2048
+    text_card: int = TEXT_CARD
+    card: int = AUDIO_CARD
     n_q: int = 16
     dep_q: int = 16
     # Depformer
@@ -94,7 +96,7 @@ class LMConfig:
 
 @dataclass(frozen=True)
 class MimiConfig:
-    sample_rate: int = 24000  # Hz
+    sample_rate: int = SAMPLE_RATE  # Hz
     frame_rate: float = 12.5  # frames per second: 80 ms, 1920 samples
     channels: int = 1
     # SEANet
@@ -115,7 +117,7 @@ class MimiConfig:
     # Split RVQ
     quantizer_dimension: int = 256
     quantizer_n_q: int = 32
-    quantizer_bins: int = 2048
+    quantizer_bins: int = AUDIO_CARD
     num_codebooks: int = 8
 
     @property

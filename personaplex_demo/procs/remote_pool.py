@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CallerError
+from ..frame import FRAME_SAMPLES
 from ..sampling_params import SamplingParams
 from ..serving.call import CallView, checked_frame
 from ..serving.config import PoolConfig
@@ -53,7 +54,6 @@ from .channel import Channel
 
 log = logging.getLogger(__name__)
 
-FRAME = 1920
 START_TIMEOUT = 15.0  # seconds an engine may take to answer a start (it is one dict lookup away)
 ENGINE_LOST = EndReason.error("the engine process stopped")
 START_TIMED_OUT = EndReason.error("start timed out")
@@ -84,7 +84,7 @@ class RemoteCall(CallView):
 
     def push_frame(self, frame: np.ndarray) -> None:
         """Queue one 1920-sample frame for the engine. Dropped unless live; never blocks."""
-        arr = checked_frame(frame, FRAME)  # sent as it is: int16 is half the bytes of float32
+        arr = checked_frame(frame, FRAME_SAMPLES)  # sent as it is: int16 is half the bytes of float32
         if self.state != CallState.LIVE:
             return
         self.frames_pushed += 1

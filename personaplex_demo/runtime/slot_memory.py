@@ -17,6 +17,7 @@ import torch
 from ..engine.core import VISIBLE_BUCKET, LockstepCore
 from ..engine.pcm import MAX_PERSONA_TOKENS
 from ..engine.tokens import SILENCE_FRAMES
+from ..frame import FRAME_SAMPLES
 from ..model.config import LMConfig
 from .capacity import SlotCost, kv_ring_bytes, plan_slots, safety_margin
 from .voices import VoiceCatalog, read_voice_file
@@ -75,7 +76,7 @@ def estimated_tick_bytes(cfg: LMConfig, frames: int, itemsize: int) -> int:
     activations, the attention scores and mask, the logits and the sampler's copies of them."""
     layer = (4 * cfg.dim + 4 * cfg.hidden) * itemsize + cfg.num_heads * frames * 4 + frames
     logits = 4 * 4 * (cfg.text_card + cfg.dep_q * cfg.card)
-    mimi_decode = 4 * 64 * 1920 * 4  # the decoder's widest activations (64 channels x 1920 samples), a few copies
+    mimi_decode = 4 * 64 * FRAME_SAMPLES * 4  # the decoder's widest activations (64 channels x 1920 samples), a few copies
     return 2 * (layer + logits + mimi_decode)
 
 
@@ -88,7 +89,7 @@ def probe_tick_bytes(lm, mimi, device: torch.device, dtype: torch.dtype) -> tupl
     for batch in PROBE_BATCHES:
         core = LockstepCore(lm, batch, device, dtype, context=VISIBLE_BUCKET, cuda_graphs=False)
         state = mimi.init_state(batch, device=device)
-        pcm = torch.zeros(batch, 1920, device=device)
+        pcm = torch.zeros(batch, FRAME_SAMPLES, device=device)
         with torch.no_grad():
             core.step(torch.zeros(batch, 8, dtype=torch.long, device=device))  # lazy set-up outside the peak
             torch.cuda.synchronize(device)

@@ -19,12 +19,12 @@ from pathlib import Path
 import sentencepiece as spm
 
 from ..engine.tokens import HIDDEN_TEXT_IDS, TEXT_EPAD, TEXT_PAD
+from ..frame import TEXT_CARD
 
 logger = logging.getLogger(__name__)
 
 SYSTEM_TAG = "<system>"
 # The text head's size (docs/model.md § The LM): ids at or above it are input-only and never shown.
-TEXT_CARD = 32000
 EPAD_ID, PAD_ID = TEXT_EPAD, TEXT_PAD  # carry no text, never shown
 
 
@@ -178,7 +178,7 @@ class TranscriptDecoder:
 # ---------------------------------------------------------------------------------------------
 # The tiny offline tokenizer
 
-TINY_VOCAB_SIZE = 32000
+TINY_VOCAB_SIZE = TEXT_CARD
 # A small English corpus (persona-style prompts and everyday conversation) so that persona text
 # gets real word pieces; the rest of the 32000 ids are filled with pronounceable synthetic words
 # so that whatever the tiny LM babbles reads as words in the transcript.

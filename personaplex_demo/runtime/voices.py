@@ -27,6 +27,7 @@ from typing import IO
 import torch
 
 from ..errors import UnknownVoiceError, VoiceArchiveError, VoiceFileError
+from ..frame import AUDIO_CARD, TEXT_CARD
 from ..model.hashinit import hash_ints, hash_tensor
 from .voice_names import DEFAULT_VOICE, VOICE_NAME_RE, VOICE_NAMES
 
@@ -35,8 +36,6 @@ logger = logging.getLogger(__name__)
 VOICES_FOLDER = "voices"
 
 CACHE_SHAPE = (1, 17, 4)  # [batch, token rows, staging ring columns] (docs/engine.md § Staging ring and delays)
-TEXT_CARD = 32000
-AUDIO_CARD = 2048
 TINY_VOICE_SEED = 20251202  # the golden fixtures' data seed
 
 # The official voices are about 0.5 MB each and 8 MB in all; these bounds leave a wide margin

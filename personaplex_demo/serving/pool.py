@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import CallerError
+from ..frame import FRAME_SAMPLES
 from ..sampling_params import SamplingParams
 from .call import Call, CallContext
 from .clock import Clock, RealClock
@@ -59,7 +60,7 @@ class SlotPool:
     def __init__(self, engine: LockstepEngine, config: PoolConfig | None = None, clock: Clock | None = None) -> None:
         self.engine = engine
         self.config = config = config if config is not None else PoolConfig()
-        self.frame_size = int(getattr(engine, "frame_size", 1920))
+        self.frame_size = int(getattr(engine, "frame_size", FRAME_SAMPLES))
         self._clock: Clock = clock if clock is not None else RealClock()
         self._lock = threading.Lock()
         self._counters = PoolCounters()

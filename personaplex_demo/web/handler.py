@@ -35,6 +35,7 @@ import numpy as np
 from fastrtc import AdditionalOutputs, AsyncStreamHandler, CloseStream, get_current_context
 
 from ..errors import CallerError
+from ..frame import FRAME_SAMPLES, SAMPLE_RATE
 from ..rtc.audio import output_frame_samples
 from ..runtime.voice_names import DEFAULT_VOICE
 from ..sampling_params import SamplingParams
@@ -45,8 +46,6 @@ from .recording import CallRecording, RecordingFiles, RecordingStore
 
 log = logging.getLogger(__name__)
 
-FRAME = 1920
-SAMPLE_RATE = 24000
 # Each page update costs the server a data-channel message and a Gradio event step, per caller:
 # new text is batched to at most one update per TEXT_SECONDS, and the status line (time left,
 # queue position, room) is looked at once per STATUS_SECONDS and sent only when it changed.
@@ -293,8 +292,8 @@ class CallHandler(AsyncStreamHandler):
             self._pending = np.zeros(0, np.int16)
             return
         self._pending = np.concatenate([self._pending, audio.reshape(-1)])
-        while self._pending.size >= FRAME:
-            chunk, self._pending = self._pending[:FRAME], self._pending[FRAME:]
+        while self._pending.size >= FRAME_SAMPLES:
+            chunk, self._pending = self._pending[:FRAME_SAMPLES], self._pending[FRAME_SAMPLES:]
             call.push_frame(chunk)
             self.frames_in += 1
             if self.recording is not None:

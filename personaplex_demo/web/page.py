@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from ..frame import AUDIO_CARD
 from ..rtc.audio import answering_with_packet_time
 from ..rtc.ice import server_configuration
 from ..runtime.voices import DEFAULT_VOICE
@@ -160,7 +161,7 @@ def build_ui(runtime, pool: Room, options: PageOptions | None = None,
                     text_temp = gr.Slider(0.0, 2.0, defaults.text_temperature, step=0.05, label="Text temperature")
                     text_topk = gr.Slider(1, 500, defaults.text_top_k, step=1, label="Text top-k")
                     audio_temp = gr.Slider(0.0, 2.0, defaults.audio_temperature, step=0.05, label="Audio temperature")
-                    audio_topk = gr.Slider(1, 2048, defaults.audio_top_k, step=1, label="Audio top-k")
+                    audio_topk = gr.Slider(1, AUDIO_CARD, defaults.audio_top_k, step=1, label="Audio top-k")
                     seed = gr.Number(-1, precision=0, label="Seed (-1: a new random seed per call)")
                 page = PageInputs(voice, persona, text_temp, text_topk, audio_temp, audio_topk, seed)
                 add_deep_links(demo, dict(preset=preset, **page._asdict()), LinkRules(

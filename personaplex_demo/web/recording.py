@@ -31,11 +31,10 @@ from typing import Any
 import numpy as np
 
 from ..cli.lifecycle import recordings_prefix
+from ..frame import FRAME_SAMPLES, SAMPLE_RATE
 
 logger = logging.getLogger(__name__)
 
-SAMPLE_RATE = 24000
-FRAME_SAMPLES = 1920  # one 80 ms engine frame
 _CHUNK_SAMPLES = SAMPLE_RATE * 10  # interleave 10 s at a time when writing the WAV
 _WRITE_BUFFER_BYTES = SAMPLE_RATE * 2 * 4  # 4 s of int16 audio per track
 

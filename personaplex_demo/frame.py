@@ -1,0 +1,13 @@
+"""The numbers every layer shares, defined once: the audio rate, the model's frame, the cards.
+
+PersonaPlex hears and speaks 24 kHz mono audio, 80 ms (1920 samples) at a time; its text
+tokenizer has 32000 pieces and each of Mimi's codebooks 2048 codes (docs/model.md). The card is
+also the id of the "initial" token that starts each stream, which is why it is one past the
+largest real id.
+"""
+
+SAMPLE_RATE = 24_000  # Hz, mono
+FRAME_SAMPLES = 1920  # one 80 ms model frame at SAMPLE_RATE
+FRAME_SECONDS = FRAME_SAMPLES / SAMPLE_RATE
+TEXT_CARD = 32_000  # text vocabulary size; also the text stream's initial token id
+AUDIO_CARD = 2048  # codes per Mimi codebook; also each audio stream's initial token id
