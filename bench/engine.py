@@ -34,13 +34,12 @@ from bench.common import (
     md_table,
     replace_section,
 )
+from bench.engines import build_engine, mid_lm_config
 from bench.model import LM_SEED, PERSONA_P, VOICE_T, bench_cache, bench_persona, bench_voice, hash_file
 from personaplex_demo.engine.core import LockstepCore
 from personaplex_demo.engine.pcm import SamplingParams
 from personaplex_demo.engine.stepwise import StepwiseCore
 from personaplex_demo.model.checkpoint import load_lm, meta_lm
-from personaplex_demo.model.config import LMConfig
-from personaplex_demo.runtime.build import build_engine
 
 SECTION = "Engine: tick and prefill"
 PERSONA = ("You work for CitySan Services, a waste management company, and your name is Ayelen Lucero. "
@@ -188,7 +187,7 @@ def main() -> int:
     rounds, cap = (8, 6.0) if a.quick else (60, 45.0)
     tiny_rows, start_stats = tiny_ticks(batches, rounds, cap)
     print(md_table(["tick", "median ms", "p99 ms", "fraction of 80 ms", "ms per caller", "calls"], tiny_rows))
-    cfg = LMConfig.mid()
+    cfg = mid_lm_config()
     lm = load_lm(cfg, hash_file("lm", "lm-mid", lambda: meta_lm(cfg), LM_SEED))
     mid_rows = mid_ticks(lm, batches, rounds, cap)
     print(md_table(["tick", "median ms", "p99 ms", "fraction of 80 ms", "ms per caller", "calls"], mid_rows))

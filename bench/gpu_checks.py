@@ -29,7 +29,8 @@ from personaplex_demo.engine.prompt import VoiceTokens
 from personaplex_demo.engine.stepwise import StepwiseCore
 from personaplex_demo.model.checkpoint import load_lm, load_mimi, meta_lm, meta_mimi, write_hash_checkpoint
 from personaplex_demo.model.config import LMConfig, MimiConfig
-from personaplex_demo.model.hashinit import hash_tensor, mimi_input
+from personaplex_demo.model.hashinit import hash_tensor
+from tests.support.signals import mimi_input
 
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden"
 GREEDY = SamplingParams(greedy=True)

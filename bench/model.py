@@ -2,7 +2,7 @@
 
 - Full-size Mimi (79 M parameters, hash-v1 weights): streaming encode and decode of one frame
   per row at B = 1, 4 (and 16 unless --quick).
-- The LM tick at the mid-size config (`LMConfig.mid()`): `LockstepCore.step` (tokens only:
+- The LM tick at the mid-size config (`mid_lm_config()`): `LockstepCore.step` (tokens only:
   staging ring, temporal step, text sampling, 8 depformer steps), and the bare network of that
   tick (temporal + out_norm + text_linear + 8 depformer steps, greedy) at B = 1, 4, 16.
 
@@ -41,12 +41,13 @@ from bench.common import (
     reference_version,
     replace_section,
 )
+from bench.engines import mid_lm_config
 from personaplex_demo.engine.core import LockstepCore
 from personaplex_demo.engine.pcm import SamplingParams
 from personaplex_demo.engine.prompt import VoiceTokens
 from personaplex_demo.model.checkpoint import load_lm, load_mimi, meta_lm, meta_mimi, write_hash_checkpoint
 from personaplex_demo.model.config import LMConfig, MimiConfig
-from personaplex_demo.model.hashinit import mimi_input
+from tests.support.signals import mimi_input
 
 SECTION = "Model: Mimi and LM step"
 LM_SEED, MIMI_SEED = 1242, 4347
@@ -169,7 +170,7 @@ def bench_persona(P: int = PERSONA_P) -> list[int]:
 
 
 def lm_rows(batches: list[int], ref, rounds: int, cap_s: float, profile: bool) -> tuple[list, list[str]]:
-    cfg = LMConfig.mid()
+    cfg = mid_lm_config()
     path = hash_file("lm", "lm-mid", lambda: meta_lm(cfg), LM_SEED)
     ours = load_lm(cfg, path)
     theirs = reference_lm(path, cfg) if ref is not None else None
@@ -309,7 +310,7 @@ def main() -> int:
     lm_b = [1, 4] if a.quick else [1, 4, 16]
     m_rows, m_notes = mimi_rows(mimi_b, ref, rounds, cap, a.profile) if a.only != "lm" else ([], [])
     l_rows, l_notes = lm_rows(lm_b, ref, rounds, cap, a.profile) if a.only != "mimi" else ([], [])
-    cfg = LMConfig.mid()
+    cfg = mid_lm_config()
     body = ""
     if m_rows:
         body += ("### Full-size Mimi, streaming, one 80 ms frame per row (fp32)\n\n"

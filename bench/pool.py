@@ -77,11 +77,11 @@ class SleepEngine:
 
 def tiny_factory() -> EngineFactory:
     try:
-        from personaplex_demo.runtime.build import build_engine
+        from bench.engines import build_engine
     except ImportError as exc:
         sys.exit(
             f"bench/pool.py: the tiny engine is not available ({exc}); "
-            "personaplex_demo.runtime.build.build_engine(model='tiny', slots=N) is needed. "
+            "bench/engines.py build_engine(model='tiny', slots=N) is needed. "
             "Run with --engine fake to measure the pool alone."
         )
     return lambda slots: build_engine(model="tiny", slots=slots)

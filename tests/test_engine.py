@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from personaplex_demo.engine.pcm import SamplingParams
+from personaplex_demo.engine.pcm import LockstepEngine, SamplingParams
+from personaplex_demo.engine.stepwise import StepwiseCore
 from personaplex_demo.errors import AudioFormatError, CallerError, PersonaTooLongError, UnknownVoiceError
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 
@@ -15,6 +16,12 @@ GREEDY = SamplingParams(greedy=True)
 
 def make_engine(cache_dir, slots: int, **kw):
     return build_runtime(RuntimeOptions(model="tiny", slots=slots, cache_dir=cache_dir, **kw)).engine
+
+
+def stepwise_engine(cache_dir) -> LockstepEngine:
+    """One slot whose system prompt plays tick by tick, as the reference plays it."""
+    e = make_engine(cache_dir, 1)
+    return LockstepEngine(e.core.lm, e.mimi, e.tokenizer, e.voices, 1, core_class=StepwiseCore)
 
 
 def speech_like(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -65,7 +72,7 @@ def test_batch_isolation_with_random_neighbours_and_recycles(tiny_cache_dir):
 def test_fast_prefill_equals_stepwise_and_cache_is_reused(tiny_cache_dir):
     rng = np.random.default_rng(3)
     audio = speech_like(rng, 40)
-    stepwise = make_engine(tiny_cache_dir, 1, stepwise_prefill=True)
+    stepwise = stepwise_engine(tiny_cache_dir)
     stepwise.start_session(0, "VARF3", PERSONA, GREEDY)
     warm = 0
     while not stepwise.core.is_live(0):

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from personaplex_demo.model.config import MimiConfig
-from personaplex_demo.model.hashinit import make_tensor, mimi_input
+from personaplex_demo.model.hashinit import make_tensor
 from personaplex_demo.model.mimi import Mimi
+
+from .support.signals import mimi_input
 
 GOLDEN = Path(__file__).parent / "golden"
 PCM_ATOL = 1e-5

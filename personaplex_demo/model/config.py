@@ -76,12 +76,6 @@ class LMConfig:
                    depformer_num_layers=2, depformer_dim_feedforward=int(4.125 * 32))
 
     @classmethod
-    def mid(cls) -> LMConfig:
-        """A mid-size config for CPU benchmarks (about 1/8 of the real width)."""
-        return cls(dim=512, num_heads=8, num_layers=8, depformer_dim=256, depformer_num_heads=4,
-                   depformer_num_layers=4, depformer_dim_feedforward=int(4.125 * 256))
-
-    @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> LMConfig:
         """Build from NVIDIA `LMModel` kwargs; unknown keys are architecture constants here."""
         names = {f.name for f in fields(cls)}

@@ -15,8 +15,6 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ..frame import FRAME_SAMPLES, SAMPLE_RATE
-
 M32 = np.uint64(0xFFFFFFFF)
 
 RULE_PARAMS = {
@@ -120,15 +118,3 @@ def rule(kind: str, key: str, shape: Sequence[int], p: dict[str, float] = RULE_P
 def make_tensor(kind: str, key: str, shape: Sequence[int], seed: int,
                 p: dict[str, float] = RULE_PARAMS) -> np.ndarray:
     return hash_tensor(key, seed, shape, *rule(kind, key, shape, p))
-
-
-def mimi_input(n_frames: int, seed: int) -> np.ndarray:
-    """Test signal "mimi-input-v1": a chirp with an envelope plus hashed noise, [n_frames, 1920]."""
-    n = n_frames * FRAME_SAMPLES
-    t = np.arange(n, dtype=np.float64) / SAMPLE_RATE
-    total = n / SAMPLE_RATE
-    phase = 2.0 * math.pi * (100.0 * t + (3000.0 - 100.0) * t * t / (2.0 * total))
-    env = 0.6 + 0.4 * np.sin(2.0 * math.pi * 0.5 * t)
-    noise = 2.0 * (hash_u32("mimi-input-noise", seed, n).astype(np.float64) / 4294967296.0) - 1.0
-    s = 0.4 * env * np.sin(phase) + 0.1 * noise
-    return (np.clip(np.round(s * 32768.0), -32768, 32767) / 32768.0).astype(np.float32).reshape(n_frames, FRAME_SAMPLES)

@@ -36,7 +36,6 @@ class RuntimeOptions:
     cache_dir: Path | None = None
     context: int | None = None  # temporal ring length in frames (--context seconds x 12.5); None: the model's
     prefix_cache_size: int = 8
-    stepwise_prefill: bool = False  # play system prompts tick by tick, as the reference does
     cuda_graphs: bool = True  # capture the tick as CUDA graphs on a GPU (eager fallback)
 
 
@@ -124,13 +123,9 @@ def build_runtime(options: RuntimeOptions, progress: ProgressFn | None = None,
                     plan.slots, plan.fit)
     engine = LockstepEngine(lm, mimi, tokenizer, voices, plan.slots, device, dtype,
                             prefix_cache_size=options.prefix_cache_size, context=frames,
-                            stepwise_prefill=options.stepwise_prefill, cuda_graphs=options.cuda_graphs)
+                            cuda_graphs=options.cuda_graphs)
     report("ready", 1.0)
     log.info("engine ready: %s on %s (%s), %d slots, context %g s", source.name, device,
              str(dtype).removeprefix("torch."), plan.slots, frames / FRAME_RATE)
     return Runtime(engine, source.name, source.is_tiny, banner, tokenizer, source, device, dtype, plan)
 
-
-def build_engine(model: str = "tiny", slots: int = 4, **kwargs) -> LockstepEngine:
-    """Shortcut for benchmarks and scripts."""
-    return build_runtime(RuntimeOptions(model=model, slots=slots, **kwargs)).engine
