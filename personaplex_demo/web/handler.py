@@ -22,14 +22,9 @@ import asyncio
 import collections
 import enum
 import logging
-import secrets
 import threading
 import time
 import uuid
-import weakref
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any
 
 import numpy as np
 from fastrtc import AdditionalOutputs, AsyncStreamHandler, CloseStream, get_current_context
@@ -37,20 +32,13 @@ from fastrtc import AdditionalOutputs, AsyncStreamHandler, CloseStream, get_curr
 from ..errors import CallerError
 from ..frame import FRAME_SAMPLES, SAMPLE_RATE
 from ..rtc.audio import output_frame_samples
-from ..runtime.voice_names import DEFAULT_VOICE
-from ..sampling_params import SamplingParams
-from ..serving.metrics import PoolMetrics
 from ..serving.room import CallEnded, CallHandle, CallState, EndReason, PoolClosedError, PoolFullError, Room
-from .page_inputs import PageInputs
+from .page_inputs import CallRequest
 from .recording import CallRecording, RecordingFiles, RecordingStore
+from .status import STATUS_SECONDS, PageThrottle, RoomMetrics, room_line, status_line
 
 log = logging.getLogger(__name__)
 
-# Each page update costs the server a data-channel message and a Gradio event step, per caller:
-# new text is batched to at most one update per TEXT_SECONDS, and the status line (time left,
-# queue position, room) is looked at once per STATUS_SECONDS and sent only when it changed.
-STATUS_SECONDS = 1.0
-TEXT_SECONDS = 0.5
 CLOSE_GRACE_SECONDS = 0.3  # between the final page update and CloseStream
 ARGS_TIMEOUT = 5.0  # seconds to wait for the page's inputs before using the defaults
 QUEUED_SILENCE_SECONDS = 5.0  # a queued caller sending no audio for this long has gone away
@@ -61,60 +49,6 @@ END_MESSAGES = {
     EndReason.SHUTDOWN: "The server is restarting. Please try again in a minute.",
     EndReason.QUEUE_TIMEOUT: "Still no free slot after a long wait, sorry. Please try again in a few minutes.",
 }
-
-
-@dataclass(frozen=True)
-class CallRequest:
-    voice: str
-    persona: str
-    sampling: SamplingParams
-
-    @classmethod
-    def from_args(cls, args: list) -> CallRequest:
-        """The request the page's inputs make (the defaults, with a new seed, before it sent any)."""
-        page = PageInputs.from_args(args)
-        if page is None:
-            return cls(DEFAULT_VOICE, "", SamplingParams(seed=new_seed()))
-        seed = page.seed
-        try:
-            sampling = SamplingParams(text_temperature=float(page.text_temperature), text_top_k=int(page.text_top_k),
-                                      audio_temperature=float(page.audio_temperature),
-                                      audio_top_k=int(page.audio_top_k),
-                                      seed=new_seed() if seed in (None, "", -1) else int(seed))
-        except (TypeError, ValueError) as e:
-            raise CallerError(f"the sampling settings must be numbers: {e}") from e
-        return cls(str(page.voice or DEFAULT_VOICE), str(page.persona or ""), sampling)
-
-    def recording_meta(self, call_id: str, model: str) -> dict[str, Any]:
-        """The call's settings, as they head its transcript JSON (documented in the README)."""
-        return {"call_id": call_id, "model": model, "voice": self.voice, "persona": self.persona,
-                "sampling": asdict(self.sampling)}
-
-
-def new_seed() -> int:
-    """A seed for a caller who asked for a random one. Drawn here, not in the engine, so that it
-    goes into the call's transcript JSON and the call can be replayed with it."""
-    return secrets.randbits(32)
-
-
-class RoomMetrics:
-    """`room.snapshot()` shared by every handler and page refresh, at most every `ttl` seconds:
-    a snapshot sorts thousands of samples under the ticker's lock, and many callers ask for it."""
-
-    _lock = threading.Lock()
-    _cache: weakref.WeakKeyDictionary[Room, tuple[float, PoolMetrics]] = weakref.WeakKeyDictionary()
-
-    @classmethod
-    def get(cls, room: Room, ttl: float = 0.5) -> PoolMetrics:
-        now = time.monotonic()
-        with cls._lock:
-            hit = cls._cache.get(room)
-            if hit is not None and now - hit[0] < ttl:
-                return hit[1]
-        metrics = room.snapshot()
-        with cls._lock:
-            cls._cache[room] = (now, metrics)
-        return metrics
 
 
 class FinalUpdates:
@@ -140,29 +74,6 @@ class FinalUpdates:
             return cls._updates.pop(webrtc_id, None)
 
 
-def room_line(m: PoolMetrics) -> str:
-    room = f"slots {m.slots_live + m.slots_prefill}/{m.slots_total} in use"
-    if m.queue_length:
-        room += f", {m.queue_length} waiting"
-    return room
-
-
-def status_line(call: CallHandle | None, room: Room) -> str:
-    """One line for the page: the call's state (preparing / live with time left / queued) and the room."""
-    figures = room_line(RoomMetrics.get(room))
-    if call is None:
-        return f"Connecting… · {figures}"
-    if call.state == CallState.QUEUED:
-        return f"All slots are busy: you are number {call.queue_position} in the queue · {figures}"
-    if call.state == CallState.PREFILL:
-        return f"Preparing your voice and persona… · {figures}"
-    if call.state == CallState.LIVE:
-        left = call.time_left()
-        tail = f" · {int(left // 60)}:{int(left % 60):02d} left" if left is not None else ""
-        return f"Live{tail} · {figures}"
-    return f"Call ended ({call.end_reason}) · {figures}"
-
-
 class Phase(enum.Enum):
     """Where a handler is in its call; fastrtc runs `start_up`, `receive` and `emit` concurrently."""
 
@@ -172,31 +83,6 @@ class Phase(enum.Enum):
     CLOSING = "closing"  # the final page update went out; the next emit closes the stream
     CLOSED = "closed"  # ended, and the page was shown why (FinalUpdates holds it when the connection is known)
     ENDED = "ended"  # ended without a final update: a plain hang-up, or no page listening
-
-
-class PageThrottle:
-    """When a page update is due: new text at most every TEXT_SECONDS, a changed status line at
-    most every STATUS_SECONDS, and nothing that would repeat the previous update."""
-
-    def __init__(self) -> None:
-        self.last_status = ""
-        self.last_at = 0.0
-        self.text_pending = False  # transcript text not yet sent to the page
-
-    def take(self, text_changed: bool, status_due: bool, status: Callable[[], str]) -> str | None:
-        """The status line to send now with the transcript, or None. `status_due` (while waiting
-        for a slot) looks at the status now; `status` is only called when an update could be due."""
-        now = time.monotonic()
-        self.text_pending |= text_changed
-        since = now - self.last_at
-        if not status_due and since < (TEXT_SECONDS if self.text_pending else STATUS_SECONDS):
-            return None
-        line = status()
-        if not self.text_pending and line == self.last_status:
-            return None
-        self.text_pending = False
-        self.last_status, self.last_at = line, now
-        return line
 
 
 class CallHandler(AsyncStreamHandler):

@@ -1,4 +1,5 @@
-"""The page's call settings, as one named tuple shared by the page (web/page.py) and the handler.
+"""The page's call settings, as one named tuple shared by the page (web/page.py) and the handler,
+and the call request they make.
 
 fastrtc passes the WebRTC stream's inputs to the handler as a list in the order the page lists
 them (`rtc.stream(..., inputs=[rtc, *PageInputs(...)])`); the handler reads them back by name
@@ -7,7 +8,13 @@ them (`rtc.stream(..., inputs=[rtc, *PageInputs(...)])`); the handler reads them
 
 from __future__ import annotations
 
+import secrets
+from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
+
+from ..errors import CallerError
+from ..runtime.voice_names import DEFAULT_VOICE
+from ..sampling_params import SamplingParams
 
 
 class PageInputs(NamedTuple):
@@ -26,3 +33,37 @@ class PageInputs(NamedTuple):
         `Stream.set_input` (`__webrtc_value__`, inputs...)."""
         n = len(cls._fields)
         return cls(*args[-n:]) if len(args) >= n + 1 else None
+
+
+@dataclass(frozen=True)
+class CallRequest:
+    voice: str
+    persona: str
+    sampling: SamplingParams
+
+    @classmethod
+    def from_args(cls, args: list) -> CallRequest:
+        """The request the page's inputs make (the defaults, with a new seed, before it sent any)."""
+        page = PageInputs.from_args(args)
+        if page is None:
+            return cls(DEFAULT_VOICE, "", SamplingParams(seed=new_seed()))
+        seed = page.seed
+        try:
+            sampling = SamplingParams(text_temperature=float(page.text_temperature), text_top_k=int(page.text_top_k),
+                                      audio_temperature=float(page.audio_temperature),
+                                      audio_top_k=int(page.audio_top_k),
+                                      seed=new_seed() if seed in (None, "", -1) else int(seed))
+        except (TypeError, ValueError) as e:
+            raise CallerError(f"the sampling settings must be numbers: {e}") from e
+        return cls(str(page.voice or DEFAULT_VOICE), str(page.persona or ""), sampling)
+
+    def recording_meta(self, call_id: str, model: str) -> dict[str, Any]:
+        """The call's settings, as they head its transcript JSON (documented in the README)."""
+        return {"call_id": call_id, "model": model, "voice": self.voice, "persona": self.persona,
+                "sampling": asdict(self.sampling)}
+
+
+def new_seed() -> int:
+    """A seed for a caller who asked for a random one. Drawn here, not in the engine, so that it
+    goes into the call's transcript JSON and the call can be replayed with it."""
+    return secrets.randbits(32)

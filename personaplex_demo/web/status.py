@@ -1,0 +1,86 @@
+"""What a caller's page shows of the room and of their call: the status line, the room's figures
+(shared by every page, at most twice a second), and when an update is worth sending."""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+from ..serving.metrics import PoolMetrics
+from ..serving.room import CallHandle, CallState, Room
+
+# Each page update costs the server a data-channel message and a Gradio event step, per caller:
+# new text is batched to at most one update per TEXT_SECONDS, and the status line (time left,
+# queue position, room) is looked at once per STATUS_SECONDS and sent only when it changed.
+STATUS_SECONDS = 1.0
+TEXT_SECONDS = 0.5
+
+
+class RoomMetrics:
+    """`room.snapshot()` shared by every handler and page refresh, at most every `ttl` seconds:
+    a snapshot sorts thousands of samples under the ticker's lock, and many callers ask for it."""
+
+    _lock = threading.Lock()
+    _cache: weakref.WeakKeyDictionary[Room, tuple[float, PoolMetrics]] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def get(cls, room: Room, ttl: float = 0.5) -> PoolMetrics:
+        now = time.monotonic()
+        with cls._lock:
+            hit = cls._cache.get(room)
+            if hit is not None and now - hit[0] < ttl:
+                return hit[1]
+        metrics = room.snapshot()
+        with cls._lock:
+            cls._cache[room] = (now, metrics)
+        return metrics
+
+
+def room_line(m: PoolMetrics) -> str:
+    room = f"slots {m.slots_live + m.slots_prefill}/{m.slots_total} in use"
+    if m.queue_length:
+        room += f", {m.queue_length} waiting"
+    return room
+
+
+def status_line(call: CallHandle | None, room: Room) -> str:
+    """One line for the page: the call's state (preparing / live with time left / queued) and the room."""
+    figures = room_line(RoomMetrics.get(room))
+    if call is None:
+        return f"Connecting… · {figures}"
+    if call.state == CallState.QUEUED:
+        return f"All slots are busy: you are number {call.queue_position} in the queue · {figures}"
+    if call.state == CallState.PREFILL:
+        return f"Preparing your voice and persona… · {figures}"
+    if call.state == CallState.LIVE:
+        left = call.time_left()
+        tail = f" · {int(left // 60)}:{int(left % 60):02d} left" if left is not None else ""
+        return f"Live{tail} · {figures}"
+    return f"Call ended ({call.end_reason}) · {figures}"
+
+
+class PageThrottle:
+    """When a page update is due: new text at most every TEXT_SECONDS, a changed status line at
+    most every STATUS_SECONDS, and nothing that would repeat the previous update."""
+
+    def __init__(self) -> None:
+        self.last_status = ""
+        self.last_at = 0.0
+        self.text_pending = False  # transcript text not yet sent to the page
+
+    def take(self, text_changed: bool, status_due: bool, status: Callable[[], str]) -> str | None:
+        """The status line to send now with the transcript, or None. `status_due` (while waiting
+        for a slot) looks at the status now; `status` is only called when an update could be due."""
+        now = time.monotonic()
+        self.text_pending |= text_changed
+        since = now - self.last_at
+        if not status_due and since < (TEXT_SECONDS if self.text_pending else STATUS_SECONDS):
+            return None
+        line = status()
+        if not self.text_pending and line == self.last_status:
+            return None
+        self.text_pending = False
+        self.last_status, self.last_at = line, now
+        return line
