@@ -60,19 +60,10 @@ def fail_without_gpu(dry_run: bool) -> None:
 # ---- hash-v1 on the device ----------------------------------------------------------------------
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    # int64 products may wrap, but their low 32 bits stay exact, and only those are kept.
-    h = h & M32
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & M32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & M32
-    return h ^ (h >> 16)
-
-
 def hash_tensor_on(kind: str, key: str, shape: tuple[int, ...], seed: int, device: torch.device,
                    dtype: torch.dtype, chunk: int = 1 << 26) -> torch.Tensor:
     """Exactly `make_tensor(kind, key, shape, seed)` (float32, then cast to dtype), computed on device."""
+    from personaplex_demo.engine.sampling import fmix32 as fmix32_tensor
     from personaplex_demo.model.hashinit import fmix32, rule
 
     offset, scale = rule(kind, key, shape)
@@ -83,7 +74,7 @@ def hash_tensor_on(kind: str, key: str, shape: tuple[int, ...], seed: int, devic
     out = torch.empty(n, dtype=dtype, device=device)
     for s in range(0, n, chunk):
         i = torch.arange(s, min(n, s + chunk), device=device, dtype=torch.long)
-        h = _fmix32(((i * 0x9E3779B1) & M32) ^ c)
+        h = fmix32_tensor(((i * 0x9E3779B1) & M32) ^ c)
         # The same float64 operations, one kernel each, as the numpy recipe: no fused multiply-add.
         v = h.double().div_(4294967296.0).mul_(2.0).sub_(1.0).mul_(scale)
         if offset != 0.0:

@@ -16,7 +16,8 @@ import torch
 _M32 = 0xFFFFFFFF
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
+def fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer on int64 tensors, as `model.hashinit.fmix32` on numpy."""
     # int64 products wrap on overflow, but the low 32 bits stay exact, which is all we keep.
     h = h & _M32
     h = h ^ (h >> 16)
@@ -29,8 +30,8 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
 def exponential_noise(seed: torch.Tensor, counter: torch.Tensor, stream: int, n: int) -> torch.Tensor:
     """Exp(1) draws [B, n] from per-row seed [B] and counter [B] (int64)."""
     idx = torch.arange(n, device=seed.device, dtype=torch.long).view(1, n)
-    c = _fmix32(_fmix32(seed.view(-1, 1) ^ 0x5BD1E995) ^ (counter.view(-1, 1) * 0x27D4EB2F + stream * 0x165667B1))
-    h = _fmix32(((idx * 0x9E3779B1) & _M32) ^ c)
+    c = fmix32(fmix32(seed.view(-1, 1) ^ 0x5BD1E995) ^ (counter.view(-1, 1) * 0x27D4EB2F + stream * 0x165667B1))
+    h = fmix32(((idx * 0x9E3779B1) & _M32) ^ c)
     u = (h.double() + 0.5) / 4294967296.0  # in (0, 1): never log(0)
     return (-torch.log(u)).float()
 
