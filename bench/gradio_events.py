@@ -1,7 +1,7 @@
 """What Gradio's queue spends after each event, against how many events the server has run.
 
 Gradio 5.50 keeps an analytics entry for every event it has run and, after each event, summarises
-all of them with a pandas table (web/gradio_queue.py). This times that step (`Queue.
+all of them with a pandas table (rtc/patches.py). This times that step (`Queue.
 compute_analytics_summary`, as the queue calls it) after 1,000 to 50,000 past events, for a page
 as Gradio builds it and for one with `bound_event_log`, and turns it into cores at the rate of
 events that 60 open pages raise (the room's stats every 5 s each: 12 a second).
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gradio as gr  # noqa: E402
 
 from bench.common import md_table, replace_section  # noqa: E402
-from personaplex_demo.web.gradio_queue import bound_event_log  # noqa: E402
+from personaplex_demo.rtc.patches import bound_event_log  # noqa: E402
 
 log = logging.getLogger("bench.gradio_events")
 EVENTS_PER_SECOND = 60 / 5  # 60 open pages, one stats event every 5 s each

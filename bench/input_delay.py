@@ -26,7 +26,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import md_table, replace_section  # noqa: E402
-from personaplex_demo.rtc.audio import PACKET_MS, install_packet_encoder, make_jitter_buffer_class  # noqa: E402
+from personaplex_demo.rtc.audio import PACKET_MS, make_jitter_buffer_class  # noqa: E402
+from personaplex_demo.rtc.patches import install_packet_encoder  # noqa: E402
 
 log = logging.getLogger("bench.input_delay")
 SECTION = "Caller's audio into the server"
@@ -44,7 +45,7 @@ async def one_run(packet_ms: int, timed: bool, seconds: float) -> list[float]:
     from aiortc.mediastreams import MediaStreamError
     from av import AudioFrame
 
-    from personaplex_demo.rtc.settings import loopback_host_addresses
+    from personaplex_demo.rtc.patches import loopback_host_addresses
 
     aioice.ice.get_host_addresses = loopback_host_addresses
     original_encoder = sender.get_encoder

@@ -271,7 +271,7 @@ class PageCaller:
         if "sdp" not in answer:
             raise RuntimeError(f"offer refused: {answer}")
         if "a=ptime:40" in answer["sdp"]:
-            from personaplex_demo.rtc.audio import install_packet_encoder
+            from personaplex_demo.rtc.patches import install_packet_encoder
 
             install_packet_encoder()  # as a browser does: it sends the packet length the answer asks for
         await self.pc.setRemoteDescription(RTCSessionDescription(answer["sdp"], answer["type"]))
@@ -362,8 +362,7 @@ async def run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
     import aioice.ice
     import aiortc.rtcrtpsender
 
-    from personaplex_demo.rtc.audio import install_audio_level
-    from personaplex_demo.rtc.settings import loopback_host_addresses
+    from personaplex_demo.rtc.patches import install_audio_level, loopback_host_addresses
 
     aioice.ice.get_host_addresses = loopback_host_addresses
     install_audio_level()  # a browser computes the RTP audio level natively, not in a Python loop

@@ -72,6 +72,6 @@ def loopback_ice(monkeypatch):
     meet on loopback only."""
     import aioice.ice
 
-    from personaplex_demo.rtc.settings import loopback_host_addresses
+    from personaplex_demo.rtc.patches import loopback_host_addresses
 
     monkeypatch.setattr(aioice.ice, "get_host_addresses", loopback_host_addresses)

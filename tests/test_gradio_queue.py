@@ -5,7 +5,7 @@ from __future__ import annotations
 import gradio as gr
 from gradio.queueing import Queue
 
-from personaplex_demo.web.gradio_queue import BoundedEventLog, bound_event_log
+from personaplex_demo.rtc.patches import BoundedEventLog, bound_event_log
 
 
 def entry(status: str) -> dict:
@@ -41,7 +41,7 @@ def test_a_built_page_keeps_a_bounded_log_and_builds_no_summary_table(monkeypatc
 
 
 def test_without_the_bound_gradio_would_build_the_table_after_each_event(monkeypatch):
-    """The premise of web/gradio_queue.py, checked against the installed Gradio."""
+    """The premise of `bound_event_log` (rtc/patches.py), checked against the installed Gradio."""
     with gr.Blocks() as demo:
         gr.Markdown("page")
     built, get_df = [], Queue._get_df

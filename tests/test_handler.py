@@ -17,10 +17,10 @@ import pytest
 from fastapi import FastAPI
 from fastrtc import AdditionalOutputs, CloseStream, Stream
 
+from personaplex_demo.rtc.patches import BoundedEventLog
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.pool import SlotPool
-from personaplex_demo.web.gradio_queue import BoundedEventLog
 from personaplex_demo.web.handler import CallHandler, FinalUpdates
 from personaplex_demo.web.page_inputs import PageInputs
 from personaplex_demo.web.recording import RecordingStore

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from huggingface_hub.errors import LocalEntryNotFoundError
 
-from personaplex_demo import hub
 from personaplex_demo.errors import CheckpointError, ModelDownloadError
 from personaplex_demo.model.config import ModelFiles
+from personaplex_demo.runtime import hub
 from personaplex_demo.runtime.hub import SecretFilter, install_secret_filter, redact_secrets, resolve_model
 
 FAKE_TOKEN = "hf_FAKEfakeFAKEfakeFAKEfakeFAKEfake1234"

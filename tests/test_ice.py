@@ -83,7 +83,7 @@ async def test_hf_token_gives_cloudflare_turn_and_relay_only_wraps_it(monkeypatc
 
 
 def test_the_app_refuses_to_start_with_unusable_ice_settings(monkeypatch, caplog):
-    from personaplex_demo import app
+    from personaplex_demo.cli import app
 
     monkeypatch.setenv("PERSONAPLEX_ICE_SERVERS", '[{"urls": "turn:t.example.com"}]')
     monkeypatch.setattr(app, "setup_logging", lambda verbose=False: None)

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 from bench.common import free_port
-from personaplex_demo import loading, preflight
+from personaplex_demo.cli import preflight
 from personaplex_demo.cli.offline import main as offline_main
 from personaplex_demo.cli.preflight import NOMINAL_SIZES, PreflightError, check_cache_folder, check_port
 from personaplex_demo.errors import UnknownVoiceError
 from personaplex_demo.model.config import ModelFiles
+from personaplex_demo.runtime import build
 from personaplex_demo.runtime.hub import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,8 +183,8 @@ def no_model_loading(monkeypatch):
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before the request was checked")
 
-    monkeypatch.setattr(loading, "load_lm", refuse)
-    monkeypatch.setattr(loading, "load_mimi", refuse)
+    monkeypatch.setattr(build, "load_lm", refuse)
+    monkeypatch.setattr(build, "load_mimi", refuse)
 
 
 @pytest.mark.parametrize("extra, expected", [
@@ -209,7 +210,7 @@ def test_offline_cli_checks_voice_and_persona_before_loading(extra, expected, ti
 
 
 def test_the_request_check_runs_before_the_weights_are_fetched(monkeypatch, tiny_repo, tmp_path):
-    from personaplex_demo import hub
+    from personaplex_demo.runtime import hub
 
     fetched: list[str] = []
     snapshot = tmp_path / "snapshots" / "abc"

@@ -13,14 +13,13 @@ from personaplex_demo.rtc.audio import (
     PACKET_MS,
     PREFETCH_MS,
     answering_with_packet_time,
-    install_jitter_buffer,
-    install_packet_encoder,
     make_encoder_class,
     make_jitter_buffer_class,
     output_frame_samples,
     packet_time,
     with_packet_time,
 )
+from personaplex_demo.rtc.patches import install_jitter_buffer, install_packet_encoder
 
 
 def test_packets_carry_40_ms_and_decode_to_the_same_tone():
@@ -127,7 +126,8 @@ def test_the_audio_level_is_aiortcs_to_the_bit():
 def test_install_makes_the_sender_use_the_numpy_level():
     import aiortc.rtp as rtp
 
-    from personaplex_demo.rtc.audio import audio_level_dbov, install_audio_level
+    from personaplex_demo.rtc.audio import audio_level_dbov
+    from personaplex_demo.rtc.patches import install_audio_level
 
     before = rtp.compute_audio_level_dbov
     try:
@@ -178,3 +178,27 @@ def test_install_gives_receivers_the_timed_jitter_buffer_for_audio_only():
         assert not timed(capacity=512, is_video=True)._timed and timed(capacity=16, prefetch=4)._timed
     finally:
         receiver.JitterBuffer = before
+
+
+def test_every_patched_library_is_pinned_at_the_version_its_patches_were_written_for():
+    from pathlib import Path
+
+    from personaplex_demo.rtc.patches import WRITTEN_FOR, written_for
+
+    pins = dict(line.split("==") for line in (Path(__file__).resolve().parent.parent / "requirements.txt")
+                .read_text().splitlines() if "==" in line and not line.startswith("#"))
+    assert {name: pins.get(name) for name in WRITTEN_FOR} == WRITTEN_FOR
+    assert all(written_for(name) for name in WRITTEN_FOR)  # and those are the ones installed
+
+
+def test_a_patch_of_another_version_is_named_in_the_log(monkeypatch, caplog):
+    from personaplex_demo.rtc import patches
+
+    monkeypatch.setitem(patches.WRITTEN_FOR, "aioice", "0.0.1")
+    patches.written_for.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="personaplex_demo.rtc.patches"):
+            assert not patches.written_for("aioice")
+        assert "aioice 0.13.0 is installed; this app's patches of it were written for 0.0.1" in caplog.text
+    finally:
+        patches.written_for.cache_clear()

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from personaplex_demo import voices
 from personaplex_demo.errors import CallerError, UnknownVoiceError, VoiceArchiveError, VoiceFileError
+from personaplex_demo.runtime import voices
 from personaplex_demo.runtime.voices import (
     DEFAULT_VOICE,
     VOICE_NAMES,

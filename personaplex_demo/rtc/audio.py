@@ -113,37 +113,6 @@ def audio_level_dbov(frame) -> int:
     return -127
 
 
-def install_audio_level() -> None:
-    """Make aiortc's senders in this process compute each packet's audio level with
-    `audio_level_dbov`. Idempotent. aiortc looks the function up on `aiortc.rtp` for every frame."""
-    import aiortc.rtp as rtp
-
-    if rtp.compute_audio_level_dbov is not audio_level_dbov:
-        rtp.compute_audio_level_dbov = audio_level_dbov
-
-
-def install_packet_encoder() -> None:
-    """Make aiortc's senders in this process encode Opus in `PACKET_MS` packets. Idempotent.
-
-    aiortc picks an encoder per negotiated codec through `aiortc.rtcrtpsender.get_encoder`;
-    other codecs keep aiortc's own encoders."""
-    import aiortc.rtcrtpsender as sender
-
-    if getattr(sender.get_encoder, "packet_ms", None) == PACKET_MS:
-        return
-    original = sender.get_encoder
-    encoder_class = make_encoder_class()
-
-    def get_encoder(codec):
-        if codec.mimeType.lower() == "audio/opus":
-            return encoder_class()
-        return original(codec)
-
-    get_encoder.packet_ms = PACKET_MS
-    sender.get_encoder = get_encoder
-    log.debug("outgoing Opus in %d ms packets", PACKET_MS)
-
-
 def prefetch_packets(packet_samples: int) -> int:
     """Packets to hold back so that they cover `PREFETCH_MS` of audio: 4 of 20 ms, 2 of 40 ms."""
     return max(1, -(-OPUS_RATE * PREFETCH_MS // 1000 // packet_samples))
@@ -175,17 +144,3 @@ def make_jitter_buffer_class():
             return super().add(packet)
 
     return TimedJitterBuffer
-
-
-def install_jitter_buffer() -> None:
-    """Make aiortc's receivers in this process use `TimedJitterBuffer`. Idempotent.
-
-    aiortc's `RTCRtpReceiver` builds its jitter buffer from the name `JitterBuffer` in its own
-    module, once per receiver."""
-    import aiortc.rtcrtpreceiver as receiver
-
-    if getattr(receiver.JitterBuffer, "prefetch_ms", None) == PREFETCH_MS:
-        return
-    buffer_class = make_jitter_buffer_class()
-    buffer_class.prefetch_ms = PREFETCH_MS
-    receiver.JitterBuffer = buffer_class

@@ -1,0 +1,155 @@
+"""Every change this app makes to a pinned library, in one place, each with the version it was
+written for.
+
+They replace a module attribute or a setting that the library looks up at run time, so that the
+app needs no fork: aiortc's Opus encoder, audio level and jitter buffer (rtc/audio.py says why),
+aioice's host addresses and consent checks, and Gradio's record of past events. Each one first
+asks `written_for`, which logs a warning when the installed version is not the one the patch was
+read against: the patch still applies (each checks that what it replaces is there), but its
+premise is then unchecked, and tests/test_rtc_audio.py and tests/test_gradio_queue.py are the
+place to look.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from importlib import metadata
+from typing import Any
+
+from .audio import PACKET_MS, PREFETCH_MS, audio_level_dbov, make_encoder_class, make_jitter_buffer_class
+
+log = logging.getLogger(__name__)
+
+# The versions requirements.txt and requirements-dev.txt pin, which every patch here was read against.
+WRITTEN_FOR = {"aiortc": "1.16.0", "aioice": "0.13.0", "gradio": "5.50.0", "fastrtc": "0.0.34"}
+
+# Gradio's record of past events: how many finished entries it keeps (docs/design-notes.md § Gradio event log).
+KEEP_EVENTS = 512
+_FINISHED = ("success", "failed", "cancelled")
+_NEVER = 10**12  # events between two summaries: never again
+
+
+@functools.cache
+def written_for(package: str) -> bool:
+    """True if the installed `package` is the version its patches were written for; else a warning, once."""
+    try:
+        installed = metadata.version(package)
+    except metadata.PackageNotFoundError:
+        installed = "none"
+    if installed != WRITTEN_FOR[package]:
+        log.warning("%s %s is installed; this app's patches of it were written for %s (rtc/patches.py)",
+                    package, installed, WRITTEN_FOR[package])
+        return False
+    return True
+
+
+# ---- aiortc ---------------------------------------------------------------------------------------
+
+
+def install_audio_level() -> None:
+    """Make aiortc's senders in this process compute each packet's audio level with
+    `audio_level_dbov`. Idempotent. aiortc looks the function up on `aiortc.rtp` for every frame."""
+    import aiortc.rtp as rtp
+
+    written_for("aiortc")
+    if rtp.compute_audio_level_dbov is not audio_level_dbov:
+        rtp.compute_audio_level_dbov = audio_level_dbov
+
+
+def install_packet_encoder() -> None:
+    """Make aiortc's senders in this process encode Opus in `PACKET_MS` packets. Idempotent.
+
+    aiortc picks an encoder per negotiated codec through `aiortc.rtcrtpsender.get_encoder`;
+    other codecs keep aiortc's own encoders."""
+    import aiortc.rtcrtpsender as sender
+
+    written_for("aiortc")
+    if getattr(sender.get_encoder, "packet_ms", None) == PACKET_MS:
+        return
+    original = sender.get_encoder
+    encoder_class = make_encoder_class()
+
+    def get_encoder(codec):
+        if codec.mimeType.lower() == "audio/opus":
+            return encoder_class()
+        return original(codec)
+
+    get_encoder.packet_ms = PACKET_MS
+    sender.get_encoder = get_encoder
+    log.debug("outgoing Opus in %d ms packets", PACKET_MS)
+
+
+def install_jitter_buffer() -> None:
+    """Make aiortc's receivers in this process use `TimedJitterBuffer`. Idempotent.
+
+    aiortc's `RTCRtpReceiver` builds its jitter buffer from the name `JitterBuffer` in its own
+    module, once per receiver."""
+    import aiortc.rtcrtpreceiver as receiver
+
+    written_for("aiortc")
+    if getattr(receiver.JitterBuffer, "prefetch_ms", None) == PREFETCH_MS:
+        return
+    buffer_class = make_jitter_buffer_class()
+    buffer_class.prefetch_ms = PREFETCH_MS
+    receiver.JitterBuffer = buffer_class
+
+
+# ---- aioice ---------------------------------------------------------------------------------------
+
+
+def loopback_host_addresses(use_ipv4: bool = True, use_ipv6: bool = False) -> list[str]:
+    """In place of `aioice.ice.get_host_addresses`, which skips 127.0.0.1: ICE candidates on
+    loopback only (tests, benchmarks, and offline use on one machine)."""
+    return ["127.0.0.1"]
+
+
+def install_ice_settings(loopback: bool) -> None:
+    """aioice in this process: consent checks every second, a peer gone after 4 missed (about 4 s
+    instead of about 30, so a closed tab's slot frees quickly); with `loopback`, candidates on
+    127.0.0.1 only."""
+    import aioice.ice
+
+    written_for("aioice")
+    if loopback:
+        aioice.ice.get_host_addresses = loopback_host_addresses
+    aioice.ice.CONSENT_INTERVAL, aioice.ice.CONSENT_FAILURES = 1, 4
+
+
+# ---- Gradio ---------------------------------------------------------------------------------------
+
+
+class BoundedEventLog(dict):
+    """A dict that, past twice its limit, forgets its oldest finished entries. Entries of events
+    still queued or running stay: Gradio updates them when they finish."""
+
+    def __init__(self, limit: int, entries: dict[str, Any] | None = None) -> None:
+        super().__init__(entries or {})
+        self.limit = limit
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        if len(self) > 2 * self.limit:
+            excess = len(self) - self.limit
+            finished = [k for k, entry in self.items() if isinstance(entry, dict) and entry.get("status") in _FINISHED]
+            for k in finished[:excess]:  # insertion order: the oldest first
+                del self[k]
+
+
+def bound_event_log(demo: Any, limit: int = KEEP_EVENTS) -> None:
+    """Bound `demo`'s queue record (Gradio 5.50's `Queue.event_analytics`) and turn off the pandas
+    summary it builds after every event; a Gradio without that record is left alone.
+
+    Gradio 5.50 keeps one analytics entry per event it has ever run, for its `/monitoring`
+    dashboard, and after each event summarises all of them again. Every open page here raises an
+    event every few seconds (the room's stats), so on a server that runs for days the record grows
+    without end and each summary costs more (docs/design-notes.md § Gradio event log). The
+    dashboard, which this app does not link to, then shows the figures of its first events."""
+    written_for("gradio")
+    queue = getattr(demo, "_queue", None)
+    entries = getattr(queue, "event_analytics", None)
+    if not isinstance(entries, dict) or not hasattr(queue, "ANAYLTICS_CACHE_FREQUENCY"):
+        log.warning("this Gradio's queue keeps no event_analytics record; not bounding it")
+        return
+    queue.event_analytics = BoundedEventLog(limit, entries)
+    queue.ANAYLTICS_CACHE_FREQUENCY = _NEVER  # (Gradio's spelling) no pandas table after each event
