@@ -23,16 +23,16 @@ from starlette.routing import Route
 from ..frame import AUDIO_CARD
 from ..rtc.audio import answering_with_packet_time
 from ..rtc.ice import server_configuration
+from ..rtc.patches import bound_event_log
 from ..runtime.voices import DEFAULT_VOICE
 from ..sampling_params import SamplingParams
 from ..serving.room import Room
 from .deeplink import SEED_RANGE, LinkRules, NumberRule, add_deep_links, number_rule
-from .gradio_queue import bound_event_log
 from .handler import CallHandler, FinalUpdates, RoomMetrics, room_line
 from .page_inputs import PageInputs
 from .recording import RecordingStore
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_PRESET = "Assistant (teacher)"
 STOP_WAIT_SECONDS = 5.0  # after Stop, how long the page waits for the recording to be written
 STATS_SECONDS = 5.0  # the room's figures on each open page refresh this often (one Gradio event each)
@@ -239,5 +239,5 @@ def build_ui(runtime, pool: Room, options: PageOptions | None = None,
         rtc.stop_recording(on_stop, call_id, [status, wav, txt], show_progress="hidden", concurrency_limit=None)
         gr.Timer(STATS_SECONDS).tick(lambda: stats_markdown(pool), None, stats, show_progress="hidden",
                            concurrency_limit=None)
-    bound_event_log(demo)  # every open page raises an event every few seconds (web/gradio_queue.py)
+    bound_event_log(demo)  # every open page raises an event every few seconds (rtc/patches.py)
     return demo
