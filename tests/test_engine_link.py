@@ -1,4 +1,4 @@
-"""The engine across a process boundary: EngineServer <-> RemoteEngine / EngineRouter.
+"""The engine across a process boundary: PoolServer <-> RemotePool / PoolRouter.
 
 Both ends run in this process here (the channel is the same AF_UNIX socket either way); the
 tests in test_media_workers.py run them in separate processes."""
@@ -15,8 +15,8 @@ import pytest
 
 from personaplex_demo.engine.pcm import SamplingParams
 from personaplex_demo.errors import AudioFormatError, CallerError
-from personaplex_demo.procs.pool_server import EngineServer
-from personaplex_demo.procs.remote_pool import ENGINE_LOST, EngineRouter, RemoteEngine
+from personaplex_demo.procs.pool_server import PoolServer
+from personaplex_demo.procs.remote_pool import ENGINE_LOST, PoolRouter, RemotePool
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.pool import SlotPool
@@ -37,7 +37,7 @@ def runtimes(tiny_cache_dir):
 def served(runtime, address: str, name: str, **config):
     pool = SlotPool(runtime.engine, PoolConfig(**{"time_limit_seconds": 60, **config}))
     pool.start()
-    server = EngineServer(pool, address, KEY, name=name).start()
+    server = PoolServer(pool, address, KEY, name=name).start()
     try:
         yield pool, server
     finally:
@@ -60,7 +60,7 @@ async def talk(call, seconds: float) -> list:
 
 async def test_a_remote_call_talks_queues_refuses_and_frees_its_slot(runtimes, tmp_path):
     with served(runtimes[0], str(tmp_path / "e.sock"), "e0", max_queue=1) as (pool, _):
-        engine = RemoteEngine(str(tmp_path / "e.sock"), KEY)
+        engine = RemotePool(str(tmp_path / "e.sock"), KEY)
         assert (engine.name, engine.slots_total, engine.config.max_queue) == ("e0", 1, 1)
         with pytest.raises(CallerError, match="voice"):
             await engine.acquire("NOPE", "", SamplingParams())
@@ -92,14 +92,14 @@ async def test_a_remote_call_talks_queues_refuses_and_frees_its_slot(runtimes, t
 async def test_a_lost_client_frees_its_slots_and_a_lost_engine_ends_its_calls(runtimes, tmp_path):
     address = str(tmp_path / "e.sock")
     with served(runtimes[0], address, "e0") as (pool, server):
-        engine = RemoteEngine(address, KEY)
+        engine = RemotePool(address, KEY)
         call = await engine.acquire("NATF2", "", SamplingParams(seed=1))
         await call.wait_live(10)
         engine.close()  # as if its process had died
         await wait_all_free(pool)
         assert server.clients == 0
 
-        engine = RemoteEngine(address, KEY)
+        engine = RemotePool(address, KEY)
         call = await engine.acquire("NATF2", "", SamplingParams(seed=1))
         await call.wait_live(10)
         server.close()  # the engine's end goes away
@@ -112,7 +112,7 @@ async def test_the_router_fills_free_slots_on_every_engine_before_queueing(runti
     with contextlib.ExitStack() as stack:
         pools = [stack.enter_context(served(rt, str(tmp_path / f"e{i}.sock"), f"e{i}"))[0]
                  for i, rt in enumerate(runtimes)]
-        router = EngineRouter([RemoteEngine(str(tmp_path / f"e{i}.sock"), KEY) for i in range(2)])
+        router = PoolRouter([RemotePool(str(tmp_path / f"e{i}.sock"), KEY) for i in range(2)])
         assert router.slots_total == 2 and router.config.max_queue == 64
         ticks = []  # what /metrics's histograms are fed: every tick of every engine, with its latencies
         router.add_tick_listener(lambda seconds, latencies: ticks.append((seconds, latencies)))

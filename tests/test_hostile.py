@@ -11,8 +11,8 @@ import pytest
 from fastapi import FastAPI
 from fastrtc import CloseStream, Stream
 
+from personaplex_demo.logs import install_secret_filter
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
-from personaplex_demo.runtime.hub import install_secret_filter
 from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.web.handler import CallHandler

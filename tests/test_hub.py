@@ -12,9 +12,10 @@ import pytest
 from huggingface_hub.errors import LocalEntryNotFoundError
 
 from personaplex_demo.errors import CheckpointError, ModelDownloadError
+from personaplex_demo.logs import SecretFilter, install_secret_filter, redact_secrets
 from personaplex_demo.model.config import ModelFiles
 from personaplex_demo.runtime import hub
-from personaplex_demo.runtime.hub import SecretFilter, install_secret_filter, redact_secrets, resolve_model
+from personaplex_demo.runtime.hub import resolve_model
 
 FAKE_TOKEN = "hf_FAKEfakeFAKEfakeFAKEfakeFAKEfake1234"
 FILES = ModelFiles()

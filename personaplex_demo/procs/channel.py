@@ -10,7 +10,8 @@ threads can use it without ever blocking on it:
 - a reader thread receives the batches and hands each to `on_batch` (in that thread);
 - when the other side goes away (EOF, a reset, a killed process) `on_close` runs once.
 
-Messages are tuples of plain values and numpy arrays. Nothing here knows what they mean.
+Messages are the typed records of `messages.py` (plain values and numpy arrays); nothing here
+knows what they mean.
 """
 
 from __future__ import annotations
@@ -61,8 +62,13 @@ class Channel:
         if not self._closed.is_set():
             self._outbox.put(message)
 
-    def close(self) -> None:
-        """Close both directions (idempotent); `on_close` runs if it has not yet."""
+    def close(self, flush_timeout: float | None = None) -> None:
+        """Close both directions (idempotent); `on_close` runs if it has not yet. With
+        `flush_timeout`, first give the writer up to that long to send what is queued: a process
+        about to exit says its last word (its thread is a daemon and would die with it)."""
+        if flush_timeout is not None and not self._closed.is_set():
+            self._outbox.put(_STOP)  # the writer sends everything before it, then returns
+            self._writer.join(flush_timeout)
         self._finish()
 
     # ---- threads -------------------------------------------------------------------------------

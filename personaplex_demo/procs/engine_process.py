@@ -1,16 +1,20 @@
 """Engine processes: one engine and its SlotPool per device, each in a process of its own.
 
 With `--devices cuda:0,cuda:1` (or `cpu,cpu` on a machine without a GPU) the main process spawns
-one `run_engine` per device. Each loads the model on its device, starts its SlotPool and serves
-it with an `EngineServer`; the callers' handlers (in the main process or in media workers) reach
-all of them through an `EngineRouter`. The main process itself loads no model: the page needs
-only each engine's facts (`page_facts`) and the tokenizer, to count a persona's tokens.
+one `run_engine` per device (`launcher.Child`). Each loads the model on its device, starts its
+SlotPool and serves it with a `PoolServer`; the callers' handlers (in the main process or in
+media workers) reach all of them through a `PoolRouter`. The main process itself loads no model:
+the page needs only each engine's facts (`page_facts`) and the tokenizer, to count a persona's
+tokens (`RemoteRuntime`).
+
+The control channel (messages.py): the engine says `EngineReady` or `EngineFailed` once; the
+main process says `EndCalls` (the pool ends its calls, the server stays up to tell the callers)
+and then `Stop`. The channel's EOF, when the main process is gone, stops the engine too.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,8 +22,15 @@ from typing import Any
 
 from ..runtime.build import Runtime, RuntimeOptions
 from ..serving.config import PoolConfig
+from .channel import Channel
+from .launcher import Child, Inbox, stop_children
+from .messages import EndCalls, EngineFailed, EngineReady
 
 log = logging.getLogger(__name__)
+
+STOP_SECONDS = 10.0  # an engine's time to end its calls and exit after Stop, before it is terminated
+END_CALLS_JOIN_SECONDS = 3.0  # an engine's wait for its ticker on EndCalls (the process stays up)
+FAILED_FLUSH_SECONDS = 5.0  # for the EngineFailed message to leave before the process exits
 
 
 @dataclass(frozen=True)
@@ -42,42 +53,42 @@ def page_facts(runtime: Runtime) -> dict[str, Any]:
             "tokenizer_path": str(runtime.source.tokenizer_path), "device": str(runtime.device)}
 
 
-def run_engine(spec: EngineSpec, control) -> None:
-    """An engine process's entry point: load, serve, and stop when told (or when the main
-    process goes away)."""
-    logging.basicConfig(level=spec.log_level,
-                        format=f"%(asctime)s %(levelname)s {spec.name} %(name)s: %(message)s")
+def run_engine(spec: EngineSpec, conn) -> None:
+    """An engine process's entry point (after `launcher`'s preamble): load, serve, and stop when
+    told (or when the main process goes away)."""
     import torch
 
     from ..runtime.build import build_runtime
-    from ..runtime.hub import install_secret_filter
     from ..serving.pool import SlotPool
-    from .pool_server import EngineServer
+    from .pool_server import PoolServer
 
-    install_secret_filter()
+    inbox = Inbox()
+    control = Channel(conn, f"{spec.name} control", inbox.on_batch, inbox.on_close).start()
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     try:
         runtime = build_runtime(replace(spec.runtime, device=spec.device))
         pool = SlotPool(runtime.engine, spec.pool)
         facts = page_facts(runtime)
-        server = EngineServer(pool, spec.address, spec.authkey, name=spec.name, info=facts)
+        server = PoolServer(pool, spec.address, spec.authkey, name=spec.name, facts=facts)
     except Exception as exc:
-        control.send(("failed", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        control.send(EngineFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        control.close(flush_timeout=FAILED_FLUSH_SECONDS)  # the writer is a daemon thread: let it say so first
         return
     pool.start()
     server.start()
-    control.send(("ready", facts))
+    control.send(EngineReady(facts))
     try:
-        # "end_calls": the pool ends its calls, and the server stays up to tell the callers;
-        # "stop", or EOF when the main process is gone: everything stops.
-        while control.recv()[0] == "end_calls":
-            pool.shutdown(join_timeout=3.0)
-    except (EOFError, OSError, KeyboardInterrupt):
+        # EndCalls: the pool ends its calls, and the server stays up to tell the callers;
+        # Stop, or None (EOF: the main process is gone): everything stops.
+        while isinstance(inbox.get(), EndCalls):
+            pool.shutdown(join_timeout=END_CALLS_JOIN_SECONDS)
+    except KeyboardInterrupt:
         pass
     finally:
         pool.shutdown()
         server.close()
+        control.close()
 
 
 class EngineProcesses:
@@ -85,61 +96,49 @@ class EngineProcesses:
 
     def __init__(self, specs: list[EngineSpec]) -> None:
         self.specs = specs
-        self._ctx = multiprocessing.get_context("spawn")
-        self._procs: list[tuple[multiprocessing.process.BaseProcess, Any]] = []
+        self._children: list[Child] = []
+        self._inboxes: list[Inbox] = []
 
     def start(self) -> EngineProcesses:
         for spec in self.specs:
-            ours, theirs = self._ctx.Pipe(duplex=True)
-            proc = self._ctx.Process(target=run_engine, args=(spec, theirs), name=spec.name, daemon=True)
-            proc.start()
-            theirs.close()
-            self._procs.append((proc, ours))
+            inbox = Inbox()
+            self._children.append(Child(spec.name, run_engine, spec, spec.log_level).start(inbox.on_batch,
+                                                                                           inbox.on_close))
+            self._inboxes.append(inbox)
         return self
 
     def wait_ready(self) -> list[dict[str, Any]]:
         """Each engine's page facts, once all have loaded; raises if one failed."""
         facts = []
-        for spec, (proc, conn) in zip(self.specs, self._procs, strict=True):
-            try:
-                message = conn.recv()
-            except EOFError:
-                proc.join(1.0)
-                raise RuntimeError(f"{spec.name} ({spec.device}) exited while loading (exit code "
-                                   f"{proc.exitcode})") from None
-            if message[0] != "ready":
-                log.error("%s failed to load:\n%s", spec.name, message[2])
-                raise RuntimeError(f"{spec.name} ({spec.device}) failed to load: {message[1]}")
-            facts.append(message[1])
+        for spec, child, inbox in zip(self.specs, self._children, self._inboxes, strict=True):
+            match inbox.get():
+                case EngineReady(facts=ready):
+                    facts.append(ready)
+                case EngineFailed(error=error, traceback=trace):
+                    log.error("%s failed to load:\n%s", spec.name, trace)
+                    raise RuntimeError(f"{spec.name} ({spec.device}) failed to load: {error}")
+                case _:  # None: the channel closed without a word
+                    child.join(1.0)
+                    raise RuntimeError(f"{spec.name} ({spec.device}) exited while loading (exit code "
+                                       f"{child.exitcode})")
         return facts
 
     def end_calls(self, join_timeout: float = 3.0) -> None:
-        """Each engine ends its calls with reason "shutdown" and stops ticking (see `run_engine`)."""
-        for _, conn in self._procs:
-            try:
-                conn.send(("end_calls",))
-            except OSError:
-                pass
+        """Each engine ends its calls with reason "shutdown" and stops ticking (see `run_engine`);
+        `join_timeout` is the engines' own (`END_CALLS_JOIN_SECONDS`)."""
+        for child in self._children:
+            child.send(EndCalls())
 
     def alive(self) -> list[bool]:
-        return [proc.is_alive() for proc, _ in self._procs]
+        return [child.alive for child in self._children]
 
     def close(self) -> None:
-        for _, conn in self._procs:
-            try:
-                conn.send(("stop",))
-            except OSError:
-                pass
-        for proc, conn in self._procs:
-            proc.join(10.0)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(2.0)
-            conn.close()
+        stop_children(self._children, STOP_SECONDS)
 
 
-class PageEngine:
-    """The engine, as far as the page needs it (voices, persona token counting), from facts."""
+class EngineFacts:
+    """The engine as far as the page needs it (voices, persona token counting), from its facts:
+    stands in for `runtime.engine` where the engine runs in another process."""
 
     def __init__(self, facts: dict[str, Any]) -> None:
         from ..runtime.tokenizer import TextTokenizer
@@ -155,14 +154,15 @@ class PageEngine:
 
 
 @dataclass
-class PageRuntime:
-    """`build_ui`'s runtime when the engines run in other processes."""
+class RemoteRuntime:
+    """`build_ui`'s runtime when the engines run in other processes. Named as `RemotePool` is: a
+    stand-in here for a `Runtime` that lives in another process, built from that engine's facts."""
 
-    engine: PageEngine
+    engine: EngineFacts
     model_name: str
     is_tiny: bool
     banner: str | None
 
     @classmethod
-    def from_facts(cls, facts: dict[str, Any]) -> PageRuntime:
-        return cls(PageEngine(facts), facts["model_name"], bool(facts["is_tiny"]), facts["banner"])
+    def from_facts(cls, facts: dict[str, Any]) -> RemoteRuntime:
+        return cls(EngineFacts(facts), facts["model_name"], bool(facts["is_tiny"]), facts["banner"])

@@ -1,21 +1,21 @@
 """A media worker process: the WebRTC peers of some callers and their CallHandlers, no torch.
 
-The main process (see `media_router`) keeps the page and the one public port; it hands each
+The main process (see `media_workers`) keeps the page and the one public port; it hands each
 call's offer to a worker, which answers it with its own ICE candidates, so the browser's media
 goes straight to this process's UDP ports. Here run aiortc (Opus, SRTP, RTP), fastrtc's
 resampling and the handlers, on this process's own event loop and its own share of the CPU. The
-handlers reach the engine(s) through `engine_client.EngineRouter`: frames and outputs only.
+handlers reach the engine(s) through a `remote_pool.PoolRouter` (a `Room`): frames and outputs only.
 
-Control messages with the main process (tuples over one `ipc.Channel`):
+Control messages with the main process (messages.py, over one `channel.Channel`):
 
-    main -> worker   ("offer", rid, body)            an offer or a trickled ICE candidate
-                     ("input", webrtc_id, args)       the page's inputs (the `tick` event)
-                     ("recording", rid, call_id, timeout)
-                     ("stop",)
-    worker -> main   ("ready", pid, torch imported?)
-                     ("reply", rid, {"json": ..., "status_code": int | None})
-                     ("outputs", webrtc_id, args)     a page update (AdditionalOutputs args)
-                     ("closed", webrtc_id, final)     the connection closed; its last page update
+    main -> worker   Offer            an offer or a trickled ICE candidate
+                     Input            the page's inputs (the `tick` event)
+                     RecordingQuery   a finished call's recording, for the page's Stop button
+                     Stop
+    worker -> main   WorkerReady      once connected to the engines (and whether torch got imported)
+                     Reply            to an Offer (an OfferAnswer) or a RecordingQuery (RecordingPaths or None)
+                     Outputs          a page update (AdditionalOutputs args)
+                     Closed           the connection closed; its last page update
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -38,11 +39,24 @@ from fastrtc.webrtc_connection_mixin import WebRTCConnectionMixin
 from ..rtc.audio import answering_with_packet_time
 from ..rtc.ice import server_configuration
 from ..rtc.settings import apply_media_settings
-from ..runtime.hub import install_secret_filter
 from ..web.handler import CallHandler, FinalUpdates
 from ..web.recording import RecordingStore
 from .channel import Channel
-from .remote_pool import EngineRouter, RemoteEngine
+from .messages import (
+    Closed,
+    Input,
+    Offer,
+    OfferAnswer,
+    Outputs,
+    RecordingPaths,
+    RecordingQuery,
+    Reply,
+    Stop,
+    WorkerCommand,
+    WorkerReady,
+    WorkerReport,
+)
+from .remote_pool import PoolRouter, RemotePool
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +66,7 @@ UNLIMITED = 1 << 30  # the main process enforces the page's concurrency limit ac
 @dataclass(frozen=True)
 class WorkerSpec:
     index: int
-    engines: tuple[str, ...]  # the AF_UNIX address of each engine's EngineServer
+    engines: tuple[str, ...]  # the AF_UNIX address of each engine's PoolServer
     authkey: bytes
     recordings_dir: str
     max_wait_seconds: float | None = 600.0
@@ -67,7 +81,8 @@ class MediaHost(WebRTCConnectionMixin):
     """fastrtc's connection handling (the same code the page's WebRTC component runs), without a
     page: offers come from the main process and page updates go back to it."""
 
-    def __init__(self, handler: CallHandler, server_rtc_configuration: dict[str, Any] | None, send) -> None:
+    def __init__(self, handler: CallHandler, server_rtc_configuration: dict[str, Any] | None,
+                 send: Callable[[WorkerReport], None]) -> None:
         super().__init__()
         self.event_handler = handler
         self.modality = "audio"
@@ -83,7 +98,7 @@ class MediaHost(WebRTCConnectionMixin):
 
     def outputs_to_main(self, webrtc_id: str):
         def relay(outputs: AdditionalOutputs) -> None:
-            self._send(("outputs", webrtc_id, tuple(outputs.args)))
+            self._send(Outputs(webrtc_id, tuple(outputs.args)))
 
         return relay
 
@@ -91,24 +106,25 @@ class MediaHost(WebRTCConnectionMixin):
         known = webrtc_id in self.handlers or webrtc_id in self.pcs or webrtc_id in self.connections
         connection = super().clean_up(webrtc_id)
         if known:
-            self._send(("closed", webrtc_id, FinalUpdates.pop(webrtc_id)))
+            self._send(Closed(webrtc_id, FinalUpdates.pop(webrtc_id)))
         return connection
 
 
-def _reply(result: Any) -> dict[str, Any]:
+def _answer(result: Any) -> OfferAnswer:
+    """fastrtc's answer to an offer, as plain data: a JSONResponse (a refusal) keeps its status code."""
     if isinstance(result, JSONResponse):
-        return {"json": json.loads(bytes(result.body)), "status_code": result.status_code}
-    return {"json": result, "status_code": None}
+        return OfferAnswer(json.loads(bytes(result.body)), result.status_code)
+    return OfferAnswer(result, None)
 
 
-def _connect(spec: WorkerSpec) -> list[RemoteEngine]:
+def _connect(spec: WorkerSpec) -> list[RemotePool]:
     """Connect to every engine, waiting while they load their model."""
     deadline = time.monotonic() + spec.connect_timeout
     engines = []
     for address in spec.engines:
         while True:
             try:
-                engines.append(RemoteEngine(address, spec.authkey))
+                engines.append(RemotePool(address, spec.authkey))
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 if time.monotonic() > deadline:
@@ -120,77 +136,90 @@ def _connect(spec: WorkerSpec) -> list[RemoteEngine]:
     return engines
 
 
-async def serve(spec: WorkerSpec, control: Connection) -> None:
-    loop = asyncio.get_running_loop()
-    stopped = asyncio.Event()
-    tasks: set[asyncio.Task] = set()
+class WorkerLoop:
+    """A media worker's event loop: its calls' handlers and peers, and the main process's
+    commands, until `Stop` (or until the main process goes away). Made on that loop (`serve`)."""
 
-    def dispatch(batch: list[tuple]) -> None:
-        for message in batch:
-            tag = message[0]
-            if tag == "offer":
-                spawn(answer_offer(*message[1:]))
-            elif tag == "input":
-                host.set_input(message[1], *message[2])
-            elif tag == "recording":
-                spawn(find_recording(*message[1:]))
-            elif tag == "stop":
-                stopped.set()
+    def __init__(self, spec: WorkerSpec, control: Connection, router: PoolRouter) -> None:
+        self.spec = spec
+        self.router = router
+        self.loop = asyncio.get_running_loop()
+        self.stopped = asyncio.Event()
+        self.tasks: set[asyncio.Task] = set()
+        self.recordings = RecordingStore(spec.recordings_dir)
+        self.channel = Channel(control, f"media-worker-{spec.index}", self.on_batch, self.on_close)
+        model_name = spec.model_name or router.engines[0].facts.get("model_name")
+        self.host = MediaHost(CallHandler(router, self.recordings, max_wait_seconds=spec.max_wait_seconds,
+                                          model_name=model_name),
+                              spec.server_rtc_configuration, self.channel.send)
 
-    def spawn(coro) -> None:
-        task = loop.create_task(coro)
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+    async def run(self) -> None:
+        self.channel.start()
+        self.channel.send(WorkerReady(os.getpid(), "torch" in sys.modules))
+        log.info("media worker %d ready (pid %d, engines: %s)", self.spec.index, os.getpid(),
+                 ", ".join(e.name for e in self.router.engines))
+        await self.stopped.wait()
+        for pc in list(self.host.pcs.values()):
+            await pc.close()
+        await asyncio.sleep(0.1)  # let the handlers' shutdowns release their calls
+        self.router.close()
+        self.recordings.close()
+        self.channel.close()
 
-    async def answer_offer(rid: int, body: dict[str, Any]) -> None:
+    # ---- the channel's reader thread -------------------------------------------------------------
+
+    def on_batch(self, batch: list[WorkerCommand]) -> None:
+        self.loop.call_soon_threadsafe(self.dispatch, batch)
+
+    def on_close(self) -> None:
         try:
-            result = await host.handle_offer(body, host.outputs_to_main(str(body.get("webrtc_id"))))
-            reply = _reply(result)
-        except Exception as exc:
-            log.exception("media worker %d: the offer for %s failed", spec.index, body.get("webrtc_id"))
-            reply = {"json": {"status": "failed", "meta": {"error": f"{type(exc).__name__}: {exc}"}},
-                     "status_code": 200}
-        channel.send(("reply", rid, reply))
-
-    async def find_recording(rid: int, call_id: str, timeout: float) -> None:
-        rec = recordings.get(call_id)
-        files = await rec.wait_finished(timeout) if rec is not None else None
-        channel.send(("reply", rid, None if files is None else (str(files.wav), str(files.transcript))))
-
-    def on_batch(batch: list[tuple]) -> None:
-        loop.call_soon_threadsafe(dispatch, batch)
-
-    def on_close() -> None:
-        try:
-            loop.call_soon_threadsafe(stopped.set)
+            self.loop.call_soon_threadsafe(self.stopped.set)
         except RuntimeError:
             pass  # the loop is already gone
 
-    router = EngineRouter(await asyncio.to_thread(_connect, spec))
-    recordings = RecordingStore(spec.recordings_dir)
-    channel = Channel(control, f"media-worker-{spec.index}", on_batch, on_close)
-    model_name = spec.model_name or router.engines[0].info.get("model_name")
-    host = MediaHost(CallHandler(router, recordings, max_wait_seconds=spec.max_wait_seconds,
-                                 model_name=model_name),
-                     spec.server_rtc_configuration, channel.send)
-    channel.start()
-    channel.send(("ready", os.getpid(), "torch" in sys.modules))
-    log.info("media worker %d ready (pid %d, engines: %s)", spec.index, os.getpid(),
-             ", ".join(e.name for e in router.engines))
-    await stopped.wait()
-    for pc in list(host.pcs.values()):
-        await pc.close()
-    await asyncio.sleep(0.1)  # let the handlers' shutdowns release their calls
-    router.close()
-    recordings.close()
-    channel.close()
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def dispatch(self, batch: list[WorkerCommand]) -> None:
+        for message in batch:
+            match message:
+                case Offer(rid=rid, body=body):
+                    self.spawn(self.answer_offer(rid, body))
+                case Input(webrtc_id=webrtc_id, args=args):
+                    self.host.set_input(webrtc_id, *args)
+                case RecordingQuery(rid=rid, call_id=call_id, timeout=timeout):
+                    self.spawn(self.find_recording(rid, call_id, timeout))
+                case Stop():
+                    self.stopped.set()
+                case _:
+                    log.warning("media worker %d: unexpected %s ignored", self.spec.index, type(message).__name__)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = self.loop.create_task(coro)
+        self.tasks.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self.tasks.discard)
+
+    async def answer_offer(self, rid: int, body: dict[str, Any]) -> None:
+        try:
+            result = await self.host.handle_offer(body, self.host.outputs_to_main(str(body.get("webrtc_id"))))
+            answer = _answer(result)
+        except Exception as exc:
+            log.exception("media worker %d: the offer for %s failed", self.spec.index, body.get("webrtc_id"))
+            answer = OfferAnswer({"status": "failed", "meta": {"error": f"{type(exc).__name__}: {exc}"}}, 200)
+        self.channel.send(Reply(rid, answer))
+
+    async def find_recording(self, rid: int, call_id: str, timeout: float) -> None:
+        rec = self.recordings.get(call_id)
+        files = await rec.wait_finished(timeout) if rec is not None else None
+        self.channel.send(Reply(rid, None if files is None else RecordingPaths(str(files.wav), str(files.transcript))))
+
+
+async def serve(spec: WorkerSpec, control: Connection) -> None:
+    router = PoolRouter(await asyncio.to_thread(_connect, spec))  # the engines may still be loading
+    await WorkerLoop(spec, control, router).run()
 
 
 def run_worker(spec: WorkerSpec, control: Connection) -> None:
-    """The worker process's entry point (a spawned multiprocessing.Process)."""
-    logging.basicConfig(level=spec.log_level,
-                        format=f"%(asctime)s %(levelname)s media-worker-{spec.index} %(name)s: %(message)s")
-    install_secret_filter()
+    """The worker process's entry point (after `launcher`'s preamble)."""
     apply_media_settings(spec.loopback_ice)
     try:
         asyncio.run(serve(spec, control))

@@ -3,8 +3,8 @@
 With `--media-workers N` the page, its Gradio events and fastrtc's `WebRTC` component stay on
 the one public port of the main process, but nothing of a call's media does. `MediaWorkers`:
 
-- spawns N `media_worker` processes (multiprocessing "spawn": no torch in them) and restarts
-  one that dies;
+- spawns N `media_worker` processes (`launcher.Child`: no torch in them) and restarts one that
+  dies;
 - takes over the component's `offer` server function (and the trickled ICE candidates that
   come through it) and its `set_input` (the page's `tick` event), and forwards each to the
   worker that owns the call; a new call goes to the worker with the fewest calls;
@@ -22,11 +22,11 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import multiprocessing
 import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,12 +37,26 @@ from fastrtc import AdditionalOutputs
 from ..cli.lifecycle import recordings_prefix
 from ..web.handler import FinalUpdates
 from ..web.recording import RecordingFiles
-from .channel import Channel
+from .launcher import Child, stop_children
 from .media_worker import WorkerSpec, run_worker
+from .messages import (
+    Closed,
+    Input,
+    Offer,
+    OfferAnswer,
+    Outputs,
+    RecordingPaths,
+    RecordingQuery,
+    Reply,
+    WorkerCommand,
+    WorkerReady,
+    WorkerReport,
+)
 
 log = logging.getLogger(__name__)
 
 OFFER_TIMEOUT = 30.0
+STOP_SECONDS = 5.0  # a worker's time to close its peers and exit after Stop, before it is terminated
 MAX_RESTARTS, RESTART_WINDOW = 5, 60.0  # a worker that dies more often than this stays down
 WORKER_LOST = ("Call ended: the server's media process for this call stopped. Please press Record to "
                "call again.")
@@ -56,14 +70,13 @@ def _failed(error: str, **meta: Any) -> JSONResponse:
 class _Worker:
     """The main process's record of one worker process."""
 
-    def __init__(self, index: int, generation: int, process: multiprocessing.process.BaseProcess) -> None:
+    def __init__(self, index: int, generation: int, child: Child) -> None:
         self.index = index
         self.generation = generation
-        self.process = process
-        self.channel: Channel | None = None
+        self.child = child
         self.ready = threading.Event()
         self.gone = False
-        self.pid: int | None = None
+        self.pid: int | None = None  # as the worker reports it, once ready
         self.torch_imported: bool | None = None
         self.calls: set[str] = set()  # webrtc ids
         self.pending: dict[int, concurrent.futures.Future] = {}
@@ -83,7 +96,6 @@ class MediaWorkers:
         # Named like this process's own recordings folder: a crashed app's is removed at the next start.
         self.root = Path(tempfile.mkdtemp(prefix=recordings_prefix()))
         self._spec = spec
-        self._ctx = multiprocessing.get_context("spawn")
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
@@ -109,7 +121,7 @@ class MediaWorkers:
             while not worker.ready.wait(0.2):
                 if worker.gone:
                     raise RuntimeError(f"media worker {worker.index} exited while starting (exit code "
-                                       f"{worker.process.exitcode}); see its log lines above")
+                                       f"{worker.child.exitcode}); see its log lines above")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"media worker {worker.index} did not start within {timeout:.0f} s")
         log.info("%d media worker(s) ready: pids %s", self.count, ", ".join(str(w.pid) for w in self._workers))
@@ -118,15 +130,8 @@ class MediaWorkers:
         generation = next(self._generations)
         spec = replace(self._spec, index=index,
                        recordings_dir=str(self.root / f"worker-{index}-{generation}"))
-        ours, theirs = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=run_worker, args=(spec, theirs), name=f"media-worker-{index}",
-                                    daemon=True)
-        process.start()
-        theirs.close()
-        worker = _Worker(index, generation, process)
-        worker.channel = Channel(ours, f"media-worker-{index}",
-                                 lambda batch: self._on_batch(worker, batch),
-                                 lambda: self._on_gone(worker)).start()
+        worker = _Worker(index, generation, Child(f"media-worker-{index}", run_worker, spec, spec.log_level))
+        worker.child.start(lambda batch: self._on_batch(worker, batch), lambda: self._on_gone(worker))
         return worker
 
     def status(self) -> list[dict[str, Any]]:
@@ -143,16 +148,7 @@ class MediaWorkers:
         self._closing = True
         with self._lock:
             workers = list(self._workers)
-        for worker in workers:
-            if worker.channel is not None:
-                worker.channel.send(("stop",))
-        for worker in workers:
-            worker.process.join(5.0)
-            if worker.process.is_alive():
-                worker.process.terminate()
-                worker.process.join(2.0)
-            if worker.channel is not None:
-                worker.channel.close()
+        stop_children([w.child for w in workers], STOP_SECONDS)
         shutil.rmtree(self.root, ignore_errors=True)
 
     # ---- the page's component ------------------------------------------------------------------
@@ -198,19 +194,19 @@ class MediaWorkers:
 
     async def _forward_offer(self, worker: _Worker, body: dict[str, Any]):
         try:
-            reply = await self._request(worker, ("offer", body), OFFER_TIMEOUT)
+            answer: OfferAnswer = await self._request(worker, lambda rid: Offer(rid, body), OFFER_TIMEOUT)
         except Exception as exc:
             return _failed(f"media worker {worker.index}: {exc}")
-        if reply["status_code"] is not None:
-            return JSONResponse(status_code=reply["status_code"], content=reply["json"])
-        return reply["json"]
+        if answer.status_code is not None:
+            return JSONResponse(status_code=answer.status_code, content=answer.json)
+        return answer.json
 
     def set_input(self, webrtc_id: str, *args) -> None:
         worker = self._owner.get(webrtc_id)
-        if worker is not None and worker.channel is not None:
+        if worker is not None:
             # The first argument is the component's value (a WebRTCData or the id): plain data only.
             plain = [getattr(a, "webrtc_id", a) for a in args]
-            worker.channel.send(("input", webrtc_id, plain))
+            worker.child.send(Input(webrtc_id, plain))
 
     def _own(self, webrtc_id: str, worker: _Worker) -> None:
         self._owner[webrtc_id] = worker
@@ -231,50 +227,54 @@ class MediaWorkers:
 
     # ---- messages from the workers -------------------------------------------------------------
 
-    async def _request(self, worker: _Worker, message: tuple, timeout: float):
+    async def _request(self, worker: _Worker, ask: Callable[[int], WorkerCommand], timeout: float) -> Any:
+        """Send `ask(rid)` to `worker` and wait for its `Reply` (the reply's value)."""
         rid = next(self._rids)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         worker.pending[rid] = fut
-        if worker.gone or worker.channel is None:
+        if worker.gone:
             worker.pending.pop(rid, None)
             raise ConnectionError("the worker has stopped")
-        worker.channel.send((message[0], rid, *message[1:]))
+        worker.child.send(ask(rid))
         try:
             return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
         finally:
             worker.pending.pop(rid, None)
 
-    def _on_batch(self, worker: _Worker, batch: list[tuple]) -> None:
-        """A worker's reader thread."""
-        page = []
+    def _on_batch(self, worker: _Worker, batch: list[WorkerReport]) -> None:
+        """A worker's reader thread: replies and readiness here, page updates to the page's loop."""
+        page: list[Outputs | Closed] = []
         for message in batch:
-            tag = message[0]
-            if tag == "reply":
-                fut = worker.pending.get(message[1])
-                if fut is not None and not fut.done():
-                    fut.set_result(message[2])
-            elif tag == "ready":
-                worker.pid, worker.torch_imported = message[1], message[2]
-                if worker.torch_imported:
-                    log.warning("media worker %d imported torch: it should not need it", worker.index)
-                worker.ready.set()
-            else:
-                page.append(message)
+            match message:
+                case Reply(rid=rid, value=value):
+                    fut = worker.pending.get(rid)
+                    if fut is not None and not fut.done():
+                        fut.set_result(value)
+                case WorkerReady(pid=pid, torch_imported=torch_imported):
+                    worker.pid, worker.torch_imported = pid, torch_imported
+                    if torch_imported:
+                        log.warning("media worker %d imported torch: it should not need it", worker.index)
+                    worker.ready.set()
+                case Outputs() | Closed():
+                    page.append(message)
+                case _:
+                    log.warning("media worker %d: unexpected %s ignored", worker.index, type(message).__name__)
         if page and self._loop is not None:
             self._loop.call_soon_threadsafe(self._mirror, page)
 
-    def _mirror(self, messages: list[tuple]) -> None:
+    def _mirror(self, messages: list[Outputs | Closed]) -> None:
         """On the page's loop: a worker's page updates and closed connections."""
-        for tag, webrtc_id, payload in messages:
-            if webrtc_id not in self._owner:
+        for message in messages:
+            if message.webrtc_id not in self._owner:
                 continue
-            if tag == "outputs":
-                self._last_update[webrtc_id] = payload
-                self.rtc.additional_outputs[webrtc_id].queue.put_nowait(AdditionalOutputs(*payload))
-            elif tag == "closed":
-                if payload is not None:
-                    FinalUpdates.put(webrtc_id, payload)
-                self._disown(webrtc_id)
+            match message:
+                case Outputs(webrtc_id=webrtc_id, args=args):
+                    self._last_update[webrtc_id] = args
+                    self.rtc.additional_outputs[webrtc_id].queue.put_nowait(AdditionalOutputs(*args))
+                case Closed(webrtc_id=webrtc_id, final=final):
+                    if final is not None:
+                        FinalUpdates.put(webrtc_id, final)
+                    self._disown(webrtc_id)
 
     def _on_gone(self, worker: _Worker) -> None:
         """A worker's channel closed: it stopped (or we are closing)."""
@@ -284,12 +284,11 @@ class MediaWorkers:
                 fut.set_exception(ConnectionError(f"media worker {worker.index} stopped"))
         if self._closing:
             return
-        worker.process.join(2.0)
-        if worker.process.is_alive():  # its channel broke but it lingers: it must not serve half a call
-            worker.process.kill()
-            worker.process.join(2.0)
+        worker.child.join(2.0)
+        if worker.child.alive:  # its channel broke but it lingers: it must not serve half a call
+            worker.child.kill()
         log.error("media worker %d (pid %s) stopped (exit code %s); ending its %d call(s)", worker.index,
-                  worker.pid, worker.process.exitcode, len(worker.calls))
+                  worker.pid, worker.child.exitcode, len(worker.calls))
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._end_calls_of, worker)
         if not self._may_restart(worker):
@@ -344,8 +343,9 @@ class RemoteRecording:
     async def wait_finished(self, timeout: float) -> RecordingFiles | None:
         with self.workers._lock:
             workers = [w for w in self.workers._workers if w.usable]
-        asks = [self.workers._request(w, ("recording", self.call_id, timeout), timeout + 2.0) for w in workers]
+        asks = [self.workers._request(w, lambda rid: RecordingQuery(rid, self.call_id, timeout), timeout + 2.0)
+                for w in workers]
         for found in await asyncio.gather(*asks, return_exceptions=True):
-            if isinstance(found, tuple):
-                return RecordingFiles(Path(found[0]), Path(found[1]))
+            if isinstance(found, RecordingPaths):
+                return RecordingFiles(Path(found.wav), Path(found.transcript))
         return None

@@ -1,8 +1,9 @@
-"""Serves one SlotPool to other processes: the engine side of `engine_client`.
+"""Serves one SlotPool to other processes: the engine side of `remote_pool.RemotePool`.
 
-An `EngineServer` listens on an AF_UNIX socket (with an authkey). Each client process (a media
-worker, or the main process when the engines run elsewhere) gets one `ipc.Channel`; the protocol
-is described in `engine_client`. Frames from a client go straight into the pool from the
+A `PoolServer` listens on an AF_UNIX socket (with an authkey). Each client process (a media
+worker, or the main process when the engines run elsewhere) gets one `channel.Channel`; the
+messages are `messages.py`'s (Start, Push, Release in; Hello, Started, Refused, StateChange, Out,
+RoomFigures out). Frames from a client go straight into the pool from the
 channel's reader thread (`Call.push_frame` is thread-safe and never blocks); one event loop in a
 thread of its own awaits each call's outputs and state changes and sends them back.
 
@@ -20,12 +21,28 @@ from dataclasses import asdict
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
+import numpy as np
+
 from ..errors import CallerError
 from ..sampling_params import SamplingParams
 from ..serving.call import Call
 from ..serving.pool import SlotPool
 from ..serving.room import CallEnded, CallState, EndReason, PoolClosedError, PoolFullError
 from .channel import Channel, daemon_threads
+from .messages import (
+    ClientMessage,
+    Hello,
+    Out,
+    Push,
+    RefusalKind,
+    Refused,
+    Release,
+    RoomFigures,
+    ServerMessage,
+    Start,
+    Started,
+    StateChange,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,58 +54,67 @@ RELAY_FAILED = EndReason.error("engine relay failed")
 
 
 class _Client:
-    def __init__(self, server: EngineServer, conn: Connection, number: int) -> None:
+    """One client process's connection and its calls (by the client's rid)."""
+
+    def __init__(self, server: PoolServer, conn: Connection, number: int) -> None:
         self.server = server
         self.name = f"{server.name}/client-{number}"
         self.calls: dict[int, Call] = {}
         self.lock = threading.Lock()
         self.channel = Channel(conn, self.name, self.on_batch, self.on_close)
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: ServerMessage) -> None:
         self.channel.send(message)
 
-    def on_batch(self, batch: list[tuple]) -> None:
+    def on_batch(self, batch: list[ClientMessage]) -> None:
         """The channel's reader thread: frames and releases at once, starts through the pool."""
         for message in batch:
-            tag, rid = message[0], message[1]
-            if tag == "push":
-                call = self.calls.get(rid)
-                if call is not None:
-                    try:
-                        call.push_frame(message[2])
-                    except CallerError as exc:
-                        log.warning("%s: call %s sent a bad frame (%s); ending it", self.name, call.id, exc)
-                        call.release(EndReason.error(exc))
-            elif tag == "release":
-                call = self.calls.get(rid)
-                if call is not None:
-                    call.release(message[2])
-            elif tag == "start":
-                self.start(rid, *message[2:])
+            match message:
+                case Push(rid=rid, frame=frame):
+                    if (call := self.calls.get(rid)) is not None:
+                        self.push(call, frame)
+                case Release(rid=rid, reason=reason):
+                    if (call := self.calls.get(rid)) is not None:
+                        call.release(reason)
+                case Start():
+                    self.start(message)
+                case _:
+                    log.warning("%s: unexpected %s ignored", self.name, type(message).__name__)
 
-    def start(self, rid: int, voice: str, persona: str, sampling: dict[str, Any], may_queue: bool) -> None:
-        pool = self.server.pool
+    def push(self, call: Call, frame: np.ndarray) -> None:
         try:
-            call = pool.admit(voice, persona, SamplingParams(**sampling), queue=may_queue)
+            call.push_frame(frame)
         except CallerError as exc:
-            self.send(("refused", rid, "caller", str(exc)))
+            log.warning("%s: call %s sent a bad frame (%s); ending it", self.name, call.id, exc)
+            call.release(EndReason.error(exc))
+
+    def start(self, start: Start) -> None:
+        rid = start.rid
+        try:
+            call = self.server.pool.admit(start.voice, start.persona, SamplingParams(**start.sampling),
+                                          queue=start.may_queue)
+        except CallerError as exc:
+            self.refuse(rid, "caller", str(exc))
             return
         except TypeError as exc:  # not a SamplingParams dict: a client of another version
-            self.send(("refused", rid, "caller", f"bad sampling settings: {exc}"))
+            self.refuse(rid, "caller", f"bad sampling settings: {exc}")
             return
         except PoolFullError as exc:
-            self.send(("refused", rid, "full" if may_queue else "busy", str(exc)))
+            self.refuse(rid, "full" if start.may_queue else "busy", str(exc))
             return
         except PoolClosedError as exc:
-            self.send(("refused", rid, "closed", str(exc)))
+            self.refuse(rid, "closed", str(exc))
             return
         with self.lock:
             self.calls[rid] = call
-        self.send(("started", rid, call.id, call.state.value, call.queue_position, call.slot, call.time_left()))
+        self.send(Started(rid, call.id, call.state.value, call.queue_position, call.slot, call.time_left()))
         if self.channel.closed:  # gone while we were placing it
             call.release(CLIENT_GONE)
             return
         asyncio.run_coroutine_threadsafe(self.pump(rid, call), self.server.loop)
+
+    def refuse(self, rid: int, kind: RefusalKind, message: str) -> None:
+        self.send(Refused(rid, kind, message))
 
     async def pump(self, rid: int, call: Call) -> None:
         """Send the call's state changes and outputs until it ends."""
@@ -103,17 +129,17 @@ class _Client:
                 else:
                     out = await call.next_output(timeout=1.0)
                     if out is not None:
-                        self.send(("out", rid, out.pcm, out.text, out.tick))
+                        self.send(Out(rid, out.pcm, out.text, out.tick))
                 now = (call.state, call.queue_position, call.slot)
                 if now != sent and call.state != CallState.ENDED:
                     sent = now
-                    self.send(("state", rid, call.state.value, call.queue_position, call.slot, call.time_left(), None))
+                    self.send(StateChange(rid, call.state.value, call.queue_position, call.slot, call.time_left(), None))
         except CallEnded as ended:
-            self.send(("state", rid, CallState.ENDED.value, None, call.slot, None, ended.reason))
+            self.send(StateChange(rid, CallState.ENDED.value, None, call.slot, None, ended.reason))
         except Exception:
             log.exception("%s: relaying call %s failed; ending it", self.name, call.id)
             call.release(RELAY_FAILED)
-            self.send(("state", rid, CallState.ENDED.value, None, call.slot, None, RELAY_FAILED))
+            self.send(StateChange(rid, CallState.ENDED.value, None, call.slot, None, RELAY_FAILED))
         finally:
             with self.lock:
                 self.calls.pop(rid, None)
@@ -129,13 +155,15 @@ class _Client:
             call.release(CLIENT_GONE)
 
 
-class EngineServer:
+class PoolServer:
+    """One SlotPool for the `RemotePool`s of other processes: one `_Client` per connection."""
+
     def __init__(self, pool: SlotPool, address: str, authkey: bytes, name: str = "engine",
-                 info: dict[str, Any] | None = None) -> None:
+                 facts: dict[str, Any] | None = None) -> None:
         self.pool = pool
         self.address = address
         self.name = name
-        self.info = dict(info or {})  # extra facts for the hello (model name, voices, ...)
+        self.facts = dict(facts or {})  # the engine's facts for the Hello (model name, voices, ...)
         self.closing = False
         self._authkey = authkey
         self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
@@ -150,7 +178,7 @@ class EngineServer:
         self._loop_thread, self._accept_thread = daemon_threads((self._run_loop, f"{name}-relay"),
                                                                 (self._accept, f"{name}-accept"))
 
-    def start(self) -> EngineServer:
+    def start(self) -> PoolServer:
         self._loop_thread.start()
         self._accept_thread.start()
         log.info("%s: serving its slot pool on %s", self.name, self.address)
@@ -161,9 +189,9 @@ class EngineServer:
         with self._lock:
             return len(self._clients)
 
-    def hello(self) -> dict[str, Any]:
-        return {"name": self.name, "slots_total": self.pool.slots_total, "config": asdict(self.pool.config),
-                "room": self.pool.snapshot().as_dict(), **self.info}
+    def hello(self) -> Hello:
+        return Hello(self.name, self.pool.slots_total, asdict(self.pool.config), self.pool.snapshot().as_dict(),
+                     self.facts)
 
     def forget(self, client: _Client) -> None:
         with self._lock:
@@ -211,7 +239,7 @@ class EngineServer:
                 conn.close()
                 return
             try:
-                conn.send(("hello", self.hello()))
+                conn.send(self.hello())  # alone, before the channel's batches: the client's first recv
             except OSError:
                 conn.close()
                 continue
@@ -242,6 +270,6 @@ class EngineServer:
             with self._samples_lock:
                 samples, self._samples = self._samples, []
             if clients:
-                room = ("room", self.pool.snapshot().as_dict(), samples)
+                room = RoomFigures(self.pool.snapshot().as_dict(), samples)
                 for client in clients:
                     client.send(room)

@@ -1,32 +1,22 @@
-"""The engine as seen from another process: start a call, push frames, pull outputs, end it.
+"""A slot pool in another process, as a `Room` (serving/room.py): start a call, push frames, pull outputs.
 
-`CallHandler` talks to "a pool": anything with `acquire(voice, persona, sampling)` (plain or
-awaitable) returning a call, plus `slots_total`, `config.max_queue` and `snapshot()`. In one
-process that is the `SlotPool` itself. Here are the same surfaces for a pool that lives in
-another process (`engine_server.EngineServer` serves it):
+A door (`web.handler.CallHandler`) holds a `Room` and its calls are `CallHandle`s. In one
+process that room is the `SlotPool` itself; here are the same surfaces for pools that live in
+other processes (`pool_server.PoolServer` serves each):
 
-- `RemoteEngine`: one engine, over one `ipc.Channel` (an AF_UNIX socket with an authkey);
-- `RemoteCall`: a call on it, with `Call`'s public surface (state, queue_position, slot,
-  end_reason, time_left, push_frame, next_output, wait_live, release);
-- `EngineRouter`: several engines as one pool; a call goes to an engine with a free slot, else
-  to the shortest queue.
+- `RemotePool`: one engine's SlotPool, over one `channel.Channel` (an AF_UNIX socket with an
+  authkey);
+- `RemoteCall`: a call on it, a `CallHandle` (state, queue_position, slot, end_reason,
+  time_left, push_frame, next_output, wait_live, release);
+- `PoolRouter`: several RemotePools as one room; a call goes to an engine with a free slot, else
+  to the shortest queue. To try one engine without queueing, it calls that RemotePool's
+  `acquire(..., queue=False)`, as `SlotPool.admit(..., queue=False)` does in process.
 
-The wire protocol (tuples; only numpy frames and small dicts cross):
-
-    client -> engine   ("start", rid, voice, persona, sampling dict, may_queue)
-                       ("push", rid, int16 or float32 frame [1920])
-                       ("release", rid, reason)
-    engine -> client   ("hello", {"name", "slots_total", "config", "room", ...})   once, first
-                       ("started", rid, call id, state, queue position, slot, time left)
-                       ("refused", rid, kind, message)    kind: caller | busy | full | closed
-                       ("state", rid, state, queue position, slot, time left, end reason)
-                       ("out", rid, float32 pcm [1920], text, tick)
-                       ("room", PoolMetrics dict, [(tick seconds, [frame latencies])])
-                                                           twice a second: the figures, and every
-                                                           tick since the last time (for /metrics)
-
-`rid` is chosen by the client and names the call from then on. Everything a RemoteEngine and its
-calls do after the first `acquire` happens on that call's event loop: use one loop per client.
+What crosses is the typed records of `messages.py`: Start, Push, Release one way; Hello (once,
+first), Started, Refused, StateChange, Out and RoomFigures (twice a second: the pool's figures,
+and every tick since the last ones, for /metrics) the other. `rid` is chosen by the client and
+names the call from then on. Everything a RemotePool and its calls do after the first `acquire`
+happens on that call's event loop: use one loop per client.
 """
 
 from __future__ import annotations
@@ -37,9 +27,8 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Client
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,8 +38,24 @@ from ..sampling_params import SamplingParams
 from ..serving.call import CallView, checked_frame
 from ..serving.config import PoolConfig
 from ..serving.metrics import PoolMetrics, tell_listeners
-from ..serving.room import CallEnded, CallState, EndReason, PoolClosedError, PoolFullError, SlotOutput
+from ..serving.room import CallEnded, CallState, EndReason, PoolClosedError, PoolFullError, SlotOutput, TickListener
 from .channel import Channel
+from .messages import (
+    Hello,
+    Out,
+    Push,
+    RefusalKind,
+    Refused,
+    Release,
+    RoomFigures,
+    ServerMessage,
+    Start,
+    Started,
+    StateChange,
+)
+
+if TYPE_CHECKING:
+    from ..serving.room import CallHandle, Room
 
 log = logging.getLogger(__name__)
 
@@ -61,18 +66,17 @@ DEFAULT_SAMPLING = SamplingParams()
 
 
 class RemoteCall(CallView):
-    """One call on a `RemoteEngine`, driven by the engine's messages; see `pool.Call`."""
+    """One call on a `RemotePool` (a `CallHandle`), driven by the engine's messages; see `serving.call.Call`."""
 
-    def __init__(self, engine: RemoteEngine, rid: int, call_id: str, state: str, queue_position: int | None,
-                 slot: int | None, time_left: float | None) -> None:
-        super().__init__(call_id)
+    def __init__(self, engine: RemotePool, started: Started) -> None:
+        super().__init__(started.call_id)
         self.engine = engine
-        self.rid = rid
+        self.rid = started.rid
         self.frames_pushed = 0
         self._deadline: float | None = None
         self._outbox: collections.deque[SlotOutput] = collections.deque(maxlen=engine.config.output_queue_frames)
         self._changed = asyncio.Event()
-        self.update(state, queue_position, slot, time_left, None)
+        self.update(started.state, started.queue_position, started.slot, started.time_left, None)
 
     def __repr__(self) -> str:
         return f"RemoteCall({self.id}@{self.engine.name}, {self.state}, slot={self.slot}, queue={self.queue_position})"
@@ -88,13 +92,13 @@ class RemoteCall(CallView):
         if self.state != CallState.LIVE:
             return
         self.frames_pushed += 1
-        self.engine.send(("push", self.rid, arr.copy()))
+        self.engine.send(Push(self.rid, arr.copy()))
 
     def release(self, reason: str = EndReason.HANGUP) -> None:
         """End the call (idempotent). The engine frees the slot."""
         if self.state == CallState.ENDED:
             return
-        self.engine.send(("release", self.rid, str(reason)))  # a plain string on the wire
+        self.engine.send(Release(self.rid, str(reason)))  # a plain string on the wire
         self.update(CallState.ENDED, None, self.slot, None, reason)
 
     async def wait_live(self, timeout: float | None = None) -> None:
@@ -160,26 +164,27 @@ class RemoteCall(CallView):
         changed.set()
 
 
-_REFUSALS: dict[str, type[Exception]] = {"caller": CallerError, "busy": PoolFullError, "full": PoolFullError,
-                                         "closed": PoolClosedError}
+_REFUSALS: dict[RefusalKind, type[Exception]] = {"caller": CallerError, "busy": PoolFullError,
+                                                 "full": PoolFullError, "closed": PoolClosedError}
 
 
-class RemoteEngine:
-    """One SlotPool in another process (or, later, on another machine)."""
+class RemotePool:
+    """One SlotPool in another process (or, later, on another machine), as a `Room`."""
 
     def __init__(self, address: str, authkey: bytes, name: str | None = None) -> None:
         conn = Client(address, family="AF_UNIX", authkey=authkey)
-        tag, info = conn.recv()
-        if tag != "hello":
-            raise RuntimeError(f"engine at {address} answered {tag!r} instead of hello")
+        hello = conn.recv()  # sent before the server's channel starts: one message, not a batch
+        if not isinstance(hello, Hello):
+            conn.close()
+            raise RuntimeError(f"engine at {address} answered {type(hello).__name__} instead of Hello")
         self.address = address
-        self.info: dict[str, Any] = info
-        self.name: str = name or info.get("name", address)
-        self.slots_total: int = int(info["slots_total"])
-        self.config = PoolConfig(**info["config"])
-        self.room = PoolMetrics(**info["room"])
+        self.facts: dict[str, Any] = hello.facts  # the engine's model name, voices... ({} if it gave none)
+        self.name: str = name or hello.name
+        self.slots_total: int = hello.slots_total
+        self.config = PoolConfig(**hello.config)
+        self.room = PoolMetrics(**hello.room)
         self.alive = True
-        self._tick_listeners: list[Callable[[float, list[float]], None]] = []
+        self._tick_listeners: list[TickListener] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
@@ -187,38 +192,39 @@ class RemoteEngine:
         self._channel = Channel(conn, f"engine-client:{self.name}", self._on_batch, self._on_close).start()
 
     def __repr__(self) -> str:
-        return f"RemoteEngine({self.name}, {'alive' if self.alive else 'gone'})"
+        return f"RemotePool({self.name}, {'alive' if self.alive else 'gone'})"
 
     def snapshot(self) -> PoolMetrics:
         return self.room
 
-    def add_tick_listener(self, listener: Callable[[float, list[float]], None]) -> None:
+    def add_tick_listener(self, listener: TickListener) -> None:
         """As `SlotPool.add_tick_listener`, but called on this client's reader thread, twice a
         second for the ticks in between."""
         self._tick_listeners.append(listener)
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: Start | Push | Release) -> None:
         self._channel.send(message)
 
-    async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING,
+    async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING, *,
                       queue: bool = True) -> RemoteCall:
         """Start a call: a free slot (state PREFILL) or a place in the queue (state QUEUED).
-        Raises what `SlotPool.acquire` raises."""
+        Raises what `SlotPool.acquire` raises; with `queue=False`, PoolFullError unless a slot is
+        free (the engine decides at once, so two clients cannot both count on one free slot)."""
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
         elif self._loop is not loop:
-            raise RuntimeError("a RemoteEngine serves the calls of one event loop")
+            raise RuntimeError("a RemotePool serves the calls of one event loop")
         if not self.alive:
             raise PoolClosedError(f"engine {self.name} is not running")
         rid = next(self._rids)
         fut: asyncio.Future[RemoteCall] = loop.create_future()
         self._pending[rid] = fut
-        self.send(("start", rid, voice, persona, dataclasses.asdict(sampling), queue))
+        self.send(Start(rid, voice, persona, dataclasses.asdict(sampling), may_queue=queue))
         try:
             return await asyncio.wait_for(fut, START_TIMEOUT)
         except TimeoutError:
-            self.send(("release", rid, START_TIMED_OUT))  # in case it was placed after all
+            self.send(Release(rid, START_TIMED_OUT))  # in case it was placed after all
             raise PoolClosedError(f"engine {self.name} did not answer within {START_TIMEOUT:.0f} s") from None
         finally:
             self._pending.pop(rid, None)
@@ -229,13 +235,13 @@ class RemoteEngine:
 
     # ---- messages ------------------------------------------------------------------------------
 
-    def _on_batch(self, batch: list[tuple]) -> None:
+    def _on_batch(self, batch: list[ServerMessage]) -> None:
         """Reader thread: room figures are kept at once; everything else goes to the loop."""
         rest = []
         for message in batch:
-            if message[0] == "room":
-                self.room = PoolMetrics(**message[1])
-                tell_listeners(self._tick_listeners, message[2])
+            if isinstance(message, RoomFigures):
+                self.room = PoolMetrics(**message.metrics)
+                tell_listeners(self._tick_listeners, message.ticks)
             else:
                 rest.append(message)
         loop = self._loop
@@ -245,29 +251,37 @@ class RemoteEngine:
             except RuntimeError:
                 pass  # that loop has closed: nobody is left to tell
 
-    def _dispatch(self, messages: list[tuple]) -> None:
+    def _dispatch(self, messages: list[ServerMessage]) -> None:
+        """The loop: a call's news, or the answer to a start."""
         for message in messages:
-            tag, rid = message[0], message[1]
-            call = self._calls.get(rid)
-            if tag == "out" and call is not None:
-                call.deliver(SlotOutput(message[2], message[3], message[4]))
-            elif tag == "state" and call is not None:
-                call.update(*message[2:])
-                if call.state == CallState.ENDED:
-                    self._calls.pop(rid, None)
-            elif tag == "started":
-                call = RemoteCall(self, rid, *message[2:])
-                fut = self._pending.get(rid)
-                if fut is None or fut.done():
-                    call.release(START_TIMED_OUT)
-                    continue
-                if call.state != CallState.ENDED:
-                    self._calls[rid] = call
-                fut.set_result(call)
-            elif tag == "refused":
-                fut = self._pending.get(rid)
-                if fut is not None and not fut.done():
-                    fut.set_exception(_REFUSALS.get(message[2], RuntimeError)(message[3]))
+            match message:
+                case Out(rid=rid, pcm=pcm, text=text, tick=tick):
+                    if (call := self._calls.get(rid)) is not None:
+                        call.deliver(SlotOutput(pcm, text, tick))
+                case StateChange(rid=rid):
+                    if (call := self._calls.get(rid)) is not None:
+                        call.update(message.state, message.queue_position, message.slot, message.time_left,
+                                    message.end_reason)
+                        if call.state == CallState.ENDED:
+                            self._calls.pop(rid, None)
+                case Started():
+                    self._started(message)
+                case Refused(rid=rid, kind=kind, message=text):
+                    fut = self._pending.get(rid)
+                    if fut is not None and not fut.done():
+                        fut.set_exception(_REFUSALS.get(kind, RuntimeError)(text))
+                case _:
+                    log.warning("engine %s: unexpected %s ignored", self.name, type(message).__name__)
+
+    def _started(self, started: Started) -> None:
+        call = RemoteCall(self, started)
+        fut = self._pending.get(started.rid)
+        if fut is None or fut.done():  # the start timed out here meanwhile: nobody waits for this call
+            call.release(START_TIMED_OUT)
+            return
+        if call.state != CallState.ENDED:
+            self._calls[started.rid] = call
+        fut.set_result(call)
 
     def _on_close(self) -> None:
         if self.alive:
@@ -303,13 +317,13 @@ def combine_metrics(metrics: list[PoolMetrics]) -> PoolMetrics:
     return PoolMetrics(**values)
 
 
-class EngineRouter:
-    """Several engines as one pool. A call goes to an engine with a free slot (the freest
-    first); when none has one, into the shortest queue. Engines that stopped are skipped."""
+class PoolRouter:
+    """Several engines' pools as one `Room`. A call goes to an engine with a free slot (the
+    freest first); when none has one, into the shortest queue. Engines that stopped are skipped."""
 
-    def __init__(self, engines: list[RemoteEngine]) -> None:
+    def __init__(self, engines: list[RemotePool]) -> None:
         if not engines:
-            raise ValueError("an EngineRouter needs at least one engine")
+            raise ValueError("a PoolRouter needs at least one engine")
         self.engines = list(engines)
         queues = [e.config.max_queue for e in self.engines]
         self.config = dataclasses.replace(self.engines[0].config,
@@ -322,7 +336,7 @@ class EngineRouter:
     def snapshot(self) -> PoolMetrics:
         return combine_metrics([e.snapshot() for e in self.engines if e.alive])
 
-    def add_tick_listener(self, listener: Callable[[float, list[float]], None]) -> None:
+    def add_tick_listener(self, listener: TickListener) -> None:
         for engine in self.engines:
             engine.add_tick_listener(listener)
 
@@ -331,6 +345,7 @@ class EngineRouter:
         return [{"name": e.name, "alive": e.alive, **e.snapshot().as_dict()} for e in self.engines]
 
     async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING) -> RemoteCall:
+        """The room contract's `acquire`, across the engines that run; raises what `SlotPool.acquire` does."""
         alive = [e for e in self.engines if e.alive]
         if not alive:
             raise PoolClosedError("no engine is running")
@@ -355,3 +370,10 @@ class EngineRouter:
     def close(self) -> None:
         for engine in self.engines:
             engine.close()
+
+
+if TYPE_CHECKING:
+
+    def _room_contract(pool: RemotePool, router: PoolRouter, call: RemoteCall) -> tuple[Room, Room, CallHandle]:
+        """For a type checker: both pools are `Room`s and their calls `CallHandle`s (serving/room.py)."""
+        return pool, router, call

@@ -5,15 +5,15 @@
     media workers (--media-workers N, the default on a CUDA host), or several devices
     (--devices cuda:0,cuda:1 / cpu,cpu)
         main process: page (+ peers and handlers when there are no media workers)
-        one engine process per device: SlotPool + engine + EngineServer
-        N media workers: WebRTC peers + handlers (engine_client -> EngineServer)
+        one engine process per device: SlotPool + engine + PoolServer
+        N media workers: WebRTC peers + handlers (PoolRouter -> RemotePool -> PoolServer)
 
 With media workers, even one engine gets a process of its own: the ticker is the one thread that
 must never wait, and in the main process it would share the GIL with the page's HTTP server and
 the engine's socket threads, each of whose wake-ups can hold it off for a switch interval.
 
 `start_topology` builds the right one; `build_ui` then gets `.runtime` and `.pool` (a SlotPool
-or an EngineRouter: the same surface), and `.attach(demo)` hands the page's WebRTC component to
+or a PoolRouter: either is a `Room`), and `.attach(demo)` hands the page's WebRTC component to
 the media workers when there are any.
 """
 
@@ -32,10 +32,10 @@ from typing import Any
 from ..runtime.build import RuntimeOptions, build_runtime
 from ..serving.config import PoolConfig
 from ..serving.pool import SlotPool
-from .engine_process import EngineProcesses, EngineSpec, PageRuntime
+from .engine_process import EngineProcesses, EngineSpec, RemoteRuntime
 from .media_worker import WorkerSpec
 from .media_workers import MediaWorkers
-from .remote_pool import EngineRouter, RemoteEngine
+from .remote_pool import PoolRouter, RemotePool
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class TopologyOptions:
 
 
 class Topology:
-    def __init__(self, runtime, pool: SlotPool | EngineRouter, media: MediaWorkers | None, closers: list[Callable],
+    def __init__(self, runtime, pool: SlotPool | PoolRouter, media: MediaWorkers | None, closers: list[Callable],
                  engine_names: list[str], end_calls: Callable[[float], None]) -> None:
         self.runtime = runtime
         self.pool = pool
@@ -114,7 +114,7 @@ class Topology:
 
     def status(self) -> dict[str, Any]:
         """Per engine and per media worker, for /api/status (the totals are the pool's)."""
-        if isinstance(self.pool, EngineRouter):
+        if isinstance(self.pool, PoolRouter):
             engines = self.pool.engine_status()
         else:
             engines = [{"name": self._engine_names[0], "alive": not self.pool.closed,
@@ -168,8 +168,8 @@ def start_topology(options: TopologyOptions, progress: Callable[[str, float], No
             if progress is not None:
                 progress(f"loading {len(devices)} engine(s)", 0.1)
             facts = engines.wait_ready()
-            runtime = PageRuntime.from_facts(facts[0])
-            pool = EngineRouter([RemoteEngine(a, authkey) for a in addresses])
+            runtime = RemoteRuntime.from_facts(facts[0])
+            pool = PoolRouter([RemotePool(a, authkey) for a in addresses])
             closers.insert(0, pool.close)
         if media is not None:
             media.wait_ready(WORKERS_READY_SECONDS)

@@ -3,14 +3,13 @@
 `resolve_model("auto")` tries the gated `nvidia/personaplex-7b-v1` repository and falls back to the
 tiny hash-v1 model with a human-readable reason; `resolve_model("personaplex-7b-v1")` never falls
 back. Tokens are read by huggingface_hub itself (`HF_TOKEN`, or a stored login) and never appear
-in a message: `redact_secrets` / `SecretFilter` scrub them from anything that is logged.
+in a message: `logs.redact_secrets` / `logs.SecretFilter` scrub them from anything that is logged.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import tqdm as hf_tqdm
 
 from ..errors import CallerError, ModelDownloadError
+from ..logs import redact_secrets
 from ..model.config import ModelFiles
 
 logger = logging.getLogger(__name__)
@@ -55,52 +55,6 @@ _DOWNLOADS: tuple[tuple[str, float], ...] = (
     ("mimi", 385e6),
     ("lm", 16.7e9),
 )
-
-SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "CLOUDFLARE_TURN_KEY_API_TOKEN")
-# Hugging Face user tokens and bearer headers, in case one reaches a message some other way.
-_SECRET_PATTERNS = (
-    re.compile(r"\bhf_[A-Za-z0-9]{20,}\b"),
-    re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]{8,}"),
-)
-_MIN_SECRET_LEN = 4  # shorter values are not real credentials; masking them would garble logs
-
-
-def redact_secrets(text: str) -> str:
-    """`text` with the values of the secret environment variables (and anything shaped like a
-    Hugging Face token or a bearer credential) replaced by `***`."""
-    for var in SECRET_ENV_VARS:
-        value = os.environ.get(var, "").strip()
-        if len(value) >= _MIN_SECRET_LEN:
-            text = text.replace(value, "***")
-    text = _SECRET_PATTERNS[0].sub("***", text)
-    return _SECRET_PATTERNS[1].sub(r"\1***", text)
-
-
-class SecretFilter(logging.Filter):
-    """Redacts secrets from a record's message, exception text and stack before any handler
-    formats it. Attach it to handlers (`install_secret_filter`): logger-level filters do not see
-    records that propagate from child loggers."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        redacted = redact_secrets(message)
-        if redacted != message or record.args:
-            record.msg, record.args = redacted, None
-        if record.exc_info and not record.exc_text:
-            record.exc_text = logging.Formatter().formatException(record.exc_info)
-        if record.exc_text:
-            record.exc_text = redact_secrets(record.exc_text)
-        if record.stack_info:
-            record.stack_info = redact_secrets(record.stack_info)
-        return True
-
-
-def install_secret_filter(logger_: logging.Logger | None = None) -> None:
-    """Add one `SecretFilter` to every handler of `logger_` (default: the root logger)."""
-    target = logger_ or logging.getLogger()
-    for handler in target.handlers:
-        if not any(isinstance(f, SecretFilter) for f in handler.filters):
-            handler.addFilter(SecretFilter())
 
 
 @dataclass(frozen=True)
@@ -300,11 +254,7 @@ __all__ = [
     "access_denied",
     "ModelSource",
     "REAL_MODEL",
-    "SECRET_ENV_VARS",
-    "SecretFilter",
     "TINY_MODEL",
     "hub_offline",
-    "install_secret_filter",
-    "redact_secrets",
     "resolve_model",
 ]

@@ -64,7 +64,7 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 
 class CallView:
     """What a handler reads of a call: the same for a `Call` in this process and for a call on an
-    engine in another one (`engine_client.RemoteCall`)."""
+    engine in another one (`procs.remote_pool.RemoteCall`)."""
 
     def __init__(self, call_id: str) -> None:
         self.id = call_id

@@ -1,0 +1,132 @@
+"""The app's child processes (engine processes, media workers): spawn one, talk to it, stop it.
+
+Every child is started the same way:
+
+- with multiprocessing's "spawn" context: a fresh interpreter, which inherits neither the main
+  process's CUDA state nor its threads, and imports only what its entry point needs (no torch in
+  a media worker);
+- with a socket pair to it, wrapped on the main side in a `Channel` (batched typed messages from
+  `messages.py`); the child wraps its end in one too. The child holds the only other end, so its
+  death is an EOF here, and the main process's death an EOF there;
+- with one preamble (`_child_main`): `logs.configure_logging` with the child's name in each line
+  and the secret filter, before its entry point runs;
+- as a daemon: it cannot outlive the main process.
+
+`stop_children` is the one way to stop some: each is told `Stop` at once (so they wind down in
+parallel), then each is joined in turn and terminated if it outlives its time.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ..logs import configure_logging
+from .channel import Channel
+from .messages import Stop
+
+log = logging.getLogger(__name__)
+
+TERMINATE_WAIT = 2.0  # seconds a terminated child gets to exit before we stop waiting for it
+ChildMain = Callable[[Any, Connection], None]  # a module-level function: spawn pickles it by name
+
+
+def _child_main(target: ChildMain, spec: Any, conn: Connection, name: str, log_level: int) -> None:
+    """Every child's first code: the app's logging, then its entry point."""
+    configure_logging(log_level, prefix=name)
+    target(spec, conn)
+
+
+class Child:
+    """One child process and the `Channel` to it (once `start`ed)."""
+
+    def __init__(self, name: str, target: ChildMain, spec: Any, log_level: int = logging.INFO) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.name = name
+        self._ours, self._theirs = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=_child_main, args=(target, spec, self._theirs, name, log_level),
+                                   name=name, daemon=True)
+        self.channel: Channel | None = None
+
+    def __repr__(self) -> str:
+        return f"Child({self.name}, pid={self.pid}, {'alive' if self.alive else 'gone'})"
+
+    def start(self, on_batch: Callable[[list[Any]], None], on_close: Callable[[], None] | None = None) -> Child:
+        """Spawn it; its messages go to `on_batch`, and `on_close` runs once the channel closes
+        (the child exited or died, or `close`). Both run on the channel's reader thread."""
+        self.process.start()
+        self._theirs.close()  # the child's end lives in the child now: only its death closes it
+        self.channel = Channel(self._ours, self.name, on_batch, on_close).start()
+        return self
+
+    def send(self, message: Any) -> None:
+        """Queue one message for the child; never blocks; dropped once the channel has closed."""
+        if self.channel is None:
+            raise RuntimeError(f"{self.name} has not been started")
+        self.channel.send(message)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def join(self, timeout: float | None = None) -> None:
+        self.process.join(timeout)
+
+    def terminate(self) -> None:
+        """SIGTERM, then up to `TERMINATE_WAIT` s for it to exit."""
+        self.process.terminate()
+        self.process.join(TERMINATE_WAIT)
+
+    def kill(self) -> None:
+        """SIGKILL (for a child that must not go on half-working), then wait for it as `terminate` does."""
+        self.process.kill()
+        self.process.join(TERMINATE_WAIT)
+
+    def close(self) -> None:
+        """Close the channel (its `on_close` runs if it has not yet); the process is not touched."""
+        if self.channel is not None:
+            self.channel.close()
+
+
+def stop_children(children: Sequence[Child], join_timeout: float) -> None:
+    """Tell every child to `Stop`, then give each `join_timeout` s to exit before terminating it,
+    and close its channel."""
+    for child in children:
+        child.send(Stop())
+    for child in children:
+        child.join(join_timeout)
+        if child.alive:
+            log.warning("%s did not stop within %.0f s; terminating it", child.name, join_timeout)
+            child.terminate()
+        child.close()
+
+
+class Inbox:
+    """A channel's messages for a thread that waits for them (not an event loop): pass `on_batch`
+    and `on_close` to the Channel (or `Child.start`); `get` returns None once it has closed."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def on_batch(self, batch: list[Any]) -> None:
+        for message in batch:
+            self._queue.put(message)
+
+    def on_close(self) -> None:
+        self._queue.put(None)
+
+    def get(self) -> Any:
+        """The next message, waiting as long as it takes; None once the channel has closed."""
+        return self._queue.get()

@@ -1,0 +1,210 @@
+"""Every message that crosses a process boundary of this app, as a small typed record.
+
+Three conversations, each over a `channel.Channel` (one pickled batch per write):
+
+    a pool's clients <-> its PoolServer          (remote_pool.py <-> pool_server.py)
+        client -> server   Start, Push, Release
+        server -> client   Hello (once, first, before the channel starts), Started, Refused,
+                           StateChange, Out, RoomFigures (twice a second)
+    the main process <-> an engine process       (engine_process.py)
+        main -> engine     EndCalls, Stop
+        engine -> main     EngineReady, EngineFailed
+    the main process <-> a media worker          (media_workers.py <-> media_worker.py)
+        main -> worker     Offer, Input, RecordingQuery, Stop
+        worker -> main     WorkerReady, Reply, Outputs, Closed
+
+A receiver matches on the type (`match message: case Push(rid=rid, frame=frame): ...`), never on a
+position. The records hold plain values and numpy arrays only, so that either side can be another
+version of this code, or later another machine, without sharing any class but these. `rid`
+names a call (or a request) and is chosen by the side that starts it.
+
+Frozen dataclasses with slots: cheap to build and to pickle (a `Push` and an `Out` go by for every
+caller 12.5 times a second), and a typo in a field name fails at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+# ---- a pool's clients and its server --------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """The server's first word to a new client: what the pool is, before any call."""
+
+    name: str
+    slots_total: int
+    config: dict[str, Any]  # a PoolConfig's fields
+    room: dict[str, Any]  # a PoolMetrics's fields
+    facts: dict[str, Any]  # the engine's facts (engine_process.page_facts), {} when nobody gave any
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Place a call: a free slot, else (when `may_queue`) a place in the queue."""
+
+    rid: int
+    voice: str
+    persona: str
+    sampling: dict[str, Any]  # a SamplingParams's fields
+    may_queue: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Push:
+    rid: int
+    frame: np.ndarray  # one input frame [FRAME_SAMPLES], int16 (half the bytes of float32) or float32
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    rid: int
+    reason: str  # an EndReason, as a plain string
+
+
+RefusalKind = Literal["caller", "busy", "full", "closed"]  # a bad request | no free slot | queue full | shut
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    rid: int
+    call_id: str
+    state: str  # a CallState value
+    queue_position: int | None
+    slot: int | None
+    time_left: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    rid: int
+    kind: RefusalKind
+    message: str  # for the caller's page
+
+
+@dataclass(frozen=True, slots=True)
+class StateChange:
+    rid: int
+    state: str  # a CallState value
+    queue_position: int | None
+    slot: int | None
+    time_left: float | None
+    end_reason: str | None  # once ended
+
+
+@dataclass(frozen=True, slots=True)
+class Out:
+    rid: int
+    pcm: np.ndarray  # float32 [FRAME_SAMPLES]
+    text: str
+    tick: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomFigures:
+    """The pool's figures, and every tick since the last ones (its time, its frames' latencies)."""
+
+    metrics: dict[str, Any]  # a PoolMetrics's fields
+    ticks: list[tuple[float, list[float]]]
+
+
+# ---- the main process and its children --------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Stop, finishing what is under way (engine processes and media workers alike)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EndCalls:
+    """An engine ends every call (reason "shutdown") and stops ticking; its server stays up, so
+    that the news reaches the callers."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReady:
+    facts: dict[str, Any]  # engine_process.page_facts
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFailed:
+    error: str  # one line, for the console
+    traceback: str  # for the log
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """A WebRTC offer, or a trickled ICE candidate, for the worker that owns the connection."""
+
+    rid: int
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Input:
+    """The page's inputs for one connection (fastrtc's `set_input` arguments, plain values)."""
+
+    webrtc_id: str
+    args: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordingQuery:
+    rid: int
+    call_id: str
+    timeout: float  # how long the worker may wait for the recording to be finished
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReady:
+    pid: int
+    torch_imported: bool
+
+
+@dataclass(frozen=True, slots=True)
+class OfferAnswer:
+    json: Any  # fastrtc's answer (or its refusal), as JSON
+    status_code: int | None  # set when fastrtc answered with a JSONResponse
+
+
+@dataclass(frozen=True, slots=True)
+class RecordingPaths:
+    wav: str
+    transcript: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The answer to an `Offer` (an `OfferAnswer`) or a `RecordingQuery` (`RecordingPaths` or None)."""
+
+    rid: int
+    value: OfferAnswer | RecordingPaths | None
+
+
+@dataclass(frozen=True, slots=True)
+class Outputs:
+    """A page update for one connection (fastrtc's AdditionalOutputs arguments)."""
+
+    webrtc_id: str
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """A connection closed in the worker; `final` is its last page update, if it had one."""
+
+    webrtc_id: str
+    final: tuple[Any, ...] | None
+
+
+ClientMessage = Start | Push | Release
+ServerMessage = Started | Refused | StateChange | Out | RoomFigures
+EngineCommand = EndCalls | Stop
+EngineReport = EngineReady | EngineFailed
+WorkerCommand = Offer | Input | RecordingQuery | Stop
+WorkerReport = WorkerReady | Reply | Outputs | Closed
