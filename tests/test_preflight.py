@@ -19,11 +19,11 @@ import pytest
 from bench.common import free_port
 from personaplex_demo.cli import preflight
 from personaplex_demo.cli.offline import main as offline_main
-from personaplex_demo.cli.preflight import NOMINAL_SIZES, PreflightError, check_cache_folder, check_port
+from personaplex_demo.cli.preflight import PreflightError, check_cache_folder, check_port
 from personaplex_demo.errors import UnknownVoiceError
 from personaplex_demo.model.config import ModelFiles
 from personaplex_demo.runtime import build
-from personaplex_demo.runtime.hub import resolve_model
+from personaplex_demo.runtime.hub import FILE_BYTES, resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO = "nvidia/personaplex-7b-v1"
@@ -94,7 +94,7 @@ def test_too_little_room_for_the_download_gives_the_figures(tmp_path, monkeypatc
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(100e9, 95e9, 5e9))
     with pytest.raises(PreflightError) as err:
-        check_cache_folder(tmp_path / "hub", sum(NOMINAL_SIZES.values()))
+        check_cache_folder(tmp_path / "hub", sum(FILE_BYTES.values()))
     msg = str(err.value)
     assert "has 5.0 GB free, but the model download needs 17.1 GB" in msg and "--cache-dir" in msg
     assert "\n" not in msg

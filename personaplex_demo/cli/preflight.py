@@ -19,14 +19,12 @@ from pathlib import Path
 from ..errors import ModelDownloadError
 from ..model.config import ModelFiles
 from ..runtime.capacity import NoSlotFitsError
-from ..runtime.hub import REAL_MODEL, access_denied, hub_offline
+from ..runtime.hub import FILE_BYTES, REAL_MODEL, access_denied, hub_offline
 
 log = logging.getLogger(__name__)
 
 EXIT_PREFLIGHT = 2
 GB = 1e9
-# What the real model's files weigh, for when the Hub gives no size (about 17 GB in all).
-NOMINAL_SIZES = {"tokenizer": 0.6e6, "voices": 8e6, "mimi": 385e6, "lm": 16.7e9}
 TINY_MODEL_BYTES = 16 << 20  # the tiny model's files, with room to spare
 HUB_TIMEOUT_SECONDS = 10.0
 
@@ -112,7 +110,7 @@ def missing_files(repo: str, cache_dir: Path | None) -> list[str]:
     from huggingface_hub import try_to_load_from_cache
 
     files = ModelFiles()
-    return [kind for kind in NOMINAL_SIZES
+    return [kind for kind in FILE_BYTES
             if not isinstance(try_to_load_from_cache(repo, getattr(files, kind), cache_dir=cache_dir), str)]
 
 
@@ -134,7 +132,7 @@ def download_size(repo: str, kinds: list[str], explicit: bool) -> float | None:
                                      "--model tiny)") from None
             log.debug("preflight: no answer for %s (%s)", kind, type(e).__name__)
             return None
-        total += meta.size or NOMINAL_SIZES[kind]
+        total += meta.size or FILE_BYTES[kind]
     return total
 
 

@@ -13,7 +13,7 @@ from ..engine.pcm import LockstepEngine
 from ..model.checkpoint import load_lm, load_mimi
 from ..model.config import LMConfig, MimiConfig, ModelFiles
 from .capacity import DEFAULT_MAX_SLOTS, FRAME_RATE, SlotPlan
-from .hub import ModelSource, resolve_model
+from .hub import DEFAULT_HF_REPO, ModelSource, resolve_model
 from .slot_memory import plan_for
 from .tokenizer import TextTokenizer
 from .voices import VoiceCatalog
@@ -32,7 +32,7 @@ class RuntimeOptions:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     slots: int | str = "auto"  # a number, or "auto": as many as the device memory holds (4 on a CPU)
     max_slots: int = DEFAULT_MAX_SLOTS  # the cap of "auto"
-    hf_repo: str = "nvidia/personaplex-7b-v1"
+    hf_repo: str = DEFAULT_HF_REPO
     cache_dir: Path | None = None
     context: int | None = None  # temporal ring length in frames (--context seconds x 12.5); None: the model's
     prefix_cache_size: int = 8

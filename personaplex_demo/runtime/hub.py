@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 REAL_MODEL = "personaplex-7b-v1"
 TINY_MODEL = "tiny"
 MODEL_CHOICES = ("auto", REAL_MODEL, TINY_MODEL)
-DEFAULT_HF_REPO = "nvidia/personaplex-7b-v1"
+DEFAULT_HF_REPO = f"nvidia/{REAL_MODEL}"
 # --cache-dir, in the app and the offline CLI alike.
 CACHE_DIR_HELP = ("folder for the model files: the tiny model is built there, and the real one downloaded there "
                   "instead of the Hugging Face cache")
@@ -44,17 +44,13 @@ ProgressFn = Callable[[str, float], None]
 # Called with the model folder once the tokenizer and the voices are there, before the weights are
 # fetched; a CallerError it raises stops everything (a typo in a voice name must not cost 17 GB).
 SmallFilesCheck = Callable[[Path], None]
-_CHECK_AFTER = "voices"  # the last of the small files in _DOWNLOADS
+_CHECK_AFTER = "voices"  # the last of the small files in FILE_BYTES
 
-# Download order and rough sizes (docs/model.md § Files): the small files first, so that a 401 or a missing
-# licence acceptance fails in a second rather than after a 16 GB download; the sizes only weight
-# the overall progress fraction.
-_DOWNLOADS: tuple[tuple[str, float], ...] = (
-    ("tokenizer", 0.6e6),
-    ("voices", 8e6),
-    ("mimi", 385e6),
-    ("lm", 16.7e9),
-)
+# What the real model's files weigh, about 17 GB in all (docs/model.md § Files), in download order:
+# the small files first, so that a 401 or a missing licence acceptance fails in a second rather
+# than after a 16 GB download. The sizes weight the download's progress fraction, and stand in
+# for the Hub's answer in the preflight's disk check when it gives none.
+FILE_BYTES: dict[str, float] = {"tokenizer": 0.6e6, "voices": 8e6, "mimi": 385e6, "lm": 16.7e9}
 
 
 @dataclass(frozen=True)
@@ -139,7 +135,7 @@ def _download_real(repo: str, cache_dir: Path | None, progress: ProgressFn | Non
                    check: SmallFilesCheck | None = None) -> Path:
     files = ModelFiles()
     offline = hub_offline()
-    total_weight = sum(w for _, w in _DOWNLOADS)
+    total_weight = sum(FILE_BYTES.values())
     done_weight = 0.0
     revision: str | None = None
     directory: Path | None = None
@@ -153,7 +149,7 @@ def _download_real(repo: str, cache_dir: Path | None, progress: ProgressFn | Non
             last_report[:] = [now, fraction]
             progress(message, min(max(fraction, 0.0), 1.0))
 
-    for kind, weight in _DOWNLOADS:
+    for kind, weight in FILE_BYTES.items():
         filename = getattr(files, kind)
         report(f"fetching {filename} from {repo}", done_weight / total_weight, force=True)
 
