@@ -58,8 +58,13 @@ class Child:
     def start(self, on_batch: Callable[[list[Any]], None], on_close: Callable[[], None] | None = None) -> Child:
         """Spawn it; its messages go to `on_batch`, and `on_close` runs once the channel closes
         (the child exited or died, or `close`). Both run on the channel's reader thread."""
-        self.process.start()
-        self._theirs.close()  # the child's end lives in the child now: only its death closes it
+        try:
+            self.process.start()
+        except BaseException:
+            self._ours.close()
+            raise
+        finally:
+            self._theirs.close()  # the child's end lives in the child now: only its death closes it
         self.channel = Channel(self._ours, self.name, on_batch, on_close).start()
         return self
 

@@ -69,7 +69,7 @@ class Release:
 RefusalKind = Literal["caller", "busy", "full", "closed"]  # a bad request | no free slot | queue full | shut
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)  # by name: two neighbouring `int | None` fields
 class Started:
     rid: int
     call_id: str
@@ -86,7 +86,7 @@ class Refused:
     message: str  # for the caller's page
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StateChange:
     rid: int
     state: str  # a CallState value

@@ -107,7 +107,8 @@ class _Client:
             return
         with self.lock:
             self.calls[rid] = call
-        self.send(Started(rid, call.id, call.state.value, call.queue_position, call.slot, call.time_left()))
+        self.send(Started(rid=rid, call_id=call.id, state=call.state.value, queue_position=call.queue_position,
+                          slot=call.slot, time_left=call.time_left()))
         if self.channel.closed:  # gone while we were placing it
             call.release(CLIENT_GONE)
             return
@@ -133,13 +134,17 @@ class _Client:
                 now = (call.state, call.queue_position, call.slot)
                 if now != sent and call.state != CallState.ENDED:
                     sent = now
-                    self.send(StateChange(rid, call.state.value, call.queue_position, call.slot, call.time_left(), None))
+                    self.send(StateChange(rid=rid, state=call.state.value, queue_position=call.queue_position,
+                                          slot=call.slot, time_left=call.time_left(), end_reason=None))
         except CallEnded as ended:
-            self.send(StateChange(rid, CallState.ENDED.value, None, call.slot, None, ended.reason))
+            # A plain string on the wire: the receiver needs no class of ours to read it.
+            self.send(StateChange(rid=rid, state=CallState.ENDED.value, queue_position=None, slot=call.slot,
+                                  time_left=None, end_reason=str(ended.reason)))
         except Exception:
             log.exception("%s: relaying call %s failed; ending it", self.name, call.id)
             call.release(RELAY_FAILED)
-            self.send(StateChange(rid, CallState.ENDED.value, None, call.slot, None, RELAY_FAILED))
+            self.send(StateChange(rid=rid, state=CallState.ENDED.value, queue_position=None, slot=call.slot,
+                                  time_left=None, end_reason=RELAY_FAILED))
         finally:
             with self.lock:
                 self.calls.pop(rid, None)
