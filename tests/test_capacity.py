@@ -114,7 +114,7 @@ def test_parse_slots_and_context():
 
 
 def test_app_flags(capsys):
-    from personaplex_demo.cli.app import parse_config
+    from personaplex_demo.cli.config import parse_config
 
     cfg = parse_config([], environ={})
     assert cfg.slots == "auto" and cfg.context is None and cfg.max_slots == 64

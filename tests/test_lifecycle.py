@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from personaplex_demo.cli.lifecycle import (
+from personaplex_demo.cli.lifecycle import StopSignals, shut_down
+from personaplex_demo.web.recording import (
     LEGACY_MAX_AGE_SECONDS,
-    StopSignals,
+    RecordingStore,
     recordings_prefix,
     remove_stale_recordings,
-    shut_down,
 )
-from personaplex_demo.web.recording import RecordingStore
 
 from .browser_support import (
     ARTIFACTS,

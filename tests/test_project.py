@@ -129,7 +129,7 @@ def readme_section(title: str) -> str:
 
 
 def test_readme_flags_table_lists_every_app_setting() -> None:
-    from personaplex_demo.cli.app import OTHER_ENV, AppConfig
+    from personaplex_demo.cli.config import OTHER_ENV, AppConfig
     from personaplex_demo.cli.options import specs
 
     section = readme_section("Flags and environment")

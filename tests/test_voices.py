@@ -12,11 +12,11 @@ import torch
 
 from personaplex_demo.errors import CallerError, UnknownVoiceError, VoiceArchiveError, VoiceFileError
 from personaplex_demo.runtime import voices
+from personaplex_demo.runtime.tiny import tiny_voice_prompts
 from personaplex_demo.runtime.voices import (
     DEFAULT_VOICE,
     VOICE_NAMES,
     VoiceCatalog,
-    tiny_voice_prompts,
     write_voices_archive,
 )
 

@@ -1,80 +1,26 @@
-"""Start and stop: stale recordings from a crash, and a clean exit on SIGTERM or SIGINT.
+"""Stop: a clean exit on SIGTERM or SIGINT.
 
 A Space restarts its app with SIGTERM. Python's default for that signal kills the process at once
 (exit 143): no `finally`, so live callers hear the audio stop without a word and their recordings
 stay in the temp folder. Here both signals end every call with a message, stop the pool, delete
 the recordings and exit 0, all within `SHUTDOWN_SECONDS`; a watchdog exits anyway if some thread
-hangs. A second signal during the clean-up exits at once.
-
-Each app's recordings folder is `personaplex-calls-<pid>-<random>` in the temp folder. At start
-the folders whose process is gone (a crash, a kill -9) are removed; those of another app still
-running on the same machine are kept.
+hangs. A second signal during the clean-up exits at once. (What a crash leaves behind is cleared
+at the next start: web/recording.py's `remove_stale_recordings`.)
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-RECORDINGS_PREFIX = "personaplex-calls-"
 SHUTDOWN_SECONDS = 8.0  # within the usual 10 s a supervisor gives before SIGKILL
-LEGACY_MAX_AGE_SECONDS = 3600.0  # folders named without a pid are removed once untouched this long
-_OWNED = re.compile(re.escape(RECORDINGS_PREFIX) + r"(\d+)-")
-
-
-def recordings_prefix() -> str:
-    """The name prefix of this process's recordings folder."""
-    return f"{RECORDINGS_PREFIX}{os.getpid()}-"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def remove_stale_recordings(tmpdir: str | Path | None = None, now: float | None = None) -> list[Path]:
-    """Delete recordings folders whose process has exited; returns what was removed.
-
-    A pid can be reused by an unrelated process: its folder then waits for the next start after
-    that process exits. Folders named without a pid (older versions) go once untouched for an hour,
-    past the age at which a running app deletes its recordings anyway."""
-    root = Path(tmpdir) if tmpdir is not None else Path(tempfile.gettempdir())
-    now = time.time() if now is None else now
-    removed = []
-    for path in root.glob(f"{RECORDINGS_PREFIX}*"):
-        try:
-            if not path.is_dir() or path.is_symlink():
-                continue
-            owner = _OWNED.match(path.name)
-            if owner is not None:
-                if int(owner.group(1)) == os.getpid() or _alive(int(owner.group(1))):
-                    continue
-            elif now - path.stat().st_mtime < LEGACY_MAX_AGE_SECONDS:
-                continue
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-        shutil.rmtree(path, ignore_errors=True)
-        if not path.exists():
-            removed.append(path)
-    if removed:
-        log.info("removed %d recordings folder(s) left by exited processes", len(removed))
-    return removed
 
 
 class StopSignals:

@@ -34,10 +34,12 @@ from tqdm import tqdm
 
 from ..engine.pcm import LockstepEngine, SamplingParams, persona_token_ids
 from ..errors import CallerError, CheckpointError
+from ..logs import configure_logging
 from ..runtime.build import RuntimeOptions, build_runtime, check_placement
-from ..runtime.hub import CACHE_DIR_DEFAULT, CACHE_DIR_HELP, DEFAULT_HF_REPO, MODEL_CHOICES, install_secret_filter
 from ..runtime.tokenizer import TextTokenizer
 from ..runtime.voices import DEFAULT_VOICE, VoiceCatalog
+from .config import AppConfig
+from .options import add_options
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,6 @@ FRAME_SIZE = LockstepEngine.frame_size  # 1920 samples = 80 ms
 FRAME_MS = FRAME_SIZE * 1000 // SAMPLE_RATE
 DEFAULT_PERSONA = ("You are a wise and friendly teacher. Answer questions or provide advice in a clear "
                    "and engaging way.")  # NVIDIA cli/offline.py's default text prompt
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 _CHUNK_SECONDS = 10  # resample in pieces of this length, so long files never need two full copies
 
 EXIT_OK, EXIT_MODEL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -248,6 +249,8 @@ def _prog() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The offline CLI's flags: its own (input, output, persona, sampling), with the NVIDIA CLI's
+    names for the sampling knobs, and the app's model flags."""
     knobs = SamplingParams()
     p = argparse.ArgumentParser(
         prog=_prog(),
@@ -259,12 +262,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transcript", "-t", type=Path, help="transcript to write (JSON); none if omitted")
     p.add_argument("--voice", default=DEFAULT_VOICE, help="voice prompt name (default: %(default)s)")
     p.add_argument("--persona", default=DEFAULT_PERSONA, help="persona / system prompt text (default: %(default)r)")
-    p.add_argument("--model", choices=MODEL_CHOICES, default="auto",
-                   help="auto: PersonaPlex-7B on a CUDA GPU when its files can be had, else the tiny model "
-                        "(default: %(default)s)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="auto: bfloat16 on CUDA, float32 on the CPU (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None,
                    help="sampling seed, 0..4294967295; -1 or none picks one at random (recorded in the JSON; "
                         "default: random)")
@@ -275,24 +272,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temp-audio", type=float, default=knobs.audio_temperature,
                    help="audio temperature (default: %(default)s)")
     p.add_argument("--topk-audio", type=int, default=knobs.audio_top_k, help="audio top-k (default: %(default)s)")
-    p.add_argument("--cache-dir", type=Path, default=None, help=f"{CACHE_DIR_HELP} (default: {CACHE_DIR_DEFAULT})")
-    p.add_argument("--hf-repo", default=DEFAULT_HF_REPO, help=argparse.SUPPRESS)
+    # The model's flags and variables are the app's own (cli/config.py).
+    add_options(p, AppConfig, os.environ, names=("model", "device", "dtype", "cache_dir", "hf_repo"))
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar; warnings and errors only (default: off)")
     return p
 
 
 def _configure_logging(quiet: bool) -> None:
-    """A stderr handler when the process has none (as logging.basicConfig), plus token redaction."""
-    root = logging.getLogger()
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-        root.addHandler(handler)
-        root.setLevel(logging.WARNING if quiet else logging.INFO)
+    """Terse lines on stderr when the process has no handler yet, plus token redaction."""
+    if not logging.getLogger().handlers:
         # The library's own chatter (loading, voices) stays at WARNING unless asked for.
         logging.getLogger("personaplex_demo").setLevel(logging.WARNING)
         log.setLevel(logging.WARNING if quiet else logging.INFO)
-    install_secret_filter(root)
+    configure_logging(logging.WARNING if quiet else logging.INFO, fmt="%(levelname)s %(message)s")
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -329,8 +321,9 @@ def run(args: argparse.Namespace) -> int:
         persona_token_ids(tokenizer, args.persona)
 
     try:  # the voice and the persona are checked before the weights are fetched or loaded
+        cache_dir = Path(args.cache_dir) if args.cache_dir else None
         runtime = build_runtime(RuntimeOptions(model=args.model, device=args.device, dtype=args.dtype, slots=1,
-                                               hf_repo=args.hf_repo, cache_dir=args.cache_dir), check=check_request)
+                                               hf_repo=args.hf_repo, cache_dir=cache_dir), check=check_request)
     except CallerError as exc:
         raise OfflineError(str(exc)) from None
     if runtime.banner:  # a warning when "auto" fell back to the tiny model, a note when it was asked for

@@ -130,7 +130,17 @@ def build_parser(cls: type, environ: Mapping[str, str], presets: Mapping[str, tu
     for the field's own default (e.g. the host on a hosting platform); its env var still wins over it.
     An invalid variable in `environ` exits here, with status 2 as argparse does for a bad flag."""
     parser = argparse.ArgumentParser(formatter_class=argparse.RawDescriptionHelpFormatter, **parser_kwargs)
+    add_options(parser, cls, environ, presets)
+    return parser
+
+
+def add_options(parser: argparse.ArgumentParser, cls: type, environ: Mapping[str, str],
+                presets: Mapping[str, tuple[Any, str]] | None = None, names: tuple[str, ...] | None = None) -> None:
+    """The flags of `cls`'s options (all, or those in `names`) on `parser`, as `build_parser` makes them:
+    so another command (the offline CLI) takes the same flags with the same checks and variables."""
     for spec in specs(cls):
+        if names is not None and spec.name not in names:
+            continue
         default, source = (presets or {}).get(spec.name, (spec.default, None))
         raw = environ.get(spec.option.env, "") if spec.option.env else ""
         if raw.strip():  # an empty variable counts as unset
@@ -148,7 +158,6 @@ def build_parser(cls: type, environ: Mapping[str, str], presets: Mapping[str, tu
                                               else spec.name.upper())
             parser.add_argument(spec.flag, dest=spec.name, type=spec.convert, default=default, metavar=metavar,
                                 help=help_text)
-    return parser
 
 
 def config_from(cls: type, namespace: argparse.Namespace) -> Any:

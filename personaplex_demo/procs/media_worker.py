@@ -39,6 +39,7 @@ from fastrtc.webrtc_connection_mixin import WebRTCConnectionMixin
 from ..rtc.audio import answering_with_packet_time
 from ..rtc.ice import server_configuration
 from ..rtc.settings import apply_media_settings
+from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
 from ..web.handler import CallHandler, FinalUpdates
 from ..web.recording import RecordingStore
 from .channel import Channel
@@ -69,7 +70,7 @@ class WorkerSpec:
     engines: tuple[str, ...]  # the AF_UNIX address of each engine's PoolServer
     authkey: bytes
     recordings_dir: str
-    max_wait_seconds: float | None = 600.0
+    max_wait_seconds: float | None = DEFAULT_MAX_WAIT_SECONDS
     model_name: str | None = None
     server_rtc_configuration: dict[str, Any] | None = None
     loopback_ice: bool = False

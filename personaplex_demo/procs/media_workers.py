@@ -34,9 +34,8 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from fastrtc import AdditionalOutputs
 
-from ..cli.lifecycle import recordings_prefix
 from ..web.handler import FinalUpdates
-from ..web.recording import RecordingFiles
+from ..web.recording import RecordingFiles, recordings_prefix
 from .launcher import Child, stop_children
 from .media_worker import WorkerSpec, run_worker
 from .messages import (

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime.build import RuntimeOptions, build_runtime
-from ..serving.config import PoolConfig
+from ..serving.config import DEFAULT_MAX_WAIT_SECONDS, PoolConfig
 from ..serving.pool import SlotPool
 from .engine_process import EngineProcesses, EngineSpec, RemoteRuntime
 from .media_worker import WorkerSpec
@@ -79,7 +79,7 @@ class TopologyOptions:
     pool: PoolConfig
     devices: tuple[str, ...] = ("auto",)
     media_workers: int = 0
-    max_wait_seconds: float | None = 600.0
+    max_wait_seconds: float | None = DEFAULT_MAX_WAIT_SECONDS  # None: no limit
     server_rtc_configuration: dict[str, Any] | None = None
     loopback_ice: bool = False
 

@@ -11,14 +11,21 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from ..frame import AUDIO_CARD, TEXT_CARD
 from ..model.config import LMConfig, MimiConfig, ModelFiles
+from .voice_names import VOICE_NAMES
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 RECIPE = "hash-v1"
 LM_SEED = 1242
 MIMI_SEED = 4347
+VOICE_SEED = 20251202  # the golden fixtures' data seed
 _MARKER = "tiny-model.txt"
 
 
@@ -33,7 +40,7 @@ def build_tiny_repo(directory: Path) -> Path:
     # Imported here: finding the tiny model's folder (start-up checks) must not wait for torch.
     from ..model.checkpoint import meta_lm, meta_mimi, write_hash_checkpoint
     from .tokenizer import build_tiny_tokenizer
-    from .voices import tiny_voice_prompts, write_voices_archive
+    from .voices import write_voices_archive
 
     files = ModelFiles()
     directory.mkdir(parents=True, exist_ok=True)
@@ -72,3 +79,25 @@ def ensure_tiny_repo(cache_dir: Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def tiny_voice_prompts(dim: int, seed: int = VOICE_SEED) -> dict[str, dict[str, torch.Tensor]]:
+    """hash-v1 voice prompts for the tiny model: the 18 official names, T = 4 + index % 5.
+
+    Embeddings follow the golden fixtures' voice recipe (key `NAME.embeddings`, offset 0, scale
+    2, float32). The ring is `hash_ints` of `NAME.cache`: row 0 modulo the text card, rows 1-16
+    modulo the audio card, so every value is a valid token.
+    """
+    import torch
+
+    from ..model.hashinit import hash_ints, hash_tensor
+    from .voices import CACHE_SHAPE
+
+    prompts: dict[str, dict[str, torch.Tensor]] = {}
+    for index, name in enumerate(VOICE_NAMES):
+        length = 4 + index % 5
+        emb = hash_tensor(f"{name}.embeddings", seed, [length, 1, 1, dim], 0.0, 2.0)
+        cache = hash_ints(f"{name}.cache", seed, list(CACHE_SHAPE), AUDIO_CARD)
+        cache[:, 0] = hash_ints(f"{name}.cache", seed, list(CACHE_SHAPE), TEXT_CARD)[:, 0]
+        prompts[name] = {"embeddings": torch.from_numpy(emb), "cache": torch.from_numpy(cache)}
+    return prompts

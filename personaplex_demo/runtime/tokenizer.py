@@ -233,14 +233,28 @@ def build_tiny_tokenizer(path: Path) -> Path:
     scores below every trained piece, so they only win where they spell a whole word. Training runs
     on one thread over a fixed sentence list, so the same bytes come out every time.
     """
-    # Imported here: it needs protobuf, which nothing else on the serving path does.
-    from sentencepiece import sentencepiece_model_pb2 as model_pb2
-
     path = Path(path)
     if path.is_dir():
         from ..model.config import ModelFiles
 
         path = path / ModelFiles().tokenizer
+    data = _fill_with_synthetic_words(_train_tiny_bpe())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Atomic replace: several processes (tests, app) may build the same file at once.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    logger.debug("wrote the tiny tokenizer (%d pieces) to %s", TINY_VOCAB_SIZE, path)
+    return path
+
+
+def _train_tiny_bpe() -> bytes:
+    """The trained part of the tiny model: special pieces, byte fallback and a small BPE vocabulary."""
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(_tiny_training_sentences()),
@@ -262,8 +276,16 @@ def build_tiny_tokenizer(path: Path) -> Path:
         input_sentence_size=0,
         minloglevel=2,
     )
+    return buf.getvalue()
+
+
+def _fill_with_synthetic_words(trained: bytes) -> bytes:
+    """`trained` grown to TINY_VOCAB_SIZE pieces with synthetic whole words, scored below every trained piece."""
+    # Imported here: it needs protobuf, which nothing else on the serving path does.
+    from sentencepiece import sentencepiece_model_pb2 as model_pb2
+
     proto = model_pb2.ModelProto()
-    proto.ParseFromString(buf.getvalue())
+    proto.ParseFromString(trained)
     existing = {p.piece for p in proto.pieces}
     low = min(p.score for p in proto.pieces if p.type == model_pb2.ModelProto.SentencePiece.NORMAL)
     words = (w for w in _synthetic_words() if "\u2581" + w not in existing)
@@ -275,20 +297,7 @@ def build_tiny_tokenizer(path: Path) -> Path:
     if len(proto.pieces) != TINY_VOCAB_SIZE:
         raise RuntimeError(f"tiny tokenizer has {len(proto.pieces)} pieces, expected {TINY_VOCAB_SIZE}")
     proto.trainer_spec.vocab_size = TINY_VOCAB_SIZE
-    data = proto.SerializeToString(deterministic=True)
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Atomic replace: several processes (tests, app) may build the same file at once.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    logger.debug("wrote the tiny tokenizer (%d pieces) to %s", TINY_VOCAB_SIZE, path)
-    return path
+    return proto.SerializeToString(deterministic=True)
 
 
 __all__ = [

@@ -28,7 +28,6 @@ import torch
 
 from ..errors import UnknownVoiceError, VoiceArchiveError, VoiceFileError
 from ..frame import AUDIO_CARD, TEXT_CARD
-from ..model.hashinit import hash_ints, hash_tensor
 from .voice_names import DEFAULT_VOICE, VOICE_NAME_RE, VOICE_NAMES
 
 logger = logging.getLogger(__name__)
@@ -36,7 +35,6 @@ logger = logging.getLogger(__name__)
 VOICES_FOLDER = "voices"
 
 CACHE_SHAPE = (1, 17, 4)  # [batch, token rows, staging ring columns] (docs/engine.md § Staging ring and delays)
-TINY_VOICE_SEED = 20251202  # the golden fixtures' data seed
 
 # The official voices are about 0.5 MB each and 8 MB in all; these bounds leave a wide margin
 # while stopping a hostile archive from filling the disk.
@@ -260,6 +258,18 @@ class VoiceCatalog:
 
 def read_voice_file(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Load and check one `.pt` voice prompt; returns (embeddings, cache) as stored, on CPU."""
+    data = _load_tensors(path)
+    fname = path.name
+    if not isinstance(data, dict):
+        raise VoiceFileError(f"{fname}: expected a dict with 'embeddings' and 'cache', got {type(data).__name__}")
+    missing = [k for k in ("embeddings", "cache") if k not in data]
+    if missing:
+        raise VoiceFileError(f"{fname}: missing key(s) {missing}; found {sorted(map(str, data))}")
+    return _checked_embeddings(fname, data["embeddings"]), _checked_cache(fname, data["cache"])
+
+
+def _load_tensors(path: Path) -> object:
+    """What `path` unpickles to with torch's weights-only loader, or a VoiceFileError that says why not."""
     fname = path.name
     try:
         size = path.stat().st_size
@@ -269,7 +279,7 @@ def read_voice_file(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
         raise VoiceFileError(f"{fname}: {size} bytes, over the {MAX_MEMBER_BYTES}-byte limit")
     try:
         # weights_only: a voice file is data; it must not be able to run code when unpickled.
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types here (UnpicklingError, RuntimeError, ...)
         text = str(exc).strip()
         if isinstance(exc, pickle.UnpicklingError) or "weights_only" in text:
@@ -284,17 +294,10 @@ def read_voice_file(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
             detail = f"refused by the weights-only unpickler: {reason}"
         else:
             detail = f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else 'unreadable'}"
-        raise VoiceFileError(
-            f"{fname}: not a tensor file that loads with weights_only=True ({detail})"
-        ) from exc
-    if not isinstance(data, dict):
-        raise VoiceFileError(
-            f"{fname}: expected a dict with 'embeddings' and 'cache', got {type(data).__name__}"
-        )
-    missing = [k for k in ("embeddings", "cache") if k not in data]
-    if missing:
-        raise VoiceFileError(f"{fname}: missing key(s) {missing}; found {sorted(map(str, data))}")
-    emb, cache = data["embeddings"], data["cache"]
+        raise VoiceFileError(f"{fname}: not a tensor file that loads with weights_only=True ({detail})") from exc
+
+
+def _checked_embeddings(fname: str, emb: object) -> torch.Tensor:
     if not isinstance(emb, torch.Tensor) or not emb.is_floating_point():
         raise VoiceFileError(f"{fname}: 'embeddings' must be a floating-point tensor, got {_describe(emb)}")
     if emb.dim() != 4 or emb.shape[0] < 1 or emb.shape[1] != 1 or emb.shape[2] != 1 or emb.shape[3] < 1:
@@ -303,6 +306,10 @@ def read_voice_file(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
         )
     if not bool(torch.isfinite(emb).all()):
         raise VoiceFileError(f"{fname}: 'embeddings' contains NaN or infinite values")
+    return emb
+
+
+def _checked_cache(fname: str, cache: object) -> torch.Tensor:
     if (
         not isinstance(cache, torch.Tensor)
         or cache.is_floating_point()
@@ -312,15 +319,15 @@ def read_voice_file(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
         raise VoiceFileError(f"{fname}: 'cache' must be an integer tensor, got {_describe(cache)}")
     if tuple(cache.shape) != CACHE_SHAPE:
         raise VoiceFileError(f"{fname}: 'cache' must have shape {list(CACHE_SHAPE)}, got {list(cache.shape)}")
-    # Row 0 holds text ids (<= 32000, the text-initial token), rows 1..16 audio codes (<= 2048,
-    # the audio-initial token). -1 and -2 are moshi's "no token" / "not generated" markers.
+    # Row 0 holds text ids (up to the text card: the text-initial token), rows 1..16 audio codes (up
+    # to the audio card, the audio-initial token). -1 and -2 are moshi's "no token" / "not generated".
     cache = cache.to(torch.long)
     if int(cache.min()) < -2 or int(cache[:, 0].max()) > TEXT_CARD or int(cache[:, 1:].max()) > AUDIO_CARD:
         raise VoiceFileError(
             f"{fname}: 'cache' values out of range (row 0 must be in [-2, {TEXT_CARD}], "
             f"rows 1-16 in [-2, {AUDIO_CARD}])"
         )
-    return emb, cache
+    return cache
 
 
 def _describe(value: object) -> str:
@@ -367,23 +374,6 @@ def write_voices_archive(
     return tgz_path
 
 
-def tiny_voice_prompts(dim: int, seed: int = TINY_VOICE_SEED) -> dict[str, dict[str, torch.Tensor]]:
-    """hash-v1 voice prompts for the tiny model: the 18 official names, T = 4 + index % 5.
-
-    Embeddings follow the golden fixtures' voice recipe (key `NAME.embeddings`, offset 0, scale
-    2, float32). The ring is `hash_ints` of `NAME.cache`: row 0 modulo the text card, rows 1-16
-    modulo the audio card, so every value is a valid token.
-    """
-    prompts: dict[str, dict[str, torch.Tensor]] = {}
-    for index, name in enumerate(VOICE_NAMES):
-        length = 4 + index % 5
-        emb = hash_tensor(f"{name}.embeddings", seed, [length, 1, 1, dim], 0.0, 2.0)
-        cache = hash_ints(f"{name}.cache", seed, list(CACHE_SHAPE), AUDIO_CARD)
-        cache[:, 0] = hash_ints(f"{name}.cache", seed, list(CACHE_SHAPE), TEXT_CARD)[:, 0]
-        prompts[name] = {"embeddings": torch.from_numpy(emb), "cache": torch.from_numpy(cache)}
-    return prompts
-
-
 __all__ = [
     "DEFAULT_VOICE",
     "VOICE_NAMES",
@@ -391,6 +381,5 @@ __all__ = [
     "VoiceCatalog",
     "VoicePrompt",
     "read_voice_file",
-    "tiny_voice_prompts",
     "write_voices_archive",
 ]

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A caller queued this long is told to come back later (`--max-wait`). The doors enforce it, as
+# they notice a caller who left; every layer's default is this one.
+DEFAULT_MAX_WAIT_SECONDS = 600.0
+
 
 @dataclass(frozen=True)
 class PoolConfig:

@@ -32,6 +32,7 @@ from fastrtc import AdditionalOutputs, AsyncStreamHandler, CloseStream, get_curr
 from ..errors import CallerError
 from ..frame import FRAME_SAMPLES, SAMPLE_RATE
 from ..rtc.audio import output_frame_samples
+from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
 from ..serving.room import CallEnded, CallHandle, CallState, EndReason, PoolClosedError, PoolFullError, Room
 from .page_inputs import CallRequest
 from .recording import CallRecording, RecordingFiles, RecordingStore
@@ -92,7 +93,7 @@ class CallHandler(AsyncStreamHandler):
     None or the (WAV, JSON) paths of the finished recording."""
 
     def __init__(self, room: Room, recordings: RecordingStore | None = None, *,
-                 max_wait_seconds: float | None = 600.0, model_name: str | None = None):
+                 max_wait_seconds: float | None = DEFAULT_MAX_WAIT_SECONDS, model_name: str | None = None):
         super().__init__(expected_layout="mono", output_sample_rate=SAMPLE_RATE, input_sample_rate=SAMPLE_RATE)
         # fastrtc paces agent audio in frames of this length; one frame makes one Opus packet (rtc/audio.py).
         self.output_frame_size = output_frame_samples(SAMPLE_RATE)

@@ -24,13 +24,15 @@ from ..frame import AUDIO_CARD
 from ..rtc.audio import answering_with_packet_time
 from ..rtc.ice import server_configuration
 from ..rtc.patches import bound_event_log
-from ..runtime.voices import DEFAULT_VOICE
+from ..runtime.voice_names import DEFAULT_VOICE
 from ..sampling_params import SamplingParams
+from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
 from ..serving.room import Room
 from .deeplink import SEED_RANGE, LinkRules, NumberRule, add_deep_links, number_rule
-from .handler import CallHandler, FinalUpdates, RoomMetrics, room_line
+from .handler import CallHandler, FinalUpdates
 from .page_inputs import PageInputs
 from .recording import RecordingStore
+from .status import RoomMetrics, room_line
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_PRESET = "Assistant (teacher)"
@@ -49,7 +51,7 @@ CSS = """
 class PageOptions:
     time_limit: float | None = 300.0  # per call, counted by the pool from the moment it is live
     max_queue: int = 32  # callers that may wait for a slot (the pool's own limit)
-    max_wait_seconds: float | None = 600.0  # a caller queued this long is told to come back later
+    max_wait_seconds: float | None = DEFAULT_MAX_WAIT_SECONDS  # then a queued caller is told to come back later
     rtc_configuration: Any = None  # dict, or a (sync or async) callable for fresh TURN credentials
     server_rtc_configuration: Any = None
     notice: str | None = None  # an extra warning for the page, e.g. "no TURN relay configured"
@@ -61,17 +63,17 @@ def load_presets() -> dict[str, str]:
     return json.loads((ASSETS / "personas.json").read_text(encoding="utf-8"))
 
 
-def status_payload(runtime, pool: Room) -> dict[str, Any]:
-    """What `GET /api/status` returns: the model and the pool's live metrics."""
+def status_payload(runtime, room: Room) -> dict[str, Any]:
+    """What `GET /api/status` returns: the model and the room's live figures."""
     capacity = getattr(runtime, "capacity", None)
     return {"model": runtime.model_name, "tiny": bool(runtime.is_tiny), "banner": runtime.banner,
-            "capacity": capacity.as_dict() if capacity else None, **pool.snapshot().as_dict()}
+            "capacity": capacity.as_dict() if capacity else None, **room.snapshot().as_dict()}
 
 
-def status_routes(runtime, pool: Room, extra: Callable[[], dict[str, Any]] | None = None) -> list[Route]:
+def status_routes(runtime, room: Room, extra: Callable[[], dict[str, Any]] | None = None) -> list[Route]:
     """`extra`: more fields for the payload (per engine and per media worker, when there are several)."""
     async def status(_: Request) -> JSONResponse:
-        payload = status_payload(runtime, pool)
+        payload = status_payload(runtime, room)
         if extra is not None:
             payload.update(extra())
         return JSONResponse(payload, headers={"Cache-Control": "no-store"})
@@ -79,8 +81,8 @@ def status_routes(runtime, pool: Room, extra: Callable[[], dict[str, Any]] | Non
     return [Route("/api/status", status, methods=["GET"])]
 
 
-def stats_markdown(pool: Room) -> str:
-    m = RoomMetrics.get(pool)
+def stats_markdown(room: Room) -> str:
+    m = RoomMetrics.get(room)
     if not m.ticks:  # zeros would read as measurements
         return f"**Room** {room_line(m)} · latency and tick times appear once a call is live"
     return (f"**Room** {room_line(m)} · **latency** p50 {m.latency_p50_ms:.0f} ms, p99 {m.latency_p99_ms:.0f} ms"
@@ -94,150 +96,181 @@ def page_values(transcript: str, status: str, call_id: str, files=None) -> tuple
     return transcript, status, call_id, call_id if files else ""
 
 
-def build_ui(runtime, pool: Room, options: PageOptions | None = None,
+def build_ui(runtime, room: Room, options: PageOptions | None = None,
              recordings: RecordingStore | None = None) -> gr.Blocks:
     """The page. `runtime` needs `.engine` (voice_names, max_persona_tokens, persona_tokens),
     `.model_name`, `.is_tiny` and `.banner`."""
-    options = options or PageOptions()
-    engine = runtime.engine
-    recordings = recordings if recordings is not None else RecordingStore()
-    presets = load_presets()
-    defaults = SamplingParams()
-    voices = list(engine.voice_names)
-    handler = CallHandler(pool, recordings, max_wait_seconds=options.max_wait_seconds,
-                          model_name=runtime.model_name)
+    return Page(runtime, room, options or PageOptions(),
+                recordings if recordings is not None else RecordingStore()).build()
 
-    def count_tokens(text: str) -> str:
+
+def file_updates(files) -> tuple[dict, dict]:
+    """The two download buttons: shown with the (WAV, JSON) paths, or hidden."""
+    if not files:
+        return gr.update(value=None, visible=False), gr.update(value=None, visible=False)
+    return gr.update(value=str(files[0]), visible=True), gr.update(value=str(files[1]), visible=True)
+
+
+class Page:
+    """The page's components (made by `build`, in the order the page shows them) and the events
+    that wire them to the call handler and the room."""
+
+    def __init__(self, runtime, room: Room, options: PageOptions, recordings: RecordingStore) -> None:
+        self.runtime, self.room, self.options, self.recordings = runtime, room, options, recordings
+        self.engine = runtime.engine
+        self.presets = load_presets()
+        self.voices = list(self.engine.voice_names)
+        self.handler = CallHandler(room, recordings, max_wait_seconds=options.max_wait_seconds,
+                                   model_name=runtime.model_name)
+
+    def build(self) -> gr.Blocks:
+        options = self.options
+        limit_text = f"Calls last up to {int(options.time_limit // 60)} min. " if options.time_limit else ""
+        with gr.Blocks(title=options.title) as demo:
+            # Gradio 5.50 deprecates Blocks(css=...) and its launch() takes no css yet; the page config reads this.
+            demo.css = CSS
+            gr.Markdown(f"# {options.title}\nTalk out loud with NVIDIA PersonaPlex-7B, a full-duplex speech model: "
+                        "it listens and speaks at the same time. Pick a voice and a persona, then press **Record**. "
+                        f"{limit_text}")
+            if self.runtime.banner:
+                gr.Markdown(f"**Offline demo model.** {self.runtime.banner}", elem_id="banner")
+            if options.notice:
+                gr.Markdown(f"**Note.** {options.notice}", elem_id="notice")
+            link_notice = gr.Markdown(visible=False, elem_id="link-notice")  # what a deep link could not set
+            with gr.Row(equal_height=False):
+                with gr.Column(scale=1, min_width=320):
+                    self.build_settings(demo, link_notice)
+                with gr.Column(scale=2, min_width=360):
+                    self.build_call()
+            self.wire_events()
+        bound_event_log(demo)  # every open page raises an event every few seconds (rtc/patches.py)
+        return demo
+
+    def build_settings(self, demo: gr.Blocks, link_notice: gr.Markdown) -> None:
+        """Voice, persona and the sampling knobs, each settable by a deep link."""
+        defaults, voices, presets = SamplingParams(), self.voices, self.presets
+        voice = gr.Dropdown(voices, value=DEFAULT_VOICE if DEFAULT_VOICE in voices else voices[0],
+                            label="Voice", elem_id="voice")
+        self.preset = gr.Dropdown(list(presets), value=DEFAULT_PRESET, label="Persona preset", elem_id="preset")
+        self.persona = gr.Textbox(presets[DEFAULT_PRESET], label="Persona (edit freely)", lines=5,
+                                  max_lines=12, elem_id="persona")
+        self.tokens = gr.Markdown(self.count_tokens(presets[DEFAULT_PRESET]), elem_id="token-count")
+        with gr.Accordion("Advanced", open=False):
+            text_temp = gr.Slider(0.0, 2.0, defaults.text_temperature, step=0.05, label="Text temperature")
+            text_topk = gr.Slider(1, 500, defaults.text_top_k, step=1, label="Text top-k")
+            audio_temp = gr.Slider(0.0, 2.0, defaults.audio_temperature, step=0.05, label="Audio temperature")
+            audio_topk = gr.Slider(1, AUDIO_CARD, defaults.audio_top_k, step=1, label="Audio top-k")
+            seed = gr.Number(-1, precision=0, label="Seed (-1: a new random seed per call)")
+        self.inputs = PageInputs(voice, self.persona, text_temp, text_topk, audio_temp, audio_topk, seed)
+        add_deep_links(demo, dict(preset=self.preset, **self.inputs._asdict()), LinkRules(
+            voices=tuple(voices), presets=presets, check_persona=self.engine.persona_tokens, numbers=dict(
+                text_temperature=number_rule(text_temp, False), text_top_k=number_rule(text_topk, True),
+                audio_temperature=number_rule(audio_temp, False), audio_top_k=number_rule(audio_topk, True),
+                seed=NumberRule(*SEED_RANGE, integer=True))), link_notice)
+
+    def build_call(self) -> None:
+        """The call itself: the WebRTC component, the status line, the transcript and the downloads."""
+        options = self.options
+        gr.Markdown("🎧 **Use headphones.** The model listens while it talks; through speakers it hears "
+                    "itself and answers its own voice.", elem_id="headphones")
+        self.rtc = rtc = WebRTC(modality="audio", mode="send-receive", label="Call", full_screen=False,
+                                rtc_configuration=options.rtc_configuration,
+                                server_rtc_configuration=options.server_rtc_configuration, elem_id="call")
+        # Ask the browser for 40 ms packets: half the per-packet work per caller (rtc/audio.py).
+        rtc.handle_offer = answering_with_packet_time(rtc.handle_offer)
+        # fastrtc's own conversion drops iceTransportPolicy; this one keeps a relay-only setting.
+        rtc.server_rtc_configuration = server_configuration(options.server_rtc_configuration)
+        self.status = gr.Markdown(f"Ready · {room_line(self.room.snapshot())}", elem_id="status-line")
+        self.transcript = gr.Textbox(label="Transcript (the agent's words)", lines=8, max_lines=16,
+                                     interactive=False, autoscroll=True, elem_id="transcript-box")
+        with gr.Row():
+            # Hidden until a call has ended and its recording is written.
+            self.wav = gr.File(label="Conversation (stereo WAV: you left, agent right)", interactive=False,
+                               visible=False, elem_id="download-wav")
+            self.txt = gr.File(label="Transcript (JSON)", interactive=False, visible=False, elem_id="download-json")
+        gr.Markdown(f"After a call, its recording and transcript can be downloaded here; the server "
+                    f"deletes them after {int(self.recordings.max_age_seconds // 60)} minutes.",
+                    elem_id="recording-note")
+        self.stats = gr.Markdown(stats_markdown(self.room), elem_id="stats")
+        self.call_id = gr.Textbox(visible=False, elem_id="call-id")
+        # Set to the call's id when the server ends a call; its change shows the downloads.
+        self.ended_call = gr.Textbox(visible=False, elem_id="ended-call")
+
+    def wire_events(self) -> None:
+        rtc, presets = self.rtc, self.presets
+        self.preset.change(lambda name: presets.get(name, ""), self.preset, self.persona, show_progress="hidden")
+        self.persona.change(self.count_tokens, self.persona, self.tokens, show_progress="hidden",
+                            concurrency_limit=None)
+        # The pool enforces the time limit from the moment a call is live (queue time does not
+        # count), so fastrtc's own limit, which counts from connecting, stays off.
+        rtc.stream(self.handler, inputs=[rtc, *self.inputs], outputs=[rtc], time_limit=None,
+                   concurrency_limit=self.room.slots_total + self.options.max_queue + 2)
+        # concurrency_limit=None: the default (1) would update only the first caller's page.
+        rtc.state_change(self.relay, inputs=[rtc], outputs=self.page_outputs, concurrency_limit=None,
+                         show_progress="hidden", trigger_mode="once")
+        downloads = [self.wav, self.txt]
+        rtc.start_recording(self.on_start, None, [self.transcript, self.status, self.ended_call, *downloads],
+                            show_progress="hidden", concurrency_limit=None)
+        self.ended_call.change(self.show_downloads, self.ended_call, downloads, show_progress="hidden",
+                               concurrency_limit=None)
+        rtc.stop_recording(self.on_stop, self.call_id, [self.status, *downloads], show_progress="hidden",
+                           concurrency_limit=None)
+        gr.Timer(STATS_SECONDS).tick(lambda: stats_markdown(self.room), None, self.stats, show_progress="hidden",
+                                     concurrency_limit=None)
+
+    @property
+    def page_outputs(self) -> list:
+        return [self.transcript, self.status, self.call_id, self.ended_call]
+
+    # ---- event handlers ---------------------------------------------------------------------------
+
+    def count_tokens(self, text: str) -> str:
         try:
-            n = len(engine.persona_tokens(text or ""))
+            n = len(self.engine.persona_tokens(text or ""))
         except Exception as e:  # the counter shows what is wrong instead of a count
             return f"⚠️ {e}"
-        return f"{n} / {engine.max_persona_tokens} tokens"
+        return f"{n} / {self.engine.max_persona_tokens} tokens"
 
-    def file_updates(files) -> tuple[dict, dict]:
-        if not files:
-            return gr.update(value=None, visible=False), gr.update(value=None, visible=False)
-        return gr.update(value=str(files[0]), visible=True), gr.update(value=str(files[1]), visible=True)
+    def on_start(self):
+        return ("", f"Connecting… · {room_line(RoomMetrics.get(self.room))}", "", *file_updates(None))
 
-    def on_start():
-        return ("", f"Connecting… · {room_line(RoomMetrics.get(pool))}", "", *file_updates(None))
-
-    async def show_downloads(call_id: str):
+    async def show_downloads(self, call_id: str):
         """The downloads of a call the server ended, once its recording is written."""
-        rec = recordings.get(call_id or "")
+        rec = self.recordings.get(call_id or "")
         files = await rec.wait_finished(STOP_WAIT_SECONDS) if rec is not None else None
         if files is None:
             return gr.skip(), gr.skip()
         return file_updates((files.wav, files.transcript))
 
-    async def on_stop(call_id: str):
-        rec = recordings.get(call_id or "")
+    async def on_stop(self, call_id: str):
+        rec = self.recordings.get(call_id or "")
         files = await rec.wait_finished(STOP_WAIT_SECONDS) if rec is not None else None
-        status = f"Call ended · {room_line(RoomMetrics.get(pool))}"
+        status = f"Call ended · {room_line(RoomMetrics.get(self.room))}"
         return (status, *file_updates((files.wav, files.transcript) if files is not None else None))
 
-    limit_text = f"Calls last up to {int(options.time_limit // 60)} min. " if options.time_limit else ""
-    with gr.Blocks(title=options.title) as demo:
-        # Gradio 5.50 deprecates Blocks(css=...) and its launch() takes no css yet; the page config reads this.
-        demo.css = CSS
-        gr.Markdown(f"# {options.title}\nTalk out loud with NVIDIA PersonaPlex-7B, a full-duplex speech model: it "
-                    "listens and speaks at the same time. Pick a voice and a persona, then press **Record**. "
-                    f"{limit_text}")
-        if runtime.banner:
-            gr.Markdown(f"**Offline demo model.** {runtime.banner}", elem_id="banner")
-        if options.notice:
-            gr.Markdown(f"**Note.** {options.notice}", elem_id="notice")
-        link_notice = gr.Markdown(visible=False, elem_id="link-notice")  # what a deep link could not set
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=1, min_width=320):
-                voice = gr.Dropdown(voices, value=DEFAULT_VOICE if DEFAULT_VOICE in voices else voices[0],
-                                    label="Voice", elem_id="voice")
-                preset = gr.Dropdown(list(presets), value=DEFAULT_PRESET, label="Persona preset",
-                                     elem_id="preset")
-                persona = gr.Textbox(presets[DEFAULT_PRESET], label="Persona (edit freely)", lines=5,
-                                     max_lines=12, elem_id="persona")
-                tokens = gr.Markdown(count_tokens(presets[DEFAULT_PRESET]), elem_id="token-count")
-                with gr.Accordion("Advanced", open=False):
-                    text_temp = gr.Slider(0.0, 2.0, defaults.text_temperature, step=0.05, label="Text temperature")
-                    text_topk = gr.Slider(1, 500, defaults.text_top_k, step=1, label="Text top-k")
-                    audio_temp = gr.Slider(0.0, 2.0, defaults.audio_temperature, step=0.05, label="Audio temperature")
-                    audio_topk = gr.Slider(1, AUDIO_CARD, defaults.audio_top_k, step=1, label="Audio top-k")
-                    seed = gr.Number(-1, precision=0, label="Seed (-1: a new random seed per call)")
-                page = PageInputs(voice, persona, text_temp, text_topk, audio_temp, audio_topk, seed)
-                add_deep_links(demo, dict(preset=preset, **page._asdict()), LinkRules(
-                    voices=tuple(voices), presets=presets, check_persona=engine.persona_tokens, numbers=dict(
-                        text_temperature=number_rule(text_temp, False), text_top_k=number_rule(text_topk, True),
-                        audio_temperature=number_rule(audio_temp, False), audio_top_k=number_rule(audio_topk, True),
-                        seed=NumberRule(*SEED_RANGE, integer=True))), link_notice)
-            with gr.Column(scale=2, min_width=360):
-                gr.Markdown("🎧 **Use headphones.** The model listens while it talks; through speakers it hears "
-                            "itself and answers its own voice.", elem_id="headphones")
-                rtc = WebRTC(modality="audio", mode="send-receive", label="Call", full_screen=False,
-                             rtc_configuration=options.rtc_configuration,
-                             server_rtc_configuration=options.server_rtc_configuration, elem_id="call")
-                # Ask the browser for 40 ms packets: half the per-packet work per caller (rtc/audio.py).
-                rtc.handle_offer = answering_with_packet_time(rtc.handle_offer)
-                # fastrtc's own conversion drops iceTransportPolicy; this one keeps a relay-only setting.
-                rtc.server_rtc_configuration = server_configuration(options.server_rtc_configuration)
-                status = gr.Markdown(f"Ready · {room_line(pool.snapshot())}", elem_id="status-line")
-                transcript = gr.Textbox(label="Transcript (the agent's words)", lines=8, max_lines=16,
-                                        interactive=False, autoscroll=True, elem_id="transcript-box")
-                with gr.Row():
-                    # Hidden until a call has ended and its recording is written.
-                    wav = gr.File(label="Conversation (stereo WAV: you left, agent right)", interactive=False,
-                                  visible=False, elem_id="download-wav")
-                    txt = gr.File(label="Transcript (JSON)", interactive=False, visible=False,
-                                  elem_id="download-json")
-                gr.Markdown(f"After a call, its recording and transcript can be downloaded here; the server "
-                            f"deletes them after {int(recordings.max_age_seconds // 60)} minutes.",
-                            elem_id="recording-note")
-                stats = gr.Markdown(stats_markdown(pool), elem_id="stats")
-                call_id = gr.Textbox(visible=False, elem_id="call-id")
-                # Set to the call's id when the server ends a call; its change shows the downloads.
-                ended_call = gr.Textbox(visible=False, elem_id="ended-call")
-
-        preset.change(lambda name: presets.get(name, ""), preset, persona, show_progress="hidden")
-        persona.change(count_tokens, persona, tokens, show_progress="hidden", concurrency_limit=None)
-        # The pool enforces the time limit from the moment a call is live (queue time does not
-        # count), so fastrtc's own limit, which counts from connecting, stays off.
-        rtc.stream(handler, inputs=[rtc, *page],
-                   outputs=[rtc], time_limit=None, concurrency_limit=pool.slots_total + options.max_queue + 2)
-        page_outputs = [transcript, status, call_id, ended_call]
-
-        async def relay(value):
-            """The handler's page updates for this connection, as fastrtc's `on_additional_outputs`
-            relays them, with three differences: updates still queued when the call closes are
-            delivered; a late trigger for a call that is already over returns at once (fastrtc's
-            relay would wait forever on a fresh queue, and its restart blanks the page); and every
-            output is a plain value. Gradio rebuilds a component for each `gr.update()` or
-            `gr.skip()` it is given, so the downloads are not outputs here: the final update puts
-            the call's id into `ended_call`, whose change event fills them in once."""
-            webrtc_id = getattr(value, "webrtc_id", value)
-            outputs = rtc.additional_outputs.get(webrtc_id)
-            last = None
-            while outputs is not None:
-                if outputs.queue.empty() and (outputs.quit.is_set() or webrtc_id not in rtc.connections):
-                    break
-                try:
-                    update = await asyncio.wait_for(outputs.queue.get(), 0.5)
-                except TimeoutError:
-                    continue
-                last = update.args
-                yield page_values(*last)
-            final = FinalUpdates.pop(webrtc_id)
-            if final is not None and final != last:
-                yield page_values(*final)
-            elif last is None:
-                yield tuple(gr.skip() for _ in page_outputs)
-
-        # concurrency_limit=None: the default (1) would update only the first caller's page.
-        rtc.state_change(relay, inputs=[rtc], outputs=page_outputs, concurrency_limit=None, show_progress="hidden",
-                         trigger_mode="once")
-        rtc.start_recording(on_start, None, [transcript, status, ended_call, wav, txt], show_progress="hidden",
-                            concurrency_limit=None)
-        ended_call.change(show_downloads, ended_call, [wav, txt], show_progress="hidden", concurrency_limit=None)
-        rtc.stop_recording(on_stop, call_id, [status, wav, txt], show_progress="hidden", concurrency_limit=None)
-        gr.Timer(STATS_SECONDS).tick(lambda: stats_markdown(pool), None, stats, show_progress="hidden",
-                           concurrency_limit=None)
-    bound_event_log(demo)  # every open page raises an event every few seconds (rtc/patches.py)
-    return demo
+    async def relay(self, value):
+        """The handler's page updates for this connection, as fastrtc's `on_additional_outputs`
+        relays them, with three differences: updates still queued when the call closes are
+        delivered; a late trigger for a call that is already over returns at once (fastrtc's
+        relay would wait forever on a fresh queue, and its restart blanks the page); and every
+        output is a plain value. Gradio rebuilds a component for each `gr.update()` or
+        `gr.skip()` it is given, so the downloads are not outputs here: the final update puts
+        the call's id into `ended_call`, whose change event fills them in once."""
+        rtc = self.rtc
+        webrtc_id = getattr(value, "webrtc_id", value)
+        outputs = rtc.additional_outputs.get(webrtc_id)
+        last = None
+        while outputs is not None:
+            if outputs.queue.empty() and (outputs.quit.is_set() or webrtc_id not in rtc.connections):
+                break
+            try:
+                update = await asyncio.wait_for(outputs.queue.get(), 0.5)
+            except TimeoutError:
+                continue
+            last = update.args
+            yield page_values(*last)
+        final = FinalUpdates.pop(webrtc_id)
+        if final is not None and final != last:
+            yield page_values(*final)
+        elif last is None:
+            yield tuple(gr.skip() for _ in self.page_outputs)

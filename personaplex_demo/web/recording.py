@@ -11,6 +11,10 @@ Each call gets its own folder under one temporary directory:
 While a call runs its audio is streamed to two raw files, so memory stays flat however long calls
 are; `finish` interleaves them into the WAV. Old recordings are deleted after `max_age_seconds`
 (they hold the caller's voice) and at most `max_recordings` are kept.
+
+Each app's recordings folder is `personaplex-calls-<pid>-<random>` in the temp folder. At start
+the folders whose process is gone (a crash, a kill -9) are removed; those of another app still
+running on the same machine are kept.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -30,13 +35,59 @@ from typing import Any
 
 import numpy as np
 
-from ..cli.lifecycle import recordings_prefix
 from ..frame import FRAME_SAMPLES, SAMPLE_RATE
 
 logger = logging.getLogger(__name__)
 
 _CHUNK_SAMPLES = SAMPLE_RATE * 10  # interleave 10 s at a time when writing the WAV
 _WRITE_BUFFER_BYTES = SAMPLE_RATE * 2 * 4  # 4 s of int16 audio per track
+RECORDINGS_PREFIX = "personaplex-calls-"
+LEGACY_MAX_AGE_SECONDS = 3600.0  # folders named without a pid are removed once untouched this long
+_OWNED = re.compile(re.escape(RECORDINGS_PREFIX) + r"(\d+)-")
+
+
+def recordings_prefix() -> str:
+    """The name prefix of this process's recordings folder."""
+    return f"{RECORDINGS_PREFIX}{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_recordings(tmpdir: str | Path | None = None, now: float | None = None) -> list[Path]:
+    """Delete recordings folders whose process has exited; returns what was removed.
+
+    A pid can be reused by an unrelated process: its folder then waits for the next start after
+    that process exits. Folders named without a pid (older versions) go once untouched for an hour,
+    past the age at which a running app deletes its recordings anyway."""
+    root = Path(tmpdir) if tmpdir is not None else Path(tempfile.gettempdir())
+    now = time.time() if now is None else now
+    removed = []
+    for path in root.glob(f"{RECORDINGS_PREFIX}*"):
+        try:
+            if not path.is_dir() or path.is_symlink():
+                continue
+            owner = _OWNED.match(path.name)
+            if owner is not None:
+                if int(owner.group(1)) == os.getpid() or _alive(int(owner.group(1))):
+                    continue
+            elif now - path.stat().st_mtime < LEGACY_MAX_AGE_SECONDS:
+                continue
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+    if removed:
+        logger.info("removed %d recordings folder(s) left by exited processes", len(removed))
+    return removed
 
 
 @dataclass(frozen=True)

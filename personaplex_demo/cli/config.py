@@ -1,0 +1,94 @@
+"""The app's settings: `AppConfig`, every field declared once with its flag, env var and help
+(cli/options.py turns it into the parser). The offline CLI takes its model flags from here too."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..model.config import LMConfig
+from ..runtime.capacity import DEFAULT_MAX_SLOTS, FRAME_RATE, MIN_CONTEXT_SECONDS, parse_slots
+from ..runtime.hub import CACHE_DIR_DEFAULT, CACHE_DIR_HELP, DEFAULT_HF_REPO, MODEL_CHOICES
+from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
+from .options import at_least, between, build_parser, config_from, env_help, option, positive
+
+# The names runtime/build.py's `pick_dtype` takes.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+
+DESCRIPTION = ("PersonaPlex Live: talk with NVIDIA PersonaPlex-7B in the browser.\n"
+               "Serves the page, the WebRTC calls and GET /api/status on one port.")
+
+# Variables read outside AppConfig, listed in --help and the README with the config's own.
+OTHER_ENV = {
+    "HF_TOKEN": "a Hugging Face token: fetches the gated weights and TURN relay credentials",
+    "SPACE_ID": "set by Hugging Face Spaces: the host defaults to 0.0.0.0",
+    "PERSONAPLEX_LOOPBACK_ICE": "1: WebRTC on 127.0.0.1 only, without STUN (browser and server on one machine)",
+    "PERSONAPLEX_ICE_SERVERS": "your own STUN/TURN servers for the page and the server, as JSON RTCIceServer "
+                               "objects (instead of HF_TOKEN's)",
+    "PERSONAPLEX_TURN_URL": "your own TURN server's URL, or several separated by commas",
+    "PERSONAPLEX_TURN_USERNAME": "its username",
+    "PERSONAPLEX_TURN_CREDENTIAL": "its password",
+    "PERSONAPLEX_STUN_URL": "your own STUN server's URL",
+    "PERSONAPLEX_ICE_RELAY_ONLY": "1: page and server use TURN relay candidates only",
+}
+
+MODEL_CONTEXT_SECONDS = LMConfig().context / FRAME_RATE  # 240 s
+
+# Loggers that report every internal request at INFO; --verbose shows them.
+CHATTY_LOGGERS = ("httpx", "httpcore")
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    model: str = option("auto", "auto: PersonaPlex-7B when a CUDA GPU exists and its weights can be fetched, else "
+                        "the tiny offline model (with a banner); personaplex-7b-v1: fail instead of falling back; "
+                        "tiny: never touches the network", env="PERSONAPLEX_MODEL", choices=MODEL_CHOICES)
+    device: str = option("auto", "auto, cpu, cuda or cuda:N", env="PERSONAPLEX_DEVICE")
+    dtype: str = option("auto", "auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16 or float16",
+                        env="PERSONAPLEX_DTYPE", choices=DTYPE_CHOICES)
+    slots: int | str = option("auto", "simultaneous conversations, one batch row each; auto: as many as the GPU "
+                              "memory holds (4 on a CPU)", env="PERSONAPLEX_SLOTS", parse=parse_slots, metavar="N")
+    max_slots: int = option(DEFAULT_MAX_SLOTS, "the most slots --slots auto may choose", env="PERSONAPLEX_MAX_SLOTS",
+                            check=at_least(1), metavar="N")
+    context: float | None = option(None, "seconds of conversation the model attends to; shorter holds less memory "
+                                   "per slot, so more callers fit; longer calls keep running", env="PERSONAPLEX_CONTEXT",
+                                   check=between(MIN_CONTEXT_SECONDS, MODEL_CONTEXT_SECONDS),
+                                   shown_default=f"{MODEL_CONTEXT_SECONDS:g}, the model's window", metavar="SECONDS")
+    time_limit: float = option(300.0, "seconds per call, counted from the moment it is live (waiting in the "
+                               "queue does not count)", env="PERSONAPLEX_TIME_LIMIT", check=positive, metavar="SECONDS")
+    idle_release: float = option(2.0, "free a slot after this many seconds without microphone audio (a closed tab)",
+                                 env="PERSONAPLEX_IDLE_RELEASE", check=positive, metavar="SECONDS")
+    max_queue: int = option(32, "callers who may wait for a slot, with their place in the queue shown; 0 turns "
+                            "callers away while every slot is busy", env="PERSONAPLEX_MAX_QUEUE", check=at_least(0))
+    max_wait: float = option(DEFAULT_MAX_WAIT_SECONDS, "seconds a caller may wait in the queue before being asked "
+                             "to come back later; 0: no limit", env="PERSONAPLEX_MAX_WAIT", check=at_least(0),
+                             metavar="SECONDS")
+    host: str = option("127.0.0.1", "address to listen on; 0.0.0.0 for every network interface",
+                       env="PERSONAPLEX_HOST")
+    port: int = option(7860, "port to listen on", env="PERSONAPLEX_PORT", check=between(1, 65535))
+    share: bool = option(False, "also serve on a public Gradio link (calls then need a TURN relay: set HF_TOKEN)",
+                         env="PERSONAPLEX_SHARE")
+    hf_repo: str = option(DEFAULT_HF_REPO, "Hugging Face repository of the real model", env="PERSONAPLEX_HF_REPO",
+                          metavar="REPO")
+    cache_dir: str | None = option(None, CACHE_DIR_HELP, env="PERSONAPLEX_CACHE", shown_default=CACHE_DIR_DEFAULT,
+                                   metavar="DIR")
+    devices: str | None = option(None, "several engines, one process per device: cuda:0,cuda:1,... or all (every "
+                                 "GPU); cpu,cpu runs two tiny engines. --slots counts per engine",
+                                 env="PERSONAPLEX_DEVICES", shown_default="one engine on --device", metavar="LIST")
+    media_workers: int | None = option(None, "processes that carry the callers' WebRTC media and call handlers "
+                                       "(Opus, RTP, page updates); 0 keeps them in this process",
+                                       env="PERSONAPLEX_MEDIA_WORKERS", check=at_least(0),
+                                       shown_default="0 on a CPU; on a CUDA host cores - 2, at most one per slot",
+                                       metavar="N")
+    verbose: bool = option(False, "also log each internal HTTP request and Gradio's own startup messages",
+                           env="PERSONAPLEX_VERBOSE")
+
+
+def parse_config(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> AppConfig:
+    """Flags win over env vars, env vars over the defaults of AppConfig."""
+    environ = os.environ if environ is None else environ
+    presets = {"host": ("0.0.0.0", "on a Hugging Face Space")} if environ.get("SPACE_ID") else {}
+    parser = build_parser(AppConfig, environ, presets, description=DESCRIPTION,
+                          epilog=env_help(AppConfig, OTHER_ENV))
+    return config_from(AppConfig, parser.parse_args(argv))
