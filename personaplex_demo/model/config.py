@@ -105,7 +105,7 @@ class MimiConfig:
     transformer_d_model: int = 512
     transformer_num_heads: int = 8
     transformer_num_layers: int = 8
-    transformer_dim_feedforward: int = 2048
+    transformer_dim_feedforward: int = 4 * 512  # four times d_model
     transformer_context: int = 250
     transformer_max_period: float = 10000.0
     # Split RVQ

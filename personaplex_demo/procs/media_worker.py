@@ -42,21 +42,8 @@ from ..rtc.settings import apply_media_settings
 from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
 from ..web.handler import CallHandler, FinalUpdates
 from ..web.recording import RecordingStore
+from . import messages as msg
 from .channel import Channel
-from .messages import (
-    Closed,
-    Input,
-    Offer,
-    OfferAnswer,
-    Outputs,
-    RecordingPaths,
-    RecordingQuery,
-    Reply,
-    Stop,
-    WorkerCommand,
-    WorkerReady,
-    WorkerReport,
-)
 from .remote_pool import PoolRouter, RemotePool
 
 log = logging.getLogger(__name__)
@@ -83,7 +70,7 @@ class MediaHost(WebRTCConnectionMixin):
     page: offers come from the main process and page updates go back to it."""
 
     def __init__(self, handler: CallHandler, server_rtc_configuration: dict[str, Any] | None,
-                 send: Callable[[WorkerReport], None]) -> None:
+                 send: Callable[[msg.WorkerReport], None]) -> None:
         super().__init__()
         self.event_handler = handler
         self.modality = "audio"
@@ -99,7 +86,7 @@ class MediaHost(WebRTCConnectionMixin):
 
     def outputs_to_main(self, webrtc_id: str):
         def relay(outputs: AdditionalOutputs) -> None:
-            self._send(Outputs(webrtc_id, tuple(outputs.args)))
+            self._send(msg.Outputs(webrtc_id, tuple(outputs.args)))
 
         return relay
 
@@ -107,15 +94,15 @@ class MediaHost(WebRTCConnectionMixin):
         known = webrtc_id in self.handlers or webrtc_id in self.pcs or webrtc_id in self.connections
         connection = super().clean_up(webrtc_id)
         if known:
-            self._send(Closed(webrtc_id, FinalUpdates.pop(webrtc_id)))
+            self._send(msg.Closed(webrtc_id, FinalUpdates.pop(webrtc_id)))
         return connection
 
 
-def _answer(result: Any) -> OfferAnswer:
+def _answer(result: Any) -> msg.OfferAnswer:
     """fastrtc's answer to an offer, as plain data: a JSONResponse (a refusal) keeps its status code."""
     if isinstance(result, JSONResponse):
-        return OfferAnswer(json.loads(bytes(result.body)), result.status_code)
-    return OfferAnswer(result, None)
+        return msg.OfferAnswer(json.loads(bytes(result.body)), result.status_code)
+    return msg.OfferAnswer(result, None)
 
 
 def _connect(spec: WorkerSpec) -> list[RemotePool]:
@@ -156,7 +143,7 @@ class WorkerLoop:
 
     async def run(self) -> None:
         self.channel.start()
-        self.channel.send(WorkerReady(os.getpid(), "torch" in sys.modules))
+        self.channel.send(msg.WorkerReady(os.getpid(), "torch" in sys.modules))
         log.info("media worker %d ready (pid %d, engines: %s)", self.spec.index, os.getpid(),
                  ", ".join(e.name for e in self.router.engines))
         await self.stopped.wait()
@@ -169,7 +156,7 @@ class WorkerLoop:
 
     # ---- the channel's reader thread -------------------------------------------------------------
 
-    def on_batch(self, batch: list[WorkerCommand]) -> None:
+    def on_batch(self, batch: list[msg.WorkerCommand]) -> None:
         self.loop.call_soon_threadsafe(self.dispatch, batch)
 
     def on_close(self) -> None:
@@ -180,16 +167,16 @@ class WorkerLoop:
 
     # ---- the loop --------------------------------------------------------------------------------
 
-    def dispatch(self, batch: list[WorkerCommand]) -> None:
+    def dispatch(self, batch: list[msg.WorkerCommand]) -> None:
         for message in batch:
             match message:
-                case Offer(rid=rid, body=body):
+                case msg.Offer(rid=rid, body=body):
                     self.spawn(self.answer_offer(rid, body))
-                case Input(webrtc_id=webrtc_id, args=args):
+                case msg.Input(webrtc_id=webrtc_id, args=args):
                     self.host.set_input(webrtc_id, *args)
-                case RecordingQuery(rid=rid, call_id=call_id, timeout=timeout):
+                case msg.RecordingQuery(rid=rid, call_id=call_id, timeout=timeout):
                     self.spawn(self.find_recording(rid, call_id, timeout))
-                case Stop():
+                case msg.Stop():
                     self.stopped.set()
                 case _:
                     log.warning("media worker %d: unexpected %s ignored", self.spec.index, type(message).__name__)
@@ -205,13 +192,14 @@ class WorkerLoop:
             answer = _answer(result)
         except Exception as exc:
             log.exception("media worker %d: the offer for %s failed", self.spec.index, body.get("webrtc_id"))
-            answer = OfferAnswer({"status": "failed", "meta": {"error": f"{type(exc).__name__}: {exc}"}}, 200)
-        self.channel.send(Reply(rid, answer))
+            answer = msg.OfferAnswer({"status": "failed", "meta": {"error": f"{type(exc).__name__}: {exc}"}}, 200)
+        self.channel.send(msg.Reply(rid, answer))
 
     async def find_recording(self, rid: int, call_id: str, timeout: float) -> None:
         rec = self.recordings.get(call_id)
         files = await rec.wait_finished(timeout) if rec is not None else None
-        self.channel.send(Reply(rid, None if files is None else RecordingPaths(str(files.wav), str(files.transcript))))
+        paths = None if files is None else msg.RecordingPaths(str(files.wav), str(files.transcript))
+        self.channel.send(msg.Reply(rid, paths))
 
 
 async def serve(spec: WorkerSpec, control: Connection) -> None:

@@ -36,21 +36,9 @@ from fastrtc import AdditionalOutputs
 
 from ..web.handler import FinalUpdates
 from ..web.recording import RecordingFiles, recordings_prefix
+from . import messages as msg
 from .launcher import Child, stop_children
 from .media_worker import WorkerSpec, run_worker
-from .messages import (
-    Closed,
-    Input,
-    Offer,
-    OfferAnswer,
-    Outputs,
-    RecordingPaths,
-    RecordingQuery,
-    Reply,
-    WorkerCommand,
-    WorkerReady,
-    WorkerReport,
-)
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +181,7 @@ class MediaWorkers:
 
     async def _forward_offer(self, worker: _Worker, body: dict[str, Any]):
         try:
-            answer: OfferAnswer = await self._request(worker, lambda rid: Offer(rid, body), OFFER_TIMEOUT)
+            answer: msg.OfferAnswer = await self._request(worker, lambda rid: msg.Offer(rid, body), OFFER_TIMEOUT)
         except Exception as exc:
             return _failed(f"media worker {worker.index}: {exc}")
         if answer.status_code is not None:
@@ -205,7 +193,7 @@ class MediaWorkers:
         if worker is not None:
             # The first argument is the component's value (a WebRTCData or the id): plain data only.
             plain = [getattr(a, "webrtc_id", a) for a in args]
-            worker.child.send(Input(webrtc_id, plain))
+            worker.child.send(msg.Input(webrtc_id, plain))
 
     def _own(self, webrtc_id: str, worker: _Worker) -> None:
         self._owner[webrtc_id] = worker
@@ -226,7 +214,7 @@ class MediaWorkers:
 
     # ---- messages from the workers -------------------------------------------------------------
 
-    async def _request(self, worker: _Worker, ask: Callable[[int], WorkerCommand], timeout: float) -> Any:
+    async def _request(self, worker: _Worker, ask: Callable[[int], msg.WorkerCommand], timeout: float) -> Any:
         """Send `ask(rid)` to `worker` and wait for its `Reply` (the reply's value)."""
         rid = next(self._rids)
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -240,37 +228,37 @@ class MediaWorkers:
         finally:
             worker.pending.pop(rid, None)
 
-    def _on_batch(self, worker: _Worker, batch: list[WorkerReport]) -> None:
+    def _on_batch(self, worker: _Worker, batch: list[msg.WorkerReport]) -> None:
         """A worker's reader thread: replies and readiness here, page updates to the page's loop."""
-        page: list[Outputs | Closed] = []
+        page: list[msg.Outputs | msg.Closed] = []
         for message in batch:
             match message:
-                case Reply(rid=rid, value=value):
+                case msg.Reply(rid=rid, value=value):
                     fut = worker.pending.get(rid)
                     if fut is not None and not fut.done():
                         fut.set_result(value)
-                case WorkerReady(pid=pid, torch_imported=torch_imported):
+                case msg.WorkerReady(pid=pid, torch_imported=torch_imported):
                     worker.pid, worker.torch_imported = pid, torch_imported
                     if torch_imported:
                         log.warning("media worker %d imported torch: it should not need it", worker.index)
                     worker.ready.set()
-                case Outputs() | Closed():
+                case msg.Outputs() | msg.Closed():
                     page.append(message)
                 case _:
                     log.warning("media worker %d: unexpected %s ignored", worker.index, type(message).__name__)
         if page and self._loop is not None:
             self._loop.call_soon_threadsafe(self._mirror, page)
 
-    def _mirror(self, messages: list[Outputs | Closed]) -> None:
+    def _mirror(self, messages: list[msg.Outputs | msg.Closed]) -> None:
         """On the page's loop: a worker's page updates and closed connections."""
         for message in messages:
             if message.webrtc_id not in self._owner:
                 continue
             match message:
-                case Outputs(webrtc_id=webrtc_id, args=args):
+                case msg.Outputs(webrtc_id=webrtc_id, args=args):
                     self._last_update[webrtc_id] = args
                     self.rtc.additional_outputs[webrtc_id].queue.put_nowait(AdditionalOutputs(*args))
-                case Closed(webrtc_id=webrtc_id, final=final):
+                case msg.Closed(webrtc_id=webrtc_id, final=final):
                     if final is not None:
                         FinalUpdates.put(webrtc_id, final)
                     self._disown(webrtc_id)
@@ -342,9 +330,9 @@ class RemoteRecording:
     async def wait_finished(self, timeout: float) -> RecordingFiles | None:
         with self.workers._lock:
             workers = [w for w in self.workers._workers if w.usable]
-        asks = [self.workers._request(w, lambda rid: RecordingQuery(rid, self.call_id, timeout), timeout + 2.0)
+        asks = [self.workers._request(w, lambda rid: msg.RecordingQuery(rid, self.call_id, timeout), timeout + 2.0)
                 for w in workers]
         for found in await asyncio.gather(*asks, return_exceptions=True):
-            if isinstance(found, RecordingPaths):
+            if isinstance(found, msg.RecordingPaths):
                 return RecordingFiles(Path(found.wav), Path(found.transcript))
         return None

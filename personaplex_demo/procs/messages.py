@@ -162,19 +162,24 @@ class RecordingQuery:
 
 @dataclass(frozen=True, slots=True)
 class WorkerReady:
+    """A worker is up; it reports whether torch got imported in it (it should not be)."""
+
     pid: int
     torch_imported: bool
 
 
 @dataclass(frozen=True, slots=True)
 class OfferAnswer:
-    json: Any  # fastrtc's answer (or its refusal), as JSON
-    status_code: int | None  # set when fastrtc answered with a JSONResponse
+    """fastrtc's answer to an offer (or its refusal), as JSON, and its status code when fastrtc
+    answered with a JSONResponse."""
+
+    json: Any
+    status_code: int | None
 
 
 @dataclass(frozen=True, slots=True)
 class RecordingPaths:
-    wav: str
+    wav: str  # where the worker wrote the call's recording
     transcript: str
 
 

@@ -28,21 +28,8 @@ from ..sampling_params import SamplingParams
 from ..serving.call import Call
 from ..serving.pool import SlotPool
 from ..serving.room import CallEnded, CallState, EndReason, PoolClosedError, PoolFullError
+from . import messages as msg
 from .channel import Channel, daemon_threads
-from .messages import (
-    ClientMessage,
-    Hello,
-    Out,
-    Push,
-    RefusalKind,
-    Refused,
-    Release,
-    RoomFigures,
-    ServerMessage,
-    Start,
-    Started,
-    StateChange,
-)
 
 log = logging.getLogger(__name__)
 
@@ -63,20 +50,20 @@ class _Client:
         self.lock = threading.Lock()
         self.channel = Channel(conn, self.name, self.on_batch, self.on_close)
 
-    def send(self, message: ServerMessage) -> None:
+    def send(self, message: msg.ServerMessage) -> None:
         self.channel.send(message)
 
-    def on_batch(self, batch: list[ClientMessage]) -> None:
+    def on_batch(self, batch: list[msg.ClientMessage]) -> None:
         """The channel's reader thread: frames and releases at once, starts through the pool."""
         for message in batch:
             match message:
-                case Push(rid=rid, frame=frame):
+                case msg.Push(rid=rid, frame=frame):
                     if (call := self.calls.get(rid)) is not None:
                         self.push(call, frame)
-                case Release(rid=rid, reason=reason):
+                case msg.Release(rid=rid, reason=reason):
                     if (call := self.calls.get(rid)) is not None:
                         call.release(reason)
-                case Start():
+                case msg.Start():
                     self.start(message)
                 case _:
                     log.warning("%s: unexpected %s ignored", self.name, type(message).__name__)
@@ -88,7 +75,7 @@ class _Client:
             log.warning("%s: call %s sent a bad frame (%s); ending it", self.name, call.id, exc)
             call.release(EndReason.error(exc))
 
-    def start(self, start: Start) -> None:
+    def start(self, start: msg.Start) -> None:
         rid = start.rid
         try:
             call = self.server.pool.admit(start.voice, start.persona, SamplingParams(**start.sampling),
@@ -107,15 +94,15 @@ class _Client:
             return
         with self.lock:
             self.calls[rid] = call
-        self.send(Started(rid=rid, call_id=call.id, state=call.state.value, queue_position=call.queue_position,
+        self.send(msg.Started(rid=rid, call_id=call.id, state=call.state.value, queue_position=call.queue_position,
                           slot=call.slot, time_left=call.time_left()))
         if self.channel.closed:  # gone while we were placing it
             call.release(CLIENT_GONE)
             return
         asyncio.run_coroutine_threadsafe(self.pump(rid, call), self.server.loop)
 
-    def refuse(self, rid: int, kind: RefusalKind, message: str) -> None:
-        self.send(Refused(rid, kind, message))
+    def refuse(self, rid: int, kind: msg.RefusalKind, message: str) -> None:
+        self.send(msg.Refused(rid, kind, message))
 
     async def pump(self, rid: int, call: Call) -> None:
         """Send the call's state changes and outputs until it ends."""
@@ -130,20 +117,20 @@ class _Client:
                 else:
                     out = await call.next_output(timeout=1.0)
                     if out is not None:
-                        self.send(Out(rid, out.pcm, out.text, out.tick))
+                        self.send(msg.Out(rid, out.pcm, out.text, out.tick))
                 now = (call.state, call.queue_position, call.slot)
                 if now != sent and call.state != CallState.ENDED:
                     sent = now
-                    self.send(StateChange(rid=rid, state=call.state.value, queue_position=call.queue_position,
+                    self.send(msg.StateChange(rid=rid, state=call.state.value, queue_position=call.queue_position,
                                           slot=call.slot, time_left=call.time_left(), end_reason=None))
         except CallEnded as ended:
             # A plain string on the wire: the receiver needs no class of ours to read it.
-            self.send(StateChange(rid=rid, state=CallState.ENDED.value, queue_position=None, slot=call.slot,
+            self.send(msg.StateChange(rid=rid, state=CallState.ENDED.value, queue_position=None, slot=call.slot,
                                   time_left=None, end_reason=str(ended.reason)))
         except Exception:
             log.exception("%s: relaying call %s failed; ending it", self.name, call.id)
             call.release(RELAY_FAILED)
-            self.send(StateChange(rid=rid, state=CallState.ENDED.value, queue_position=None, slot=call.slot,
+            self.send(msg.StateChange(rid=rid, state=CallState.ENDED.value, queue_position=None, slot=call.slot,
                                   time_left=None, end_reason=RELAY_FAILED))
         finally:
             with self.lock:
@@ -194,8 +181,8 @@ class PoolServer:
         with self._lock:
             return len(self._clients)
 
-    def hello(self) -> Hello:
-        return Hello(self.name, self.pool.slots_total, asdict(self.pool.config), self.pool.snapshot().as_dict(),
+    def hello(self) -> msg.Hello:
+        return msg.Hello(self.name, self.pool.slots_total, asdict(self.pool.config), self.pool.snapshot().as_dict(),
                      self.facts)
 
     def forget(self, client: _Client) -> None:
@@ -275,6 +262,6 @@ class PoolServer:
             with self._samples_lock:
                 samples, self._samples = self._samples, []
             if clients:
-                room = RoomFigures(self.pool.snapshot().as_dict(), samples)
+                room = msg.RoomFigures(self.pool.snapshot().as_dict(), samples)
                 for client in clients:
                     client.send(room)

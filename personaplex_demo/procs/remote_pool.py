@@ -39,20 +39,8 @@ from ..serving.call import CallView, checked_frame
 from ..serving.config import PoolConfig
 from ..serving.metrics import PoolMetrics, tell_listeners
 from ..serving.room import CallEnded, CallState, EndReason, PoolClosedError, PoolFullError, SlotOutput, TickListener
+from . import messages as msg
 from .channel import Channel
-from .messages import (
-    Hello,
-    Out,
-    Push,
-    RefusalKind,
-    Refused,
-    Release,
-    RoomFigures,
-    ServerMessage,
-    Start,
-    Started,
-    StateChange,
-)
 
 if TYPE_CHECKING:
     from ..serving.room import CallHandle, Room
@@ -68,7 +56,7 @@ DEFAULT_SAMPLING = SamplingParams()
 class RemoteCall(CallView):
     """One call on a `RemotePool` (a `CallHandle`), driven by the engine's messages; see `serving.call.Call`."""
 
-    def __init__(self, engine: RemotePool, started: Started) -> None:
+    def __init__(self, engine: RemotePool, started: msg.Started) -> None:
         super().__init__(started.call_id)
         self.engine = engine
         self.rid = started.rid
@@ -92,13 +80,13 @@ class RemoteCall(CallView):
         if self.state != CallState.LIVE:
             return
         self.frames_pushed += 1
-        self.engine.send(Push(self.rid, arr.copy()))
+        self.engine.send(msg.Push(self.rid, arr.copy()))
 
     def release(self, reason: str = EndReason.HANGUP) -> None:
         """End the call (idempotent). The engine frees the slot."""
         if self.state == CallState.ENDED:
             return
-        self.engine.send(Release(self.rid, str(reason)))  # a plain string on the wire
+        self.engine.send(msg.Release(self.rid, str(reason)))  # a plain string on the wire
         self.update(CallState.ENDED, None, self.slot, None, reason)
 
     async def wait_live(self, timeout: float | None = None) -> None:
@@ -164,7 +152,7 @@ class RemoteCall(CallView):
         changed.set()
 
 
-_REFUSALS: dict[RefusalKind, type[Exception]] = {"caller": CallerError, "busy": PoolFullError,
+_REFUSALS: dict[msg.RefusalKind, type[Exception]] = {"caller": CallerError, "busy": PoolFullError,
                                                  "full": PoolFullError, "closed": PoolClosedError}
 
 
@@ -174,7 +162,7 @@ class RemotePool:
     def __init__(self, address: str, authkey: bytes, name: str | None = None) -> None:
         conn = Client(address, family="AF_UNIX", authkey=authkey)
         hello = conn.recv()  # sent before the server's channel starts: one message, not a batch
-        if not isinstance(hello, Hello):
+        if not isinstance(hello, msg.Hello):
             conn.close()
             raise RuntimeError(f"engine at {address} answered {type(hello).__name__} instead of Hello")
         self.address = address
@@ -202,7 +190,7 @@ class RemotePool:
         second for the ticks in between."""
         self._tick_listeners.append(listener)
 
-    def send(self, message: Start | Push | Release) -> None:
+    def send(self, message: msg.Start | msg.Push | msg.Release) -> None:
         self._channel.send(message)
 
     async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING, *,
@@ -220,11 +208,11 @@ class RemotePool:
         rid = next(self._rids)
         fut: asyncio.Future[RemoteCall] = loop.create_future()
         self._pending[rid] = fut
-        self.send(Start(rid, voice, persona, dataclasses.asdict(sampling), may_queue=queue))
+        self.send(msg.Start(rid, voice, persona, dataclasses.asdict(sampling), may_queue=queue))
         try:
             return await asyncio.wait_for(fut, START_TIMEOUT)
         except TimeoutError:
-            self.send(Release(rid, START_TIMED_OUT))  # in case it was placed after all
+            self.send(msg.Release(rid, START_TIMED_OUT))  # in case it was placed after all
             raise PoolClosedError(f"engine {self.name} did not answer within {START_TIMEOUT:.0f} s") from None
         finally:
             self._pending.pop(rid, None)
@@ -235,11 +223,11 @@ class RemotePool:
 
     # ---- messages ------------------------------------------------------------------------------
 
-    def _on_batch(self, batch: list[ServerMessage]) -> None:
+    def _on_batch(self, batch: list[msg.ServerMessage]) -> None:
         """Reader thread: room figures are kept at once; everything else goes to the loop."""
         rest = []
         for message in batch:
-            if isinstance(message, RoomFigures):
+            if isinstance(message, msg.RoomFigures):
                 self.room = PoolMetrics(**message.metrics)
                 tell_listeners(self._tick_listeners, message.ticks)
             else:
@@ -251,29 +239,29 @@ class RemotePool:
             except RuntimeError:
                 pass  # that loop has closed: nobody is left to tell
 
-    def _dispatch(self, messages: list[ServerMessage]) -> None:
+    def _dispatch(self, messages: list[msg.ServerMessage]) -> None:
         """The loop: a call's news, or the answer to a start."""
         for message in messages:
             match message:
-                case Out(rid=rid, pcm=pcm, text=text, tick=tick):
+                case msg.Out(rid=rid, pcm=pcm, text=text, tick=tick):
                     if (call := self._calls.get(rid)) is not None:
                         call.deliver(SlotOutput(pcm, text, tick))
-                case StateChange(rid=rid):
+                case msg.StateChange(rid=rid):
                     if (call := self._calls.get(rid)) is not None:
                         call.update(message.state, message.queue_position, message.slot, message.time_left,
                                     message.end_reason)
                         if call.state == CallState.ENDED:
                             self._calls.pop(rid, None)
-                case Started():
+                case msg.Started():
                     self._started(message)
-                case Refused(rid=rid, kind=kind, message=text):
+                case msg.Refused(rid=rid, kind=kind, message=text):
                     fut = self._pending.get(rid)
                     if fut is not None and not fut.done():
                         fut.set_exception(_REFUSALS.get(kind, RuntimeError)(text))
                 case _:
                     log.warning("engine %s: unexpected %s ignored", self.name, type(message).__name__)
 
-    def _started(self, started: Started) -> None:
+    def _started(self, started: msg.Started) -> None:
         call = RemoteCall(self, started)
         fut = self._pending.get(started.rid)
         if fut is None or fut.done():  # the start timed out here meanwhile: nobody waits for this call
