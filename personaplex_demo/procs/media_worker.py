@@ -36,8 +36,8 @@ from fastapi.responses import JSONResponse
 from fastrtc import AdditionalOutputs
 from fastrtc.webrtc_connection_mixin import WebRTCConnectionMixin
 
-from ..rtc.audio import answering_with_packet_time
 from ..rtc.ice import server_configuration
+from ..rtc.patches import answer_in_packets
 from ..rtc.settings import apply_media_settings
 from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
 from ..web.handler import CallHandler, FinalUpdates
@@ -82,7 +82,7 @@ class MediaHost(WebRTCConnectionMixin):
         self.server_rtc_configuration = server_configuration(server_rtc_configuration)  # relay-only kept
         self._send = send
         # As the page's component does: answers ask the browser for 40 ms packets (rtc/audio.py).
-        self.handle_offer = answering_with_packet_time(self.handle_offer)
+        answer_in_packets(self)
 
     def outputs_to_main(self, webrtc_id: str):
         def relay(outputs: AdditionalOutputs) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from fastrtc import AdditionalOutputs
 
+from ..rtc.patches import route_offers
 from ..web.handler import FinalUpdates
 from ..web.recording import RecordingFiles, recordings_prefix
 from . import messages as msg
@@ -141,16 +142,9 @@ class MediaWorkers:
     # ---- the page's component ------------------------------------------------------------------
 
     def attach(self, rtc) -> None:
-        """Forward `rtc`'s offers and inputs to the workers. Only this instance's two methods are
-        replaced: the page keeps fastrtc's own component, and its front end, unchanged."""
+        """Forward `rtc`'s offers and inputs to the workers (rtc/patches.py `route_offers`)."""
         self.rtc = rtc
-
-        async def offer(body):
-            return await self.offer(body)
-
-        offer._is_server_fn = True  # what gradio's @server marks: callable from the page
-        rtc.offer = offer
-        rtc.set_input = self.set_input
+        route_offers(rtc, self.offer, self.set_input)
 
     def _least_loaded(self) -> _Worker | None:
         with self._lock:

@@ -3,7 +3,8 @@ written for.
 
 They replace a module attribute or a setting that the library looks up at run time, so that the
 app needs no fork: aiortc's Opus encoder, audio level and jitter buffer (rtc/audio.py says why),
-aioice's host addresses and consent checks, and Gradio's record of past events. Each one first
+aioice's host addresses and consent checks, Gradio's record of past events, and the offer handling
+of fastrtc's WebRTC component (one instance at a time, never its class). Each one first
 asks `written_for`, which logs a warning when the installed version is not the one the patch was
 read against: the patch still applies (each checks that what it replaces is there), but its
 premise is then unchecked, and tests/test_rtc_audio.py and tests/test_gradio_queue.py are the
@@ -17,7 +18,14 @@ import logging
 from importlib import metadata
 from typing import Any
 
-from .audio import PACKET_MS, PREFETCH_MS, audio_level_dbov, make_encoder_class, make_jitter_buffer_class
+from .audio import (
+    PACKET_MS,
+    PREFETCH_MS,
+    answering_with_packet_time,
+    audio_level_dbov,
+    make_encoder_class,
+    make_jitter_buffer_class,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +101,30 @@ def install_jitter_buffer() -> None:
     buffer_class = make_jitter_buffer_class()
     buffer_class.prefetch_ms = PREFETCH_MS
     receiver.JitterBuffer = buffer_class
+
+
+# ---- fastrtc (one component or host instance, never the class) -----------------------------------
+
+
+def answer_in_packets(owner: Any) -> None:
+    """`owner.handle_offer` (fastrtc's, on the page's WebRTC component or a media worker's host)
+    wrapped so that its SDP answers ask the browser for `PACKET_MS` packets (rtc/audio.py)."""
+    written_for("fastrtc")
+    owner.handle_offer = answering_with_packet_time(owner.handle_offer)
+
+
+def route_offers(rtc: Any, offer: Any, set_input: Any) -> None:
+    """The page's WebRTC component sends its offers (and trickled candidates) to `offer` and its
+    inputs to `set_input` instead of answering them itself (procs/media_workers.py). Only this
+    instance changes: the page keeps fastrtc's own component and front end."""
+    written_for("fastrtc")
+
+    async def routed_offer(body):
+        return await offer(body)
+
+    routed_offer._is_server_fn = True  # what gradio's @server marks: callable from the page
+    rtc.offer = routed_offer
+    rtc.set_input = set_input
 
 
 # ---- aioice ---------------------------------------------------------------------------------------

@@ -21,9 +21,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ..frame import AUDIO_CARD
-from ..rtc.audio import answering_with_packet_time
 from ..rtc.ice import server_configuration
-from ..rtc.patches import bound_event_log
+from ..rtc.patches import answer_in_packets, bound_event_log
 from ..runtime.voice_names import DEFAULT_VOICE
 from ..sampling_params import SamplingParams
 from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
@@ -177,7 +176,7 @@ class Page:
                                 rtc_configuration=options.rtc_configuration,
                                 server_rtc_configuration=options.server_rtc_configuration, elem_id="call")
         # Ask the browser for 40 ms packets: half the per-packet work per caller (rtc/audio.py).
-        rtc.handle_offer = answering_with_packet_time(rtc.handle_offer)
+        answer_in_packets(rtc)
         # fastrtc's own conversion drops iceTransportPolicy; this one keeps a relay-only setting.
         rtc.server_rtc_configuration = server_configuration(options.server_rtc_configuration)
         self.status = gr.Markdown(f"Ready · {room_line(self.room.snapshot())}", elem_id="status-line")
