@@ -28,7 +28,7 @@ import itertools
 import logging
 import time
 from multiprocessing.connection import Client
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -41,9 +41,6 @@ from ..serving.metrics import PoolMetrics, tell_listeners
 from ..serving.room import CallEnded, CallState, EndReason, PoolClosedError, PoolFullError, SlotOutput, TickListener
 from . import messages as msg
 from .channel import Channel
-
-if TYPE_CHECKING:
-    from ..serving.room import CallHandle, Room
 
 log = logging.getLogger(__name__)
 
@@ -359,9 +356,3 @@ class PoolRouter:
         for engine in self.engines:
             engine.close()
 
-
-if TYPE_CHECKING:
-
-    def _room_contract(pool: RemotePool, router: PoolRouter, call: RemoteCall) -> tuple[Room, Room, CallHandle]:
-        """For a type checker: both pools are `Room`s and their calls `CallHandle`s (serving/room.py)."""
-        return pool, router, call

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import CallerError
 from ..frame import FRAME_SAMPLES
 from ..sampling_params import SamplingParams
 from .call import Call, CallContext
@@ -38,7 +37,7 @@ if TYPE_CHECKING:
     # Only for annotations: the pool drives any object with the LockstepEngine thread API.
     from ..engine.pcm import LockstepEngine
 
-__all__ = ["CallerError", "PoolClosedError", "PoolConfig", "PoolFullError", "PoolMetrics", "SlotPool"]
+__all__ = ["SlotPool"]
 
 logger = logging.getLogger(__name__)
 
