@@ -8,13 +8,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..model.config import LMConfig
-from ..runtime.capacity import DEFAULT_MAX_SLOTS, FRAME_RATE, MIN_CONTEXT_SECONDS, parse_slots
+from ..runtime.capacity import DEFAULT_MAX_SLOTS, DTYPE_NAMES, FRAME_RATE, MIN_CONTEXT_SECONDS, parse_slots
 from ..runtime.hub import CACHE_DIR_DEFAULT, CACHE_DIR_HELP, DEFAULT_HF_REPO, MODEL_CHOICES
 from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
 from .options import at_least, between, build_parser, config_from, env_help, option, positive
 
-# The names runtime/build.py's `pick_dtype` takes.
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 
 DESCRIPTION = ("PersonaPlex Live: talk with NVIDIA PersonaPlex-7B in the browser.\n"
                "Serves the page, the WebRTC calls and GET /api/status on one port.")

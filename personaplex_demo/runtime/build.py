@@ -12,7 +12,7 @@ import torch
 from ..engine.pcm import LockstepEngine
 from ..model.checkpoint import load_lm, load_mimi
 from ..model.config import LMConfig, MimiConfig, ModelFiles
-from .capacity import DEFAULT_MAX_SLOTS, FRAME_RATE, SlotPlan
+from .capacity import DEFAULT_MAX_SLOTS, DTYPE_NAMES, FRAME_RATE, SlotPlan
 from .hub import DEFAULT_HF_REPO, ModelSource, resolve_model
 from .slot_memory import plan_for
 from .tokenizer import TextTokenizer
@@ -64,11 +64,9 @@ def pick_device(device: str) -> torch.device:
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in table:
+    if dtype not in DTYPE_NAMES:
         raise ValueError(f"unknown dtype {dtype!r}: choose auto, float32, bfloat16 or float16")
-    return table[dtype]
+    return getattr(torch, DTYPE_NAMES[dtype])
 
 
 def check_placement(device: str, dtype: str) -> None:

@@ -23,6 +23,9 @@ GiB = 1 << 30
 MiB = 1 << 20
 MARGIN_MIN_BYTES = 1 * GiB
 MARGIN_FRACTION = 0.03  # of the device's total memory
+# The model dtype's names for --dtype, each with torch's own ("auto" picks by device; runtime/build.py).
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16"}
 
 
 class NoSlotFitsError(RuntimeError):
