@@ -104,7 +104,7 @@ def start_room(cfg: AppConfig, server_rtc: dict | None) -> Topology | int:
             media_workers=(cfg.media_workers if cfg.media_workers is not None
                            else default_media_workers(devices, slots_total)),
             server_rtc_configuration=server_rtc, loopback_ice=loopback_requested(),
-            max_wait_seconds=cfg.max_wait or None), progress)
+            max_wait_seconds=cfg.max_wait_seconds), progress)
     except START_ERRORS as exc:  # before any model is loaded, or no room for one slot
         log.error("%s", exc)
         return EXIT_PREFLIGHT
@@ -136,7 +136,7 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
     # them when there are any).
     recordings = topology.recordings or RecordingStore()
     demo = build_ui(runtime, room, PageOptions(time_limit=cfg.time_limit, max_queue=room.config.max_queue or 0,
-                                               max_wait_seconds=cfg.max_wait or None, rtc_configuration=rtc,
+                                               max_wait_seconds=cfg.max_wait_seconds, rtc_configuration=rtc,
                                                server_rtc_configuration=server_rtc, notice=notice), recordings)
     topology.attach(demo)
     stop = StopSignals()

@@ -83,6 +83,11 @@ class AppConfig:
     verbose: bool = option(False, "also log each internal HTTP request and Gradio's own startup messages",
                            env="PERSONAPLEX_VERBOSE")
 
+    @property
+    def max_wait_seconds(self) -> float | None:
+        """`--max-wait` as the doors take it: None for no limit."""
+        return self.max_wait or None
+
 
 def parse_config(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> AppConfig:
     """Flags win over env vars, env vars over the defaults of AppConfig."""
