@@ -116,20 +116,19 @@ def test_no_import_circle_in_the_package():
 
 def test_the_torch_free_layers_do_not_import_torch():
     # The room, the doors and the media side move numpy arrays only; torch stays in the engine and
-    # in the processes that load the model. Each module in a fresh interpreter of its own.
+    # in the processes that load the model. One fresh interpreter imports them in turn and names
+    # the first after which torch is loaded: that module, or one it imports, pulls torch in.
     modules = package_modules()
     inner = {name: name.removeprefix("personaplex_demo.") for name in modules}
     names = [name for name, rest in inner.items() if rest.split(".")[0] in TORCH_FREE_FOLDERS or rest in TORCH_FREE_MODULES]
     assert len(names) > 20, names
-    code = ("import subprocess, sys\n"
-            "probe = 'import sys, importlib; importlib.import_module(sys.argv[1]); print(\"torch\" in sys.modules)'\n"
+    code = ("import importlib, sys\n"
             "for name in sys.argv[1:]:\n"
-            "    out = subprocess.run([sys.executable, '-c', probe, name], capture_output=True, text=True)\n"
-            "    print(name, out.stdout.strip() or (out.stderr.strip().splitlines() or ['no output'])[-1])\n")
-    out = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    offenders = [line for line in out.stdout.splitlines() if not line.endswith(" False")]
-    assert not offenders, "\n".join(offenders)
+            "    importlib.import_module(name)\n"
+            "    if 'torch' in sys.modules:\n"
+            "        sys.exit(f'importing {name} imported torch')\n")
+    out = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def test_ruff_is_clean():
