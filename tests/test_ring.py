@@ -27,7 +27,7 @@ def stepped_mask(length: int, capacity: int, context: int) -> torch.Tensor:
     for q in range(length):
         attend = kv.advance(1, context)
         pos = ring_positions(kv.end, capacity)[0]
-        for slot in attend.mask[0, 0, 0].nonzero()[:, 0].tolist():
+        for slot in (attend.mask[0, 0, 0] == 0).nonzero()[:, 0].tolist():  # additive: 0 where seen
             seen[q, pos[slot]] = True
     return seen
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from .config import LMConfig
-from .ring import Attend, RingKV, prefill_mask, ring_mask
+from .ring import Attend, RingKV, additive, prefill_mask, ring_mask
 from .transformer import Attention, RMSNorm, SwiGLU, Transformer, TransformerLayer
 
 
@@ -70,7 +70,7 @@ class PersonaPlexLM(nn.Module):
                                               steps=cfg.dep_q) for _ in range(cfg.depformer_num_layers)],
                                      Dd // cfg.depformer_num_heads, None)
         self.linears = nn.ModuleList(nn.Linear(Dd, cfg.card, bias=False) for _ in range(cfg.dep_q))
-        self._step_masks: dict[torch.device, torch.Tensor] = {}
+        self._step_masks: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     # ---- inputs -------------------------------------------------------------------------------
 
@@ -114,7 +114,7 @@ class PersonaPlexLM(nn.Module):
         L = x.shape[1]
         kv = self.new_kv(1, x.device, x.dtype, capacity=L)
         positions = torch.arange(L, device=x.device).view(1, L)
-        mask = prefill_mask(L, capacity or cfg.context, cfg.context, x.device)
+        mask = additive(prefill_mask(L, capacity or cfg.context, cfg.context, x.device), x.dtype)
         self.transformer(x, Attend(positions, mask, positions), kv)
         return kv.kv[:, :, 0]
 
@@ -135,9 +135,9 @@ class PersonaPlexLM(nn.Module):
         """
         cfg = self.cfg
         n = cfg.dep_q
-        masks = self._step_masks.get(h.device)
+        masks = self._step_masks.get((h.device, h.dtype))
         if masks is None:
-            masks = self._step_masks[h.device] = depformer_masks(n, h.device)
+            masks = self._step_masks[(h.device, h.dtype)] = additive(depformer_masks(n, h.device), h.dtype)
         # Step s writes slot s of a ring of dep_q slots. Attending the whole ring with a boolean
         # mask, as the reference does, keeps bf16 rounding identical to it.
         kv = RingKV.empty(cfg.depformer_num_layers, h.shape[0], cfg.depformer_num_heads, n,

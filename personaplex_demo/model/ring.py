@@ -60,14 +60,19 @@ def prefill_mask(length: int, capacity: int, context: int, device: torch.device 
     return mask[None, None, :, :length]
 
 
+def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A boolean attention mask as the additive one (0 where seen, -inf elsewhere) that
+    `scaled_dot_product_attention` would otherwise build from it in every layer's call."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 @dataclass
 class Attend:
     """What every layer of one forward shares."""
 
     positions: Tensor | None  # [B, T] stream positions of the new steps (RoPE); None: no RoPE
-    mask: Tensor  # bool [B or 1, 1, T, S]: the slots each new step sees
+    mask: Tensor  # additive [B or 1, 1, T, S] (see `additive`): the slots each new step sees
     slots: Tensor | int  # [B, T] ring slots of the new keys, or one slot for every row
-    keep: Tensor | None = None  # [B] rows whose keys are written; None: every row
     visible: int | None = None  # attend the first `visible` slots only (None: all)
 
 
@@ -110,8 +115,11 @@ class RingKV:
         start = self.end.clone()
         positions = start[:, None] + torch.arange(steps, device=start.device)  # [B, T]
         self.end += steps if active is None else active.long() * steps
-        mask = ring_mask(positions, self.end, self.capacity, context, visible)
-        return Attend(positions, mask, positions % self.capacity, active, visible)
+        mask = additive(ring_mask(positions, self.end, self.capacity, context, visible), self.kv.dtype)
+        # A row that does not step still writes its (unused) keys, into slot end % C: the one slot
+        # no query of that row can see (empty, or read as a future position by the ring rule), and
+        # the first it overwrites when it steps again. Cheaper than writing the old values back.
+        return Attend(positions, mask, positions % self.capacity, visible)
 
     def load_row(self, row: int, kv: Tensor, length: int) -> None:
         """Install a stream prefix computed elsewhere: kv [L, 2, H, length, Dh], positions 0..length-1."""
@@ -136,10 +144,6 @@ class RingLayer:
             self.values[:, :, s:s + t] = v
         else:
             idx = attend.slots[:, None, :, None].expand_as(k)
-            if attend.keep is not None:
-                keep = attend.keep.view(-1, 1, 1, 1)
-                k = torch.where(keep, k, self.keys.gather(2, idx))
-                v = torch.where(keep, v, self.values.gather(2, idx))
             self.keys.scatter_(2, idx, k)
             self.values.scatter_(2, idx, v)
         if attend.visible is None:

@@ -45,21 +45,28 @@ class LayerScale(nn.Module):
 
 
 def rope_angles(positions: torch.Tensor, head_dim: int, max_period: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [B, 1, T, D/2] of the interleaved RoPE at `positions` [B, T], in fp32."""
+    """The interleaved RoPE at `positions` [B, T] as two fp32 tables [B, T, 1, 1, D] for `rotate`:
+    each pair's cos twice, and its sin as (-sin, +sin). Built once per forward for every layer."""
     ds = torch.arange(head_dim // 2, device=positions.device, dtype=torch.float32)
     freqs = torch.exp(ds * (-math.log(max_period) * 2 / head_dim))
-    ts = positions.to(torch.float32)[:, None, :, None]  # [B, 1, T, 1]
-    return torch.cos(freqs * ts), torch.sin(freqs * ts)
+    angles = positions.to(torch.float32)[:, :, None] * freqs  # [B, T, D/2]
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    B, T = positions.shape
+    return (torch.stack([cos, cos], dim=-1).view(B, T, 1, 1, head_dim),
+            torch.stack([-sin, sin], dim=-1).view(B, T, 1, 1, head_dim))
 
 
 def rotate(x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [B, H, T, D] by `rope_angles`, in fp32."""
-    rotr, roti = angles
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [B, T, ..., D] by `rope_angles`, in fp32.
+
+    x * cos + swap(x) * (-sin, sin) is the reference's (xr*cos - xi*sin, xr*sin + xi*cos) bit for
+    bit: negating a product is exact and a sum does not depend on its order. Four operators,
+    where the pairwise form takes about twenty (docs/model.md § Transformers)."""
+    cos, sin = angles
     D = x.shape[-1]
-    x = x.view(*x.shape[:-1], D // 2, 2)
-    xr, xi = x[..., 0].float(), x[..., 1].float()
-    out = torch.stack([(xr * rotr - xi * roti).to(x.dtype), (xr * roti + xi * rotr).to(x.dtype)], dim=-1)
-    return out.view(*out.shape[:-2], D)
+    xf = x.float()
+    swapped = xf.view(*x.shape[:-1], D // 2, 2).flip(-1).view(x.shape)
+    return (xf * cos + swapped * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -79,9 +86,10 @@ class Attention(nn.Module):
         """x [B, T, D] -> [B, T, D]; the new keys go into `cache` before the queries attend."""
         w = self.in_proj_weight if step is None else self.in_proj_weight.view(-1, 3 * self.dim, self.dim)[step]
         B, T, _ = x.shape
-        q, k, v = F.linear(x, w).view(B, T, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # [B, H, T, Dh]
-        if angles is not None:
-            q, k = rotate(q, angles), rotate(k, angles)
+        qkv = F.linear(x, w).view(B, T, 3, self.num_heads, -1)
+        qk = qkv[:, :, :2] if angles is None else rotate(qkv[:, :, :2], angles)  # q and k in one go
+        q, k = qk.transpose(1, 3).unbind(2)  # [B, H, T, Dh]
+        v = qkv[:, :, 2].transpose(1, 2)
         keys, values = cache.update(k, v, attend)
         a = F.scaled_dot_product_attention(q, keys, values, attend.mask)
         a = a.transpose(1, 2).reshape(B, T, self.dim)
