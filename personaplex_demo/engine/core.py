@@ -21,7 +21,7 @@ from ..model.ring import RingKV
 from ..sampling_params import SamplingParams
 from .cuda_graphs import CudaGraphed
 from .prompt import PrefixCache, VoiceTokens
-from .sampling import SamplingState, sample
+from .sampling import SamplingState, TopK, sample, stream_keys, top_k_bucket
 from .staging import StagingRing
 from .tokens import USER_ROWS
 
@@ -88,14 +88,26 @@ class LockstepCore:
         self.rows = [RowBook() for _ in range(batch_size)]
         self.prefixes = PrefixCache(lm, dtype, self.context, self.device, prefix_cache_size)
         self._slots = torch.arange(batch_size, device=self.device)
-        # One top-k per stream for the whole batch (the largest in use); rows mask the rest.
-        self._top_k = (25, 250)
+        # How many candidates each stream ranks: the largest top-k in use, bucketed; rows mask the rest.
+        self._top_k = self._bucketed(25, 250)
         # Attend only the filled part of the rings, from the host's copy of each row's length.
         self.attend_filled = attend_filled
         self._visible: int | None = None
-        # One graph per (text top-k, audio top-k, visible ring slots) in use; eager on the CPU.
-        self._graphed_live_tick = CudaGraphed(self._live_tick, "lockstep tick",
-                                              enabled=cuda_graphs and self.device.type == "cuda")
+        # Stream ids of a tick's nine draws: text, then the depformer's steps.
+        self._streams = torch.arange(1 + self.dep_steps, device=self.device)
+        # A tick is two graphs, so that their keys multiply no further: the temporal transformer
+        # keyed by the visible ring slots, the sampling and depformer by the top-k buckets.
+        graphs = cuda_graphs and self.device.type == "cuda"
+        self._graphed_listen = CudaGraphed(self._live_listen, "lockstep temporal", graphs)
+        self._graphed_speak = CudaGraphed(self._speak, "lockstep depformer", graphs)
+
+    @property
+    def graphed(self) -> list[CudaGraphed]:
+        """The CUDA-graph wrappers of the tick (for checks and start-up capture)."""
+        return [self._graphed_listen, self._graphed_speak]
+
+    def _bucketed(self, text_top_k: int, audio_top_k: int) -> tuple[int, int]:
+        return top_k_bucket(text_top_k, self.cfg.text_card), top_k_bucket(audio_top_k, self.cfg.card)
 
     # ---- slots --------------------------------------------------------------------------------
 
@@ -109,7 +121,7 @@ class LockstepCore:
         self.state.audio.set_row(slot, params.audio_temperature, params.audio_top_k, params.greedy, seed)
         self.rows[slot].top_k = (params.text_top_k, params.audio_top_k)
         in_use = [r.top_k for r in self.rows if r.top_k is not None]
-        self._top_k = (max(t for t, _ in in_use), max(a for _, a in in_use))
+        self._top_k = self._bucketed(max(t for t, _ in in_use), max(a for _, a in in_use))
 
     def start(self, slot: int, voice: VoiceTokens, persona: list[int], params: SamplingParams,
               seed: int) -> None:
@@ -161,7 +173,8 @@ class LockstepCore:
     def step(self, user_codes: torch.Tensor) -> CoreStep:
         """One tick. user_codes [B, 8] for the live rows (others are ignored)."""
         self._visible = self.visible_slots()
-        res = self._graphed_live_tick(user_codes.to(self.device), key=(*self._top_k, self._visible))
+        h, target, prov, rows = self._graphed_listen(user_codes.to(self.device), key=self._visible)
+        res = self._graphed_speak(h, target, prov, rows, rows, key=self._top_k)
         self._count_step()
         return res
 
@@ -172,9 +185,10 @@ class LockstepCore:
         mask[:, USER_ROWS] = self.state.live.view(-1, 1)
         return values, mask
 
-    def _live_tick(self, user_codes: torch.Tensor) -> CoreStep:
+    def _live_listen(self, user_codes: torch.Tensor) -> tuple[torch.Tensor, ...]:
         values, mask = self._user_staging(user_codes)
-        return self._tick(values, mask, self.state.live.clone(), visible=self._visible)
+        rows = self.state.live.clone()
+        return (*self._listen(values, mask, rows, visible=self._visible), rows)
 
     def _tick(self, values: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor,
               override: tuple[torch.Tensor, torch.Tensor] | None = None, visible: int | None = None) -> CoreStep:
@@ -182,8 +196,16 @@ class LockstepCore:
         tensors out, no host sync. `rows` [B] step this tick; `override` (embeddings [B, D],
         mask [B]) replaces the input embedding of some rows; attention reads the first
         `visible` ring slots (all when None)."""
+        live = self.state.live.clone()
+        h, target, prov = self._listen(values, mask, rows, override, visible)
+        return self._speak(h, target, prov, rows, live)
+
+    def _listen(self, values: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor,
+                override: tuple[torch.Tensor, torch.Tensor] | None = None,
+                visible: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Stage the tokens and run the temporal transformer: (h [B, 1, D], the target column
+        [B, 17] and where it is provided [B, 17])."""
         st = self.state
-        live = st.live.clone()
         st.ring.stage(values, mask)
         st.ring.warm_up(rows)
         inp, target, prov = st.ring.columns()
@@ -191,15 +213,22 @@ class LockstepCore:
         if override is not None:
             embeddings, use = override
             x = torch.where(use.view(-1, 1, 1), embeddings[:, None, :], x)
-        h = self.lm.temporal_step(x, st.kv, rows, visible)
-        counter = st.ring.local
-        text = sample(self.lm.text_logits(h), st.text, counter, 0, self._top_k[0])
+        return self.lm.temporal_step(x, st.kv, rows, visible), target, prov
+
+    def _speak(self, h: torch.Tensor, target: torch.Tensor, prov: torch.Tensor, rows: torch.Tensor,
+               live: torch.Tensor) -> CoreStep:
+        """Sample the text token, run the depformer over the agent's audio, commit and emit."""
+        st = self.state
+        n = self.dep_steps
+        seeds = torch.cat([st.text.seed.view(-1, 1), st.audio.seed.view(-1, 1).expand(-1, n)], dim=1)
+        keys = stream_keys(seeds, st.ring.local, self._streams)
+        text = sample(self.lm.text_logits(h), TopK.prepare(st.text, self._top_k[0]), keys[:, :1])
         next_text = torch.where(prov[:, 0], target[:, 0], text)
+        audio_knobs = TopK.prepare(st.audio, self._top_k[1])
 
         def choose(s: int, logits: torch.Tensor) -> torch.Tensor:
-            return sample(logits, st.audio, counter, 1 + s, self._top_k[1])
+            return sample(logits, audio_knobs, keys[:, 1 + s:2 + s])
 
-        n = self.dep_steps
         audio = self.lm.depformer_frame(h, next_text, target[:, 1:1 + n], prov[:, 1:1 + n], n, choose)
         chosen = torch.cat([text[:, None], audio, target[:, 1 + n:]], dim=1)
         st.ring.commit(chosen, rows)

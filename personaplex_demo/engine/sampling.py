@@ -3,8 +3,12 @@
 The reference sampler divides the logits by the temperature, takes a softmax, keeps the
 top-k and picks argmax(p / q) with q ~ Exp(1) (docs/engine.md § Sampling). Its random draws come from one
 global generator, so a caller's tokens would depend on who else is in the batch. Here each
-draw is a pure function of (row seed, row tick, stream, index): a counter-based hash that is
+draw is a pure function of (row seed, row tick, stream, token id): a counter-based hash that is
 batched, device independent and reproducible per call, with no per-row generator loop.
+
+The noise belongs to the token, not to its rank among the top-k: two tokens of equal probability
+are chosen alike whichever order `topk` lists them in (the order of ties differs between devices).
+The per-(row, tick, stream) part of the hash is computed once per tick for all nine draws.
 """
 
 from __future__ import annotations
@@ -14,6 +18,13 @@ from dataclasses import dataclass
 import torch
 
 _M32 = 0xFFFFFFFF
+# How many top-k candidates a tick ranks: the largest top-k in use, rounded up to one of these (or
+# the vocabulary), so that the CUDA graphs of the tick are a few per stream, not one per setting.
+TOP_K_BUCKETS = (32, 256, 2048)
+
+
+def top_k_bucket(k: int, vocab: int) -> int:
+    return min(next((b for b in TOP_K_BUCKETS if b >= k), vocab), vocab)
 
 
 def fmix32(h: torch.Tensor) -> torch.Tensor:
@@ -27,11 +38,16 @@ def fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def exponential_noise(seed: torch.Tensor, counter: torch.Tensor, stream: int, n: int) -> torch.Tensor:
-    """Exp(1) draws [B, n] from per-row seed [B] and counter [B] (int64)."""
-    idx = torch.arange(n, device=seed.device, dtype=torch.long).view(1, n)
-    c = fmix32(fmix32(seed.view(-1, 1) ^ 0x5BD1E995) ^ (counter.view(-1, 1) * 0x27D4EB2F + stream * 0x165667B1))
-    h = fmix32(((idx * 0x9E3779B1) & _M32) ^ c)
+def stream_keys(seed: torch.Tensor, counter: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """Hash keys [B, n] of every row's draws this tick: seed [B, n] (each stream's row seed),
+    counter [B] (the row's tick), streams [n] (0: text, 1 + s: audio step s)."""
+    return fmix32(fmix32(seed ^ 0x5BD1E995) ^ (counter.view(-1, 1) * 0x27D4EB2F + streams * 0x165667B1))
+
+
+def exponential_noise(key: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws [B, K] for token ids `tokens` [B, K] under the row keys `key` [B, 1]."""
+    # fmix32 is a bijection of 32-bit words, so distinct tokens never share a draw.
+    h = fmix32(tokens ^ key)
     u = (h.double() + 0.5) / 4294967296.0  # in (0, 1): never log(0)
     return (-torch.log(u)).float()
 
@@ -65,16 +81,27 @@ class SamplingState:
         self.seed[row] = seed & _M32
 
 
-def sample(logits: torch.Tensor, state: SamplingState, counter: torch.Tensor, stream: int,
-           max_top_k: int) -> torch.Tensor:
-    """logits [B, V] fp32 -> tokens [B]. Greedy rows take the first maximal index."""
+@dataclass
+class TopK:
+    """One tick's per-row knobs of one kind of stream, prepared once for all its draws."""
+
+    k: int  # candidates ranked: the bucket of the largest top-k in use
+    temperature: torch.Tensor  # [B, 1], clamped away from 0
+    drop: torch.Tensor  # [B, k] bool: past the row's own top-k
+    greedy: torch.Tensor  # [B] bool
+
+    @classmethod
+    def prepare(cls, state: SamplingState, k: int) -> TopK:
+        rank = torch.arange(k, device=state.top_k.device).view(1, k)
+        return cls(k, state.temperature.clamp(min=1e-5).view(-1, 1), rank >= state.top_k.view(-1, 1), state.greedy)
+
+
+def sample(logits: torch.Tensor, knobs: TopK, key: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] fp32 -> tokens [B], with the row keys `key` [B, 1] of this draw (see
+    `stream_keys`). Greedy rows take the first maximal index."""
     greedy = logits.argmax(dim=-1)
-    k = min(max_top_k, logits.shape[-1])
-    temp = state.temperature.clamp(min=1e-5).view(-1, 1)
-    probs = torch.softmax(logits / temp, dim=-1)
-    top_p, top_i = probs.topk(k, dim=-1)  # sorted, descending
-    keep = torch.arange(k, device=logits.device).view(1, k) < state.top_k.clamp(1, k).view(-1, 1)
-    q = exponential_noise(state.seed, counter, stream, k)
-    choice = torch.where(keep, top_p / q, torch.zeros_like(top_p)).argmax(dim=-1, keepdim=True)
-    sampled = top_i.gather(-1, choice)[:, 0]
-    return torch.where(state.greedy, greedy, sampled)
+    probs = torch.softmax(logits / knobs.temperature, dim=-1)
+    top_p, top_i = probs.topk(knobs.k, dim=-1)  # sorted, descending
+    ratio = (top_p / exponential_noise(key, top_i)).masked_fill_(knobs.drop, 0.0)
+    sampled = top_i.gather(-1, ratio.argmax(dim=-1, keepdim=True))[:, 0]
+    return torch.where(knobs.greedy, greedy, sampled)
