@@ -21,8 +21,7 @@ class ZeroableEmbedding(nn.Embedding):
     """NVIDIA's `ScaledEmbedding`: id -1 gives an exact zero vector, other ids are clamped >= 0."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        y = super().forward(ids.clamp(min=0))
-        return torch.where((ids == -1)[..., None], torch.zeros((), dtype=y.dtype, device=y.device), y)
+        return super().forward(ids.clamp(min=0)).masked_fill_((ids == -1)[..., None], 0.0)
 
 
 class LMLayer(TransformerLayer):

@@ -85,7 +85,7 @@ class RingKV:
 
     def __post_init__(self) -> None:
         # Views of each layer's slice; not a field, so that walking the fields counts each tensor once.
-        self.layers = [RingLayer(self.kv[i, 0], self.kv[i, 1]) for i in range(self.kv.shape[0])]
+        self.layers = [RingLayer(self.kv[i]) for i in range(self.kv.shape[0])]
 
     @classmethod
     def empty(cls, layers: int, batch: int, heads: int, capacity: int, head_dim: int,
@@ -131,21 +131,16 @@ class RingKV:
 
 @dataclass
 class RingLayer:
-    """The keys and values of one layer: views into a `RingKV`."""
+    """The keys and values of one layer: a view [2, B, H, C, Dh] into a `RingKV`."""
 
-    keys: Tensor  # [B, H, C, Dh]
-    values: Tensor
+    kv: Tensor
 
-    def update(self, k: Tensor, v: Tensor, attend: Attend) -> tuple[Tensor, Tensor]:
-        """Write new keys and values [B, H, T, Dh]; return the slots to attend."""
+    def update(self, new: Tensor, attend: Attend) -> tuple[Tensor, Tensor]:
+        """Write new keys and values [2, B, H, T, Dh] (one operator); return the slots to attend."""
         if isinstance(attend.slots, int):
-            s, t = attend.slots, k.shape[2]
-            self.keys[:, :, s:s + t] = k
-            self.values[:, :, s:s + t] = v
+            s = attend.slots
+            self.kv[:, :, :, s:s + new.shape[3]] = new
         else:
-            idx = attend.slots[:, None, :, None].expand_as(k)
-            self.keys.scatter_(2, idx, k)
-            self.values.scatter_(2, idx, v)
-        if attend.visible is None:
-            return self.keys, self.values
-        return self.keys[:, :, :attend.visible], self.values[:, :, :attend.visible]
+            self.kv.scatter_(3, attend.slots[None, :, None, :, None].expand_as(new), new)
+        kv = self.kv if attend.visible is None else self.kv[:, :, :, :attend.visible]
+        return kv[0], kv[1]
