@@ -1,19 +1,29 @@
-"""CUDA graphs for the per-tick hot path, with an eager fallback.
+"""CUDA graphs for the per-tick hot path, with a per-key eager fallback.
 
-A tick is hundreds of small kernels at small batch sizes, so on a GPU the launch overhead
-dominates; replaying a captured graph removes it. The wrapped function must keep every state
-tensor in place (same storage), take tensors only, and be free of host syncs.
+Why: a tick is hundreds of small kernels, so at small batch sizes the GPU waits on kernel launches;
+replaying a captured graph launches them all at once. Design: docs/engine.md § CUDA graphs.
 
-The first call for a key runs eagerly (it warms up the allocator and any lazy init); the second
-captures the graph and replays it; later calls copy their inputs into the captured buffers and
-replay. Capturing does not execute kernels, so stateful functions advance exactly once per call.
+Contract of the wrapped function: it takes tensors only, keeps every state tensor in place (same
+storage: a graph replays into the addresses it captured), changes no Python-side state (that runs
+once, at capture, never at replay) and makes no host sync (which capture forbids).
+
+Keys: the caller names the graph with a hashable `key` (plus the inputs' shapes, dtypes and device)
+and must bound its key set itself: each key holds one graph, and all keys of one wrapper share one
+graph memory pool per device. The first call for a key runs eagerly (warm-up: allocator, cuBLAS
+handles, lazy init); the second captures and replays; later calls copy their inputs into the
+captured ones and replay. Capture runs no kernels, so every call advances the state exactly once.
+
+Fallback: a key whose capture fails (an OOM, an op that cannot be captured) runs eagerly from then
+on, with one warning; the graphs of other keys live on untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,58 +31,184 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Captured:
-    graph: torch.cuda.CUDAGraph
-    inputs: tuple[torch.Tensor, ...]
-    output: object
+class CudaBackend:
+    """Every `torch.cuda` call of the wrapper, so that tests can stand in a CPU fake."""
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def eligible(self, t: torch.Tensor) -> bool:
+        return t.is_cuda
+
+    def graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    def pool(self, device: torch.device) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device=device)
+
+    def device_context(self, device: torch.device) -> contextlib.AbstractContextManager:
+        # torch.cuda.graph synchronizes and captures on the *current* device (pytorch issue 87894).
+        return torch.cuda.device(device)
+
+    @contextlib.contextmanager
+    def warmup_context(self, stream: Any) -> Iterator[None]:
+        # Warm up on the capture stream: cuBLAS(Lt) handles and workspaces are cached per
+        # (device, stream), and creating one mid-capture is capture-unsafe (pytorch PR 187745).
+        caller = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            caller.wait_stream(stream)
+
+    def capture(self, graph: Any, fn: Callable[..., object], inputs: tuple[torch.Tensor, ...],
+                pool: Any, stream: Any) -> object:
+        """Record `fn(*inputs)` into `graph` (no kernel runs); return its static output."""
+        # The outer stream context restores the caller's stream even when capture_end raises,
+        # which makes torch.cuda.graph.__exit__ skip its own restore. "thread_local": other
+        # threads' allocations and queries do not invalidate this capture.
+        with torch.cuda.stream(torch.cuda.current_stream(stream.device)), torch.cuda.graph(
+                graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            return fn(*inputs)
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
 
 
 @dataclass
-class CudaGraphed:
-    fn: Callable[..., object]
-    name: str
-    enabled: bool = True
-    _seen: set = field(default_factory=set)
-    _graphs: dict = field(default_factory=dict)
+class _Captured:
+    key: Hashable  # the caller's key
+    graph: Any
+    inputs: tuple[torch.Tensor, ...]  # the static inputs the graph reads
+    output: object  # the static output the graph writes; cloned after every replay
 
-    def __post_init__(self) -> None:
-        if self.enabled and not torch.cuda.is_available():
-            self.enabled = False
+
+class CudaGraphed:
+    """`fn` behind CUDA graphs, one per key; called as `wrapper(*tensors, key=hashable)`."""
+
+    def __init__(self, fn: Callable[..., object], name: str, enabled: bool = True,
+                 backend: CudaBackend | None = None) -> None:
+        self.fn = fn
+        self.name = name
+        self._backend = backend if backend is not None else CudaBackend()
+        self._enabled = enabled and self._backend.available()
+        self._seen: set[Hashable] = set()  # keys warmed up by one eager call
+        self._graphs: dict[Hashable, _Captured] = {}
+        self._failed: set[Hashable] = set()  # keys whose capture failed: eager for good
+        self._pools: dict[torch.device, Any] = {}  # one pool per device, shared by all keys
+        self._streams: dict[torch.device, Any] = {}  # one capture stream per device
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def captured(self) -> int:
+        """Graphs held (0 on a GPU means every call ran eagerly)."""
+        return len(self._graphs)
+
+    @property
+    def failed(self) -> int:
+        """Keys whose capture failed and which run eagerly."""
+        return len(self._failed)
+
+    def keys(self) -> list[Hashable]:
+        """The caller's key of every graph held, in capture order (once per input signature)."""
+        return [cap.key for cap in self._graphs.values()]
 
     def __call__(self, *inputs: torch.Tensor, key: Hashable = ()) -> object:
-        if not self.enabled or not all(t.is_cuda for t in inputs):
+        """`fn(*inputs)`: eager, or by replaying this key's graph. Advances the state once."""
+        full = self._graph_key(inputs, key)
+        if full is None:
             return self.fn(*inputs)
-        full_key = (key, tuple((t.shape, t.dtype) for t in inputs))
-        cap = self._graphs.get(full_key)
-        if cap is not None:
-            for dst, src in zip(cap.inputs, inputs):
+        cap = self._graphs.get(full)
+        if cap is None and full not in self._seen:
+            return self._warm_up(full, inputs)
+        if cap is None:
+            cap = self._capture(full, key, inputs)
+        return self.fn(*inputs) if cap is None else self._replay(cap, inputs)
+
+    def capture(self, *inputs: torch.Tensor, key: Hashable = ()) -> object:
+        """Capture the graph of `key` now, so that the first `__call__` for it replays.
+
+        Makes exactly one call of `fn`'s worth of state change, like `__call__`, and returns
+        its output: a key never seen runs its eager warm-up call and is then captured (which
+        runs no kernel; the warm-up's output is returned); a key warmed up but not captured is
+        captured and replayed once; a captured key replays once; a disabled wrapper, ineligible
+        inputs or a failed capture run eagerly once. Nothing is restored: an engine that
+        captures at start-up must do it on scratch state or before any row is live, and reset
+        that state before serving.
+        """
+        full = self._graph_key(inputs, key)
+        if full is None or full in self._graphs or full in self._seen:
+            return self(*inputs, key=key)
+        output = self._warm_up(full, inputs)
+        self._capture(full, key, inputs)  # on failure the key is eager from now on
+        return output
+
+    def _graph_key(self, inputs: tuple[torch.Tensor, ...], key: Hashable) -> Hashable | None:
+        """The graph's key, or None where this call must run eagerly."""
+        if not self._enabled or not inputs or not all(self._backend.eligible(t) for t in inputs) or any(
+                t.device != inputs[0].device for t in inputs):
+            return None
+        full = (key, tuple((t.shape, t.dtype, t.device) for t in inputs))
+        return None if full in self._failed else full
+
+    def _warm_up(self, full: Hashable, inputs: tuple[torch.Tensor, ...]) -> object:
+        device = inputs[0].device
+        with self._backend.device_context(device), self._backend.warmup_context(self._stream(device)):
+            output = self.fn(*inputs)
+        self._seen.add(full)
+        return output
+
+    def _capture(self, full: Hashable, key: Hashable, inputs: tuple[torch.Tensor, ...]) -> _Captured | None:
+        device = inputs[0].device
+        static = tuple(t.clone() for t in inputs)  # outside the pool: the caller's allocator
+        try:
+            with self._backend.device_context(device):
+                graph = self._backend.graph()
+                output = self._backend.capture(graph, self.fn, static, self._pool(device), self._stream(device))
+        except Exception as e:  # this key runs eagerly; other keys' graphs stay as they are
+            self._failed.add(full)
+            log.warning("%s: CUDA graph capture failed for key %s (%s: %s); that key runs eagerly",
+                        self.name, key, type(e).__name__, e)
+            try:  # make sure the failed capture left the device usable before the eager call
+                with self._backend.device_context(device):
+                    self._backend.synchronize(device)
+            except Exception as sync_error:
+                log.error("%s: device unusable after a failed capture: %s", self.name, sync_error)
+            return None
+        cap = self._graphs[full] = _Captured(key, graph, static, output)
+        log.info("%s: captured a CUDA graph for key %s (%d held)", self.name, key, len(self._graphs))
+        return cap
+
+    def _replay(self, cap: _Captured, inputs: tuple[torch.Tensor, ...]) -> object:
+        with self._backend.device_context(inputs[0].device):
+            for dst, src in zip(cap.inputs, inputs, strict=True):
                 dst.copy_(src)
             cap.graph.replay()
+            # Clone: the next replay of any key may overwrite this memory (the pool is shared).
             return _clone(cap.output)
-        if full_key not in self._seen:
-            self._seen.add(full_key)
-            return self.fn(*inputs)
-        try:
-            static = tuple(t.clone() for t in inputs)
-            graph = torch.cuda.CUDAGraph()
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph):
-                output = self.fn(*static)
-            self._graphs[full_key] = _Captured(graph, static, output)
-            graph.replay()
-            log.info("%s: captured a CUDA graph for %s", self.name, full_key)
-            return _clone(output)
-        except Exception as e:  # capture failed: keep serving, eagerly
-            log.warning("%s: CUDA graph capture failed (%s: %s); running eagerly", self.name, type(e).__name__, e)
-            self.enabled = False
-            self._graphs.clear()
-            return self.fn(*inputs)
+
+    def _pool(self, device: torch.device) -> Any:
+        if device not in self._pools:
+            self._pools[device] = self._backend.pool(device)
+        return self._pools[device]
+
+    def _stream(self, device: torch.device) -> Any:
+        if device not in self._streams:
+            self._streams[device] = self._backend.stream(device)
+        return self._streams[device]
 
 
 def _clone(output: object) -> object:
     if isinstance(output, torch.Tensor):
         return output.clone()
     if isinstance(output, tuple):
-        return type(output)(*(_clone(o) for o in output)) if hasattr(output, "_fields") else tuple(
-            _clone(o) for o in output)
+        items = [_clone(o) for o in output]
+        return type(output)(*items) if hasattr(output, "_fields") else tuple(items)
     return output
