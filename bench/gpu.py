@@ -1,34 +1,39 @@
 """The GPU acceptance run: correctness on the device, then the full-size engine (hash-v1 weights,
-bf16 LM, fp32 Mimi, CUDA graphs), in one run of under 8 minutes on one GPU.
+bf16 LM, fp32 Mimi, CUDA graphs), in one run of under 8 minutes on one CUDA GPU of any size.
 
 Checks (bench/gpu_checks.py; any failure makes the exit status 1):
 - the public golden fixtures in fp32 on the device, token for token (LM sessions stepwise and
   with the fast prefill, a wrapping context, the batched recycle, Mimi streaming);
-- CUDA-graph ticks equal to eager ticks over 200 ticks at B = 4 with recycles;
+- CUDA-graph ticks equal to eager ticks over 200 ticks at B = 4 with recycles: tokens and PCM bit
+  for bit, and every graph wrapper (LM tick, Mimi encode, Mimi decode) must have captured;
+- the same on cuda:1 while cuda:0 is current, when two GPUs are visible (skipped otherwise);
 - the bf16 engine on the golden sessions: where it first diverges (reported);
 - `--slots auto` on the device: the plan, and an engine of that many slots that runs.
-Measures:
+Measures (bench/gpu_batches.py):
 - the whole `LockstepEngine.step` (PCM in, Mimi encode, LM tick, Mimi decode, PCM and text out,
-  one host transfer) at B = 1, 16, 64, and its parts (LM tick alone, Mimi encode + decode alone);
+  one host transfer) and its parts (LM tick alone, Mimi encode + decode alone) at B = 1, then
+  powers of two up to what the free memory holds by `--slots auto`'s arithmetic (64 at most);
+  running out of memory at a B is reported, and the run goes on;
 - the largest B that stays real time (median tick <= 80 ms): a binary search over B, capped in
-  time and by GPU memory;
+  time and bounded by the same fit;
 - peak GPU memory per slot, against the `--slots auto` arithmetic.
 
 The 8.4 B LM weights are hashed straight into bf16 GPU tensors, key by key, by a torch port of
 hash-v1 (`personaplex_demo.model.hashinit`) that is checked bit for bit against `make_tensor`
 on the smaller keys first; no 17 GB file is written.
 
-    bash bench/gpu.sh                 # on a CUDA machine; writes "## GPU (H200)" of BENCHMARKS.md
+    bash bench/gpu.sh                 # on a CUDA machine; writes "## GPU (<device name>)" of BENCHMARKS.md
     bash bench/gpu.sh --section-file /some/dir/gpu.md   # also keep the section as a file
-    bash bench/gpu.sh --dry-run       # anywhere: the same code path on the tiny configs, writes nothing
+    bash bench/gpu.sh --dry-run --free-gib 24   # anywhere: the same code path on the tiny configs, and
+                                                # the batches a card with 24 GiB free would get; writes nothing
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import math
+import shlex
 import sys
 import tempfile
 import time
@@ -41,9 +46,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 
-SECTION = "GPU (H200)"
+from bench.gpu_batches import (
+    FRAME_MS,
+    MAX_BATCH,
+    BatchPlan,
+    Run,
+    marginal_per_slot,
+    measure_all,
+    ms,
+    plan_for_card,
+    plan_on_device,
+    sync,
+)
+from personaplex_demo.model.config import LMConfig, MimiConfig
+
 LM_SEED, MIMI_SEED = 1242, 4347
-FRAME_MS = 80.0
+DRY_RUN_BATCHES, DRY_RUN_SEARCH_MAX = (1, 2, 4), 8  # the tiny configs on a CPU: the code path, quickly
+DRY_RUN_FREE_GIB = 80.0  # the card a dry run plans for when --free-gib is not given
 M32 = 0xFFFFFFFF
 
 
@@ -106,28 +125,6 @@ def build_hashed(module: torch.nn.Module, kind: str, seed: int, device: torch.de
 # ---- the engine ---------------------------------------------------------------------------------
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, n: int, device: torch.device, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):  # eager, then capture, then a replay
-        fn()
-    sync(device)
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def ms(samples: list[float], q: float = 50) -> float:
-    return 1000.0 * float(np.percentile(samples, q))
-
-
 class Setup:
     """Everything but the per-B engine: weights, tokenizer, voices."""
 
@@ -159,10 +156,6 @@ class Setup:
         self.persona = ("You work for CitySan Services, a waste management company, and your name is "
                         "Ayelen Lucero. You answer calls about missed pickups and billing; be friendly and brief.")
 
-    def kv_bytes_per_slot(self) -> int:
-        c = self.lm_cfg
-        return 2 * c.num_layers * c.num_heads * c.context * c.head_dim * torch.finfo(self.dtype).bits // 8
-
     def engine(self, B: int):
         from personaplex_demo.engine.pcm import LockstepEngine, SamplingParams
 
@@ -178,69 +171,17 @@ class Setup:
         return eng, time.perf_counter() - t0
 
 
-def measure_b(setup: Setup, B: int, n: int, parts: bool) -> dict:
-    """Engine tick at B (and, with `parts`, the LM tick and Mimi alone); peak memory."""
-    from personaplex_demo.engine.cuda_graphs import CudaGraphed
-
-    dev = setup.device
-    if dev.type == "cuda":
-        gc.collect()  # the last engine refers to itself through its graph wrappers
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-    eng, start_s = setup.engine(B)
-    rng = np.random.default_rng(B)
-    pcm = (0.1 * rng.standard_normal((8, B, 1920))).astype(np.float32)
-    pos = [0]
-
-    def tick() -> None:
-        eng.step(pcm[pos[0] % 8])
-        pos[0] += 1
-
-    with torch.no_grad():
-        res = {"B": B, "tick": timed(tick, n, dev), "start_s": start_s}
-        graphed = getattr(getattr(eng.core, "_graphed_live_tick", None), "_graphs", None)
-        res["graphs"] = bool(graphed) if graphed is not None else None
-        if parts:
-            codes = torch.randint(0, 2048, (B, 8), device=dev)
-            res["lm"] = timed(lambda: eng.core.step(codes), n, dev)
-            state = setup.mimi.init_state(B, device=dev)
-            enc = CudaGraphed(lambda x: setup.mimi.encode_step(x, state), "bench mimi encode", setup.graphs)
-            dec = CudaGraphed(lambda c: setup.mimi.decode_step(c, state), "bench mimi decode", setup.graphs)
-            x = torch.from_numpy(pcm[0]).to(dev)
-            res["mimi"] = timed(lambda: dec(enc(x)), n, dev)
-    if dev.type == "cuda":
-        sync(dev)
-        res["peak_per_slot"] = (torch.cuda.max_memory_allocated(dev) - setup.weights_bytes) / B
-    return res  # the engine, its KV cache and its graphs are freed here
-
-
-def largest_realtime(setup: Setup, known: dict[int, float], cap_s: float, max_b: int, n: int) -> tuple[int, int, str]:
-    """Binary search for the largest B whose median engine tick is <= 80 ms.
-    Returns (largest real-time B found, smallest B known not to be, how the search ended)."""
-    ok = [b for b, t in known.items() if t <= FRAME_MS]
-    bad = [b for b, t in known.items() if t > FRAME_MS]
-    lo = max(ok) if ok else 0
-    hi = min(bad) if bad else max_b + 1
-    deadline = time.monotonic() + cap_s
-    why = "exact"
-    while hi - lo > 1:
-        if time.monotonic() > deadline:
-            why = f"time cap of {cap_s:.0f} s reached"
-            break
-        mid = (lo + hi) // 2
-        try:
-            t = ms(measure_b(setup, mid, n, parts=False)["tick"])
-        except torch.cuda.OutOfMemoryError:
-            t = math.inf
-            max_b = min(max_b, mid - 1)
-        print(f"  search: B={mid}: {t:.1f} ms", flush=True)
-        if t <= FRAME_MS:
-            lo = mid
-        else:
-            hi = mid
-    if hi == max_b + 1 and lo == max_b:
-        why = "memory bound (no larger B fits on the GPU)"
-    return lo, hi, why
+def plan_run(setup: Setup, a: argparse.Namespace) -> tuple[BatchPlan, tuple[int, ...], int]:
+    """(the plan for the card, the batches to measure, the search bound). The dry run plans the
+    full-size engine for a card with --free-gib free, by the function the real run uses, and
+    measures the tiny configs at B = 1, 2, 4."""
+    if a.dry_run:
+        plan = plan_for_card(a.free_gib or DRY_RUN_FREE_GIB, LMConfig.personaplex_7b(), MimiConfig.personaplex(),
+                             setup.dtype, setup.voice_t, setup.graphs)
+        return plan, DRY_RUN_BATCHES, DRY_RUN_SEARCH_MAX
+    plan = plan_on_device(setup.lm, setup.mimi, setup.device, setup.dtype, setup.weights_bytes, setup.voice_t,
+                          setup.graphs, a.free_gib)
+    return plan, plan.batches, plan.search_max
 
 
 @contextmanager
@@ -254,33 +195,54 @@ def no_tf32():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def marginal_per_slot(results: list[dict]) -> float | None:
-    """Device bytes one more slot costs: the growth of the peak between the smallest and the largest B."""
-    peaks = [(r["B"], r["peak_per_slot"] * r["B"]) for r in results if r.get("peak_per_slot")]
-    if len(peaks) < 2:
-        return None
-    (b0, p0), (b1, p1) = peaks[0], peaks[-1]
-    return (p1 - p0) / (b1 - b0)
+def section_title(device: torch.device) -> str:
+    """The BENCHMARKS.md section: one per kind of card, named as the driver names it."""
+    if device.type == "cuda":
+        return f"GPU ({torch.cuda.get_device_name(device)})"
+    return f"GPU (dry run on {device.type})"
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="tiny configs, on whatever device exists; writes nothing")
+    ap.add_argument("--free-gib", type=float,
+                    help="with --dry-run: plan the batches for a card with this much memory free before the weights "
+                         f"(default {DRY_RUN_FREE_GIB:g}); on a GPU: use at most this much of what is free")
     ap.add_argument("--no-graphs", action="store_true", help="eager ticks (no CUDA graphs)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     ap.add_argument("--section-file", type=Path, help="also write the markdown section to this file")
     ap.add_argument("--search-seconds", type=float, default=100.0, help="time cap of the largest-B search")
     ap.add_argument("--ticks", type=int, default=30, help="timed ticks per batch size")
-    a = ap.parse_args()
-    fail_without_gpu(a.dry_run)
+    a = ap.parse_args(argv)
+    if a.free_gib is not None and not a.free_gib > 0:
+        ap.error(f"--free-gib must be a positive number of GiB, not {a.free_gib:g}")
     if a.dry_run:  # the code path, not the numbers: keep it short enough for CI
         a.ticks = min(a.ticks, 8)
+    return a
+
+
+def graph_checks(setup: Setup, dry_run: bool) -> list:
+    from bench.gpu_checks import graphs_equal_eager, graphs_on_second_device
+
+    ticks, every = (40, 10) if dry_run else (200, 50)
+    out = [graphs_equal_eager(setup.lm, setup.mimi, setup.tokenizer, setup.voices, setup.device, setup.dtype,
+                              4, ticks, every, setup.persona),
+           graphs_on_second_device(setup.lm, setup.mimi, setup.tokenizer, setup.voices, setup.dtype, setup.persona,
+                                   ticks=20 if dry_run else 60)]
+    report(out)
+    return out
+
+
+def main() -> int:
+    a = parse_args()
+    fail_without_gpu(a.dry_run)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from bench.gpu_checks import goldens_on, graphs_equal_eager, slots_auto_on
+    from bench.gpu_checks import goldens_on, slots_auto_on
 
     t_start = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    batches = (1, 2, 4) if a.dry_run else (1, 16, 64)
+    title = section_title(device)
+    print(f"bench/gpu.py: the section \"## {title}\"{' (dry run)' if a.dry_run else ''}", flush=True)
     with no_tf32():
         checks = goldens_on(device)
     report(checks)
@@ -288,93 +250,108 @@ def main() -> int:
         setup = Setup(a.dry_run, device, not a.no_graphs, Path(tmp))
         print(f"weights: {setup.lm_params / 1e9:.2f} B LM parameters hashed on {device} in {setup.build_s:.1f} s "
               f"({setup.checked} keys checked against make_tensor)", flush=True)
-        ticks, every = (40, 10) if a.dry_run else (200, 50)
-        checks.append(graphs_equal_eager(setup.lm, setup.mimi, setup.tokenizer, setup.voices, device, setup.dtype,
-                                         4, ticks, every, setup.persona))
-        report(checks[-1:])
-        results = []
-        for B in batches:
-            r = measure_b(setup, B, a.ticks if B < 64 else max(10, a.ticks * 2 // 3), parts=True)
-            results.append(r)
-            print(f"B={B}: tick {ms(r['tick']):.1f} ms, LM {ms(r['lm']):.1f} ms, Mimi {ms(r['mimi']):.1f} ms", flush=True)
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            per_slot = results[-1].get("peak_per_slot") or setup.kv_bytes_per_slot()
-            max_b = int((total - setup.weights_bytes - (4 << 30)) // per_slot)
-        else:
-            max_b = 8
-        known = {r["B"]: ms(r["tick"]) for r in results}
-        lo, hi, why = largest_realtime(setup, known, 10.0 if a.dry_run else a.search_seconds, max_b, 10)
-        auto, plan, served = slots_auto_on(setup.lm, setup.mimi, setup.tokenizer, setup.voices, device, setup.dtype,
-                                           setup.persona, ticks=3 if a.dry_run else 10)
+        checks += graph_checks(setup, a.dry_run)
+        plan, batches, max_b = plan_run(setup, a)
+        print(f"batches: {plan.describe()}", flush=True)
+        if a.dry_run:
+            print(f"  (this dry run measures the tiny configs at B = {', '.join(map(str, batches))}, "
+                  f"search up to B = {max_b})", flush=True)
+        run = measure_all(setup, plan, batches, max_b, a.ticks, 10.0 if a.dry_run else a.search_seconds)
+        auto, slot_plan, served = slots_auto_on(setup.lm, setup.mimi, setup.tokenizer, setup.voices, device,
+                                                setup.dtype, setup.persona, ticks=3 if a.dry_run else 10)
         checks.append(auto)
         report(checks[-1:])
-    body = render(setup, results, lo, hi, why, max_b, time.perf_counter() - t_start, a, checks, plan, served)
+    body = render(setup, run, time.perf_counter() - t_start, a, checks, slot_plan, served)
     print("\n" + body)
-    if a.section_file:
-        a.section_file.write_text(f"## {SECTION}\n\n{body}\n")
-    if not (a.dry_run or a.no_write):
-        from bench.common import machine, replace_section
-
-        replace_section(SECTION, body, command="bash bench/gpu.sh", info=machine("cuda"))
+    write_section(a, title, body)
     failed = [c.name for c in checks if c.ok is False]
     if failed:
         print(f"FAILED: {'; '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
 
 
+def write_section(a: argparse.Namespace, title: str, body: str) -> None:
+    from bench.common import BENCHMARKS_MD, machine, replace_section
+
+    if a.section_file:
+        a.section_file.parent.mkdir(parents=True, exist_ok=True)
+        a.section_file.write_text(f"## {title}\n\n{body}\n")
+        print(f"wrote the section \"## {title}\" to {a.section_file.resolve()}", flush=True)
+    if a.dry_run or a.no_write:
+        print(f"BENCHMARKS.md left alone ({'--dry-run' if a.dry_run else '--no-write'})", flush=True)
+        return
+    replace_section(title, body, command=shlex.join(["bash", "bench/gpu.sh", *sys.argv[1:]]), info=machine("cuda"))
+    print(f"wrote the section \"## {title}\" of {BENCHMARKS_MD}", flush=True)
+
+
+def verdict(c, short: bool = False) -> str:
+    if c.skipped:
+        return "skip" if short else "skipped"
+    return ({True: "ok", False: "FAIL", None: "note"} if short else
+            {True: "pass", False: "**FAIL**", None: "diagnostic"})[c.ok]
+
+
 def report(checks) -> None:
     for c in checks:
-        print(f"{ {True: 'ok', False: 'FAIL', None: 'note'}[c.ok]:>4}  {c.name}: {c.detail}", flush=True)
+        print(f"{verdict(c, short=True):>4}  {c.name}: {c.detail}", flush=True)
 
 
-def render(setup: Setup, results: list[dict], lo: int, hi: int, why: str, max_b: int, total_s: float, a,
-           checks, plan, served) -> str:
+def render(setup: Setup, run: Run, total_s: float, a: argparse.Namespace, checks, slot_plan, served) -> str:
     from bench.common import md_table
 
-    verdict = {True: "pass", False: "**FAIL**", None: "diagnostic"}
     text = ("### Acceptance checks\n\n"
-            + md_table(["check", "result", "detail"], [[c.name, verdict[c.ok], c.detail] for c in checks])
-            + "\n\nThe goldens run the fixtures' tiny models in fp32 on the device with TF32 off; the graph check "
+            + md_table(["check", "result", "detail"], [[c.name, verdict(c), c.detail] for c in checks])
+            + "\n\nThe goldens run the fixtures' tiny models in fp32 on the device with TF32 off; the graph checks "
               "and everything below run the full-size engine (hash-v1 weights, bf16 LM, fp32 Mimi).\n\n"
-              "### Tick against the batch size\n\n")
+              "### Tick against the batch size\n\n"
+            + render_ticks(setup, run, total_s, a.dry_run) + render_memory(run.results, slot_plan, served))
+    if a.dry_run:
+        text = "_Dry run on the tiny configs; these numbers say nothing about a GPU._\n\n" + text
+    return text
+
+
+def render_ticks(setup: Setup, run: Run, total_s: float, dry_run: bool) -> str:
+    from bench.common import md_table
+
     rows = []
-    for r in results:
+    for r in run.results:
         peak = r.get("peak_per_slot")
         rows.append([r["B"], f"{ms(r['tick']):.1f}", f"{ms(r['tick'], 99):.1f}", f"{ms(r['tick']) / FRAME_MS:.2f}",
                      f"{ms(r['lm']):.1f}", f"{ms(r['mimi']):.1f}",
-                     f"{peak / 2**20:.0f}" if peak else "n/a", f"{r['start_s'] * 1000:.0f}",
-                     {True: "yes", False: "no (eager)", None: "?"}[r["graphs"]]])
-    cfg = setup.lm_cfg
-    search = f"**{lo}**" + (f" (B = {hi} is not)" if hi <= max_b else "") + f"; search: {why}"
-    text += (md_table(["B", "engine tick ms (median)", "p99 ms", "fraction of 80 ms", "LM tick ms", "Mimi enc+dec ms",
-                       "peak MiB per slot", "start B sessions ms", "CUDA graph"], rows)
-             + f"\n\n- Largest B in real time (median engine tick <= 80 ms): {search}. Memory allows about "
-               f"{max_b} slots ({setup.kv_bytes_per_slot() / 2**20:.0f} MiB of temporal KV per slot: "
-               f"{cfg.num_layers} layers x {cfg.context} frames x {cfg.dim} x 2 in bf16).\n"
-             + f"- Mimi encode + decode at B = {results[-1]['B']}: {ms(results[-1]['mimi']):.1f} ms per frame "
-               f"(fp32, CUDA graphs {'on' if setup.graphs and setup.device.type == 'cuda' else 'off'}).\n"
-             + f"- LM {setup.lm_params / 1e9:.2f} B parameters, hash-v1 weights hashed on "
-               f"{setup.device.type} in {setup.build_s:.1f} s ({setup.checked} keys checked bit for bit against "
-               "`make_tensor`); "
-               f"voice T = {setup.voice_t}, sampling with the served defaults; every row attends its whole "
-               f"KV ring (the cost of calls past 240 s; younger calls attend only the filled part); "
-               f"whole run {total_s:.0f} s.\n"
-             + "- Targets: tick <= 15 ms at 1 slot, <= 45 ms at 64 slots, 64 or more callers in real time.\n\n")
+                     f"{peak / 2**20:.0f}" if peak else "n/a", f"{r['start_s'] * 1000:.0f}", r["graphs"]])
+    search = f"**{run.lo}**" + (f" (B = {run.hi} is not)" if run.hi <= run.max_b else "") + f"; search: {run.why}"
+    measured = ", ".join(map(str, run.batches))
+    lines = [f"Largest B in real time (median engine tick <= 80 ms): {search}, up to B = {run.max_b}.",
+             f"Batches from the free memory by `--slots auto`'s arithmetic (1, then powers of two up to the fit, "
+             f"{MAX_BATCH} at most; the search bounded by the fit): {run.plan.describe()}."
+             + (f" This dry run measured the tiny configs at B = {measured}." if dry_run else ""),
+             *(n[:1].upper() + n[1:] + "." for n in run.notes)]
+    if run.results:
+        last = run.results[-1]
+        lines.append(f"Mimi encode + decode at B = {last['B']}: {ms(last['mimi']):.1f} ms per frame (fp32, CUDA "
+                     f"graphs {'on' if setup.graphs and setup.device.type == 'cuda' else 'off'}).")
+    lines += [f"LM {setup.lm_params / 1e9:.2f} B parameters, hash-v1 weights hashed on {setup.device.type} in "
+              f"{setup.build_s:.1f} s ({setup.checked} keys checked bit for bit against `make_tensor`); voice T = "
+              f"{setup.voice_t}, sampling with the served defaults; every row attends its whole KV ring (the cost "
+              f"of calls past 240 s; younger calls attend only the filled part); whole run {total_s:.0f} s.",
+              "Targets: tick <= 15 ms at 1 slot, <= 45 ms at 64 slots, 64 or more callers in real time."]
+    return (md_table(["B", "engine tick ms (median)", "p99 ms", "fraction of 80 ms", "LM tick ms", "Mimi enc+dec ms",
+                      "peak MiB per slot", "start B sessions ms", "CUDA graph"], rows)
+            + "\n\n" + "\n".join(f"- {line}" for line in lines) + "\n\n")
+
+
+def render_memory(results: list[dict], plan, served) -> str:
     marginal = marginal_per_slot(results)
     c = plan.cost
     measured = (f"{marginal / 2**20:.0f} MiB measured (the growth of the peak from B = {results[0]['B']} to "
                 f"{results[-1]['B']}, one tick graph per top-k: whole rings)" if marginal else
-                "not measured (no CUDA allocator here)")
-    text += ("### Memory per slot and `--slots auto`\n\n"
-             + f"- Per slot: {measured}, against {c.total / 2**20:.0f} MiB in the arithmetic (KV "
-               f"{c.kv / 2**20:.0f} MiB, Mimi {c.mimi / 2**20:.0f} MiB, activations {c.activations / 2**20:.0f} MiB "
-               "for every tick graph the engine may keep).\n"
-             + f"- `--slots auto` here: {served.describe()}.\n"
-             + f"- Without the cap: {plan.describe()}; the check above ran that many.")
-    if a.dry_run:
-        text = "_Dry run on the tiny configs; these numbers say nothing about a GPU._\n\n" + text
-    return text
+                "not measured (no CUDA allocator here, or fewer than two batches ran)")
+    return ("### Memory per slot and `--slots auto`\n\n"
+            + f"- Per slot: {measured}, against {c.total / 2**20:.0f} MiB in the arithmetic (KV "
+              f"{c.kv / 2**20:.0f} MiB, Mimi {c.mimi / 2**20:.0f} MiB, activations {c.activations / 2**20:.0f} MiB "
+              "for every tick graph the engine may keep).\n"
+            + f"- `--slots auto` here: {served.describe()}.\n"
+            + f"- Without the cap: {plan.describe()}; the check above ran that many.")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU acceptance run on one CUDA GPU, in under 8 minutes: the golden fixtures on the device,
-# CUDA graphs against eager ticks, the bf16 engine's divergence, the full-size engine's tick and
-# memory, and `--slots auto` on the device (bench/gpu.py). Writes the "## GPU (H200)" section of
-# BENCHMARKS.md; exits 1 if a check fails. Without a GPU it stops at once, saying why;
-# `bash bench/gpu.sh --dry-run` runs the same code path on the tiny configs anywhere.
+# The GPU acceptance run on one CUDA GPU of any size, in under 8 minutes: the golden fixtures on
+# the device, CUDA graphs against eager ticks (and on cuda:1 when there is one), the bf16 engine's
+# divergence, the full-size engine's tick and memory at batches that the free memory holds, and
+# `--slots auto` on the device (bench/gpu.py). Writes the "## GPU (<device name>)" section of
+# BENCHMARKS.md (and, with --section-file PATH, to PATH); exits 1 if a check fails. Without a GPU
+# it stops at once, saying why; `bash bench/gpu.sh --dry-run [--free-gib N]` runs the same code
+# path on the tiny configs anywhere, and prints the batches a card with N GiB free would get.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 dry_run=0

@@ -100,6 +100,11 @@ class LockstepEngine:
         self._silence = torch.tensor(SILENCE_CODES, dtype=torch.long, device=self.device)
 
     @property
+    def graphed(self) -> list[CudaGraphed]:
+        """Every CUDA-graph wrapper of a tick: the LM's, then Mimi's encode and decode."""
+        return [*self.core.graphed, self._encode, self._decode]
+
+    @property
     def voice_names(self) -> list[str]:
         return list(self.voices.names)
 
