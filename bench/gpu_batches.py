@@ -29,7 +29,7 @@ from personaplex_demo.runtime.capacity import (
     kv_ring_bytes,
     safety_margin,
 )
-from personaplex_demo.runtime.slot_memory import estimated_tick_bytes, graphs_kept, mimi_state_bytes, prefix_cache_bytes
+from personaplex_demo.runtime.slot_memory import estimated_tick_bytes, graph_pools, mimi_state_bytes, prefix_cache_bytes
 
 MAX_BATCH = DEFAULT_MAX_SLOTS  # the batch the GPU targets are set for; more says nothing new
 PREFIX_ENTRIES = 8  # the engine's default prefix cache, as `--slots auto` counts it
@@ -73,7 +73,7 @@ def slot_cost(cfg: LMConfig, mimi_bytes: int, itemsize: int, cuda_graphs: bool,
     `slot_memory.plan_for` counts them: the probe's figures on CUDA, the estimate without it."""
     frames = cfg.context  # the run makes every row attend its whole ring
     fixed, per_slot = probe if probe else (0, estimated_tick_bytes(cfg, frames, itemsize))
-    graphs = graphs_kept(frames, cuda_graphs)
+    graphs = graph_pools(cuda_graphs)
     kv = kv_ring_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, frames, itemsize)
     return SlotCost(kv=kv, mimi=mimi_bytes, activations=per_slot * graphs), fixed * graphs
 

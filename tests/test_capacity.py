@@ -22,7 +22,7 @@ from personaplex_demo.runtime.capacity import (
     plan_slots,
     safety_margin,
 )
-from personaplex_demo.runtime.slot_memory import estimated_tick_bytes, graphs_kept, mimi_state_bytes, prefix_cache_bytes
+from personaplex_demo.runtime.slot_memory import estimated_tick_bytes, graph_pools, mimi_state_bytes, prefix_cache_bytes
 from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.web.page import status_payload
@@ -38,7 +38,7 @@ def full_size_plan(card_bytes: int, seconds: float | None = None, slots: int | s
     frames = context_frames(seconds, FULL.context)
     cost = SlotCost(kv=kv_ring_bytes(FULL.num_layers, FULL.num_heads, FULL.head_dim, frames, BF16),
                     mimi=mimi_state_bytes(meta_mimi(MimiConfig.personaplex())),
-                    activations=estimated_tick_bytes(FULL, frames, BF16) * graphs_kept(frames, True))
+                    activations=estimated_tick_bytes(FULL, frames, BF16) * graph_pools(True))
     reserve = prefix_cache_bytes(FULL, BF16, voice_frames=60, entries=8) + safety_margin(card_bytes)
     free = card_bytes - WEIGHTS - CUDA_CONTEXT
     per_frame = kv_ring_bytes(FULL.num_layers, FULL.num_heads, FULL.head_dim, 1, BF16)

@@ -21,7 +21,7 @@ from ..model.ring import RingKV
 from ..sampling_params import SamplingParams
 from .cuda_graphs import CudaGraphed
 from .prompt import PrefixCache, VoiceTokens
-from .sampling import SamplingState, TopK, sample, stream_keys, top_k_bucket
+from .sampling import SamplingState, TopK, sample, stream_keys, top_k_bucket, top_k_buckets
 from .staging import StagingRing
 from .tokens import USER_ROWS
 
@@ -105,6 +105,36 @@ class LockstepCore:
     def graphed(self) -> list[CudaGraphed]:
         """The CUDA-graph wrappers of the tick (for checks and start-up capture)."""
         return [self._graphed_listen, self._graphed_speak]
+
+    def graph_keys(self) -> tuple[list[int | None], list[tuple[int, int]]]:
+        """Every key the tick can meet: the temporal part's visible-slot buckets and the
+        depformer part's (text, audio) top-k buckets (docs/engine.md § CUDA graphs)."""
+        visible: list[int | None] = [None]
+        if self.attend_filled:
+            visible = [*range(VISIBLE_BUCKET, self.context, VISIBLE_BUCKET), None]
+        top_k = [(t, a) for t in top_k_buckets(self.cfg.text_card) for a in top_k_buckets(self.cfg.card)]
+        return visible, top_k
+
+    @torch.no_grad()
+    def capture_graphs(self) -> int:
+        """Capture the graphs of every key now, before any row is live, so that serving never
+        captures (a capture costs an eager tick, a synchronize and more). With no live row a
+        tick changes nothing a row can see. Returns the number of graphs held."""
+        if any(r.live for r in self.rows):
+            raise RuntimeError("capture_graphs runs before any row is live")
+        visible_keys, top_k_keys = self.graph_keys()
+        served_top_k = self._top_k
+        codes = torch.zeros(self.B, 8, dtype=torch.long, device=self.device)
+        try:
+            for visible in visible_keys:
+                self._visible = visible
+                h, target, prov, rows = self._graphed_listen.capture(codes, key=visible)
+            for top_k in top_k_keys:
+                self._top_k = top_k
+                self._graphed_speak.capture(h, target, prov, rows, rows, key=top_k)
+        finally:
+            self._top_k = served_top_k
+        return sum(g.captured for g in self.graphed)
 
     def _bucketed(self, text_top_k: int, audio_top_k: int) -> tuple[int, int]:
         return top_k_bucket(text_top_k, self.cfg.text_card), top_k_bucket(audio_top_k, self.cfg.card)

@@ -98,11 +98,35 @@ class LockstepEngine:
         # Slots whose codec state must start fresh when their conversation begins.
         self._codec_reset: set[int] = set()
         self._silence = torch.tensor(SILENCE_CODES, dtype=torch.long, device=self.device)
+        self._pinned: torch.Tensor | None = None  # the host side of the tick's one transfer (CUDA)
 
     @property
     def graphed(self) -> list[CudaGraphed]:
         """Every CUDA-graph wrapper of a tick: the LM's, then Mimi's encode and decode."""
         return [*self.core.graphed, self._encode, self._decode]
+
+    def _to_host(self, packed: torch.Tensor) -> np.ndarray:
+        """A copy of `packed` on the host: on CUDA through a pinned buffer, with one wait."""
+        if packed.device.type != "cuda":
+            return packed.numpy()
+        if self._pinned is None or self._pinned.shape != packed.shape:
+            self._pinned = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        self._pinned.copy_(packed, non_blocking=True)
+        torch.cuda.current_stream(packed.device).synchronize()
+        return self._pinned.numpy().copy()
+
+    @torch.no_grad()
+    def capture_graphs(self) -> int:
+        """Capture every CUDA graph a tick can need, before the first caller (engine thread, no
+        session started yet). Mimi's state moves on by a frame; a row's codec is reset when its
+        conversation begins. Returns the number of graphs held (0 where graphs are off)."""
+        if not any(g.enabled for g in self.graphed):
+            return 0
+        held = self.core.capture_graphs()
+        pcm = torch.zeros(self.batch_size, self.frame_size, device=self.device)
+        self._encode.capture(pcm)
+        self._decode.capture(self._silence.view(1, -1).expand(self.batch_size, -1).contiguous())
+        return held + self._encode.captured + self._decode.captured
 
     @property
     def voice_names(self) -> list[str]:
@@ -170,9 +194,11 @@ class LockstepEngine:
         # Clipped here because the int16 conversion downstream (fastrtc's) wraps values past full
         # scale into loud clicks instead of saturating.
         out = torch.where(res.live.view(-1, 1), out.float().clamp(-1.0, 1.0), torch.zeros((), device=out.device))
-        # One host transfer per tick: the PCM, the text ids and the masks together.
         text_ids = torch.where(speak, res.frame[:, 0], torch.full_like(res.frame[:, 0], TEXT_PAD))
-        out_np = out.cpu().numpy()
-        frame = torch.cat([text_ids[:, None], res.frame[:, 1:], speak[:, None].long()], dim=1).cpu().numpy()
+        # One host transfer per tick: the PCM, then the tokens and the mask as floats (every id is
+        # below 2^24, so exact), in one block.
+        ids = torch.cat([text_ids[:, None], res.frame[:, 1:], speak[:, None].long()], dim=1)
+        host = self._to_host(torch.cat([out, ids.float()], dim=1))
+        out_np, frame = host[:, :self.frame_size], host[:, self.frame_size:].astype(np.int64)
         texts = [self._transcripts[b].push(i) if i != TEXT_PAD else "" for b, i in enumerate(frame[:, 0].tolist())]
         return TickOutput(out_np, texts, frame[:, :17], frame[:, 17].astype(bool))

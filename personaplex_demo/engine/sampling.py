@@ -27,6 +27,11 @@ def top_k_bucket(k: int, vocab: int) -> int:
     return min(next((b for b in TOP_K_BUCKETS if b >= k), vocab), vocab)
 
 
+def top_k_buckets(vocab: int) -> list[int]:
+    """Every value `top_k_bucket` takes for a vocabulary of `vocab` tokens."""
+    return [b for b in TOP_K_BUCKETS if b < vocab] + [vocab]
+
+
 def fmix32(h: torch.Tensor) -> torch.Tensor:
     """MurmurHash3's 32-bit finalizer on int64 tensors, as `model.hashinit.fmix32` on numpy."""
     # int64 products wrap on overflow, but the low 32 bits stay exact, which is all we keep.

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import math
 
 import torch
 
@@ -25,7 +24,6 @@ from .voices import VoiceCatalog, read_voice_file
 log = logging.getLogger(__name__)
 
 PROBE_BATCHES = (1, 4)
-TOP_K_COMBOS = 2  # (text, audio) top-k pairs in use at once; each captures its own graphs
 
 
 def tensor_bytes(obj: object) -> int:
@@ -46,12 +44,11 @@ def mimi_state_bytes(mimi) -> int:
     return tensor_bytes(mimi.init_state(1, device=torch.device("meta")))
 
 
-def graphs_kept(frames: int, cuda_graphs: bool) -> int:
-    """Tick graphs the engine may capture: one per visible-ring bucket (and the whole ring) per
-    top-k pair, plus Mimi encode and decode. Each keeps its own pool of working memory."""
-    if not cuda_graphs:
-        return 1
-    return TOP_K_COMBOS * math.ceil(frames / VISIBLE_BUCKET) + 2
+def graph_pools(cuda_graphs: bool) -> int:
+    """Copies of a tick's working memory the engine keeps: with CUDA graphs, one pool per graph
+    wrapper (the LM's temporal and depformer parts, Mimi encode and decode), each shared by all
+    of that wrapper's keys and at most a whole tick's peak; eagerly, the allocator's one."""
+    return 4 if cuda_graphs else 1
 
 
 def longest_voice(voices: VoiceCatalog) -> int:
@@ -91,7 +88,10 @@ def probe_tick_bytes(lm, mimi, device: torch.device, dtype: torch.dtype) -> tupl
         state = mimi.init_state(batch, device=device)
         pcm = torch.zeros(batch, FRAME_SAMPLES, device=device)
         with torch.no_grad():
-            core.step(torch.zeros(batch, 8, dtype=torch.long, device=device))  # lazy set-up outside the peak
+            # One whole tick first: lazy set-up (cuBLAS workspaces, Mimi's first-call buffers) is
+            # paid once per process, not per slot, so it stays outside the peak.
+            res = core.step(mimi.encode_step(pcm, state))
+            mimi.decode_step(res.frame[:, 1:9].clamp(0, 2047), state)
             torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -136,7 +136,7 @@ def plan_for(lm, mimi, voices: VoiceCatalog, *, slots: int | str, max_slots: int
         except Exception as e:  # the arithmetic can still go on with the estimate
             log.warning("slot memory probe failed (%s: %s); using an estimate", type(e).__name__, e)
     fixed, per_slot = probe if probe else (0, estimated_tick_bytes(cfg, frames, itemsize))
-    graphs = graphs_kept(frames, cuda_graphs and on_cuda)
+    graphs = graph_pools(cuda_graphs and on_cuda)
     cost = SlotCost(kv=kv_ring_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, frames, itemsize),
                     mimi=mimi_state_bytes(mimi), activations=per_slot * graphs)
     memory = device_memory(device)
