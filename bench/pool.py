@@ -64,6 +64,9 @@ class SleepEngine:
     def validate_request(self, voice: str, persona: str, sampling: SamplingParams) -> None:
         pass
 
+    def prefix_cached(self, voice: str, persona: str) -> bool:
+        return True
+
     def start_session(self, slot: int, voice: str, persona: str, sampling: SamplingParams) -> None:
         pass
 

@@ -56,10 +56,14 @@ class FakeEngine:
         self.steps = 0
         self.step_times: list[float] = []
         self.threads: set[int] = set()
+        self.cached: set[tuple[str, str]] | None = None  # None: every prompt is in the prefix cache
 
     @property
     def voice_names(self) -> list[str]:
         return ["NATF0", "NATM1"]
+
+    def prefix_cached(self, voice: str, persona: str) -> bool:
+        return self.cached is None or (voice, persona) in self.cached
 
     def validate_request(self, voice: str, persona: str, sampling: SamplingParams) -> None:
         if voice not in self.voice_names:
@@ -76,6 +80,8 @@ class FakeEngine:
             raise exc
         self.active.add(slot)
         self.started.append(slot)
+        if self.cached is not None:
+            self.cached.add((voice, persona))
 
     def end_session(self, slot: int) -> None:
         self.threads.add(threading.get_ident())
@@ -162,6 +168,22 @@ def test_admission_order_prefill_then_live_and_queue_takes_freed_slot():
     assert engine.ended == [0]
     assert (c.state, c.slot, c.queue_position) == ("live", 0, None)
     assert engine.started == [0, 1, 0]
+
+
+def test_at_most_one_prompt_is_computed_per_gap_between_ticks_and_cached_ones_ride_along():
+    pool, engine, _ = make(batch=4)
+    engine.cached = {("NATF0", "known")}
+    cold = [pool.admit("NATF0", f"new {i}") for i in range(2)]
+    cold.append(pool.admit("NATM1", "known"))  # the same persona with another voice: cold too
+    cached = pool.admit("NATF0", "known")
+    pool.tick_once()
+    # The first cold prompt runs; the others wait for the next gaps, the cached one goes at once.
+    assert [c.state for c in (*cold, cached)] == ["live", "prefill", "prefill", "live"]
+    assert engine.started == [0, 3]
+    pool.tick_once()
+    assert [c.state for c in cold] == ["live", "live", "prefill"] and engine.started == [0, 3, 1]
+    pool.tick_once()
+    assert all(c.state == "live" for c in cold) and engine.started == [0, 3, 1, 2]
 
 
 def test_queue_positions_follow_callers_ahead_leaving():

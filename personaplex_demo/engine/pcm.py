@@ -156,6 +156,11 @@ class LockstepEngine:
         self._codec_reset.add(slot)
         log.debug("slot %d: session started (voice %s, %d persona tokens)", slot, voice, len(ids))
 
+    def prefix_cached(self, voice: str, persona: str) -> bool:
+        """Whether a session of (voice, persona) would start from the prefix cache, without a
+        forward over its prompt."""
+        return self.core.prefixes.has(voice, self.persona_tokens(persona))
+
     def end_session(self, slot: int) -> str:
         """Stop `slot`; returns any transcript text still held back."""
         self.core.end(slot)

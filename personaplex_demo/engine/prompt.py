@@ -80,8 +80,14 @@ class PrefixCache:
         self.entries: OrderedDict[tuple, Prefix] = OrderedDict()
         self.stats = PrefixStats()
 
+    def _key(self, voice_name: str, persona: list[int]) -> tuple:
+        return voice_name, tuple(persona), self.dtype, self.context
+
+    def has(self, voice_name: str, persona: list[int]) -> bool:
+        return self._key(voice_name, persona) in self.entries
+
     def get(self, voice: VoiceTokens, persona: list[int]) -> Prefix:
-        key = (voice.name, tuple(persona), self.dtype, self.context)
+        key = self._key(voice.name, persona)
         hit = self.entries.get(key)
         if hit is not None:
             self.entries.move_to_end(key)

@@ -176,6 +176,10 @@ class Call(CallView):
             self.queue_position = position
             self._wake()  # lets a handler that shows the position refresh it
 
+    @property
+    def prefill_waiting(self) -> bool:
+        return self.state == CallState.PREFILL and not self._prefill_started
+
     def claim_prefill(self) -> bool:
         """True once for a call in PREFILL: the ticker that gets True plays its prompt."""
         if self.state != CallState.PREFILL or self._prefill_started:

@@ -65,9 +65,9 @@ class SlotTable:
             head.assign(slot)
             self._renumber()
 
-    def next_prefill(self) -> tuple[int, Call] | None:
-        """A slot whose prompt nobody plays yet, claimed for the caller (`Call.claim_prefill`)."""
-        return next(((s, c) for s, c in enumerate(self.slots) if c is not None and c.claim_prefill()), None)
+    def waiting_prefills(self) -> list[tuple[int, Call]]:
+        """Seated calls whose prompt nobody plays yet, in slot order (`Call.claim_prefill` claims one)."""
+        return [(s, c) for s, c in enumerate(self.slots) if c is not None and c.prefill_waiting]
 
     def _renumber(self) -> None:
         for position, waiting in enumerate(self.queue, start=1):
