@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .config import LMConfig
 from .ring import Attend, RingKV, additive, prefill_mask, ring_mask
@@ -76,12 +77,14 @@ class PersonaPlexLM(nn.Module):
     def embed_codes(self, column: torch.Tensor) -> torch.Tensor:
         """column [B, 17] token ids -> [B, 1, D]: audio rows 0..15 summed first, then text.
 
-        The order matters in bf16: it is the reference's (docs/model.md § The LM)."""
+        The order matters in bf16: it is the reference's (docs/model.md § The LM). Each row is
+        `ZeroableEmbedding`'s lookup, with the clamp and the -1 test done once for all rows."""
+        ids, zero = column.clamp(min=0), (column == -1)[..., None]
         x = None
         for i, table in enumerate(self.emb):
-            e = table(column[:, 1 + i])
+            e = F.embedding(ids[:, 1 + i], table.weight).masked_fill_(zero[:, 1 + i], 0.0)
             x = e if x is None else x + e
-        x = x + self.text_emb(column[:, 0])
+        x = x + F.embedding(ids[:, 0], self.text_emb.weight).masked_fill_(zero[:, 0], 0.0)
         return x[:, None, :]
 
     # ---- temporal transformer -----------------------------------------------------------------
