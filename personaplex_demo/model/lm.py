@@ -97,8 +97,8 @@ class PersonaPlexLM(nn.Module):
 
     def temporal_step(self, x: torch.Tensor, kv: RingKV, active: torch.Tensor,
                       visible: int | None = None) -> torch.Tensor:
-        """x [B, 1, D] -> out_norm(h) [B, 1, D]. Rows with `active` false write no key and do
-        not advance; their output is meaningless.
+        """x [B, 1, D] -> out_norm(h) [B, 1, D]. Rows with `active` false do not advance: their
+        key goes to the one slot they cannot see (see `RingKV.advance`); their output is meaningless.
 
         `visible`: attend only the first `visible` ring slots. Exact when no active row has
         wrapped and each holds at most `visible` keys after this step's append (the caller
@@ -140,8 +140,8 @@ class PersonaPlexLM(nn.Module):
         masks = self._step_masks.get((h.device, h.dtype))
         if masks is None:
             masks = self._step_masks[(h.device, h.dtype)] = additive(depformer_masks(n, h.device), h.dtype)
-        # Step s writes slot s of a ring of dep_q slots. Attending the whole ring with a boolean
-        # mask, as the reference does, keeps bf16 rounding identical to it.
+        # Step s writes slot s of a ring of dep_q slots. Attending the whole ring under a mask,
+        # as the reference does, keeps bf16 rounding identical to it.
         kv = RingKV.empty(cfg.depformer_num_layers, h.shape[0], cfg.depformer_num_heads, n,
                           cfg.depformer_dim // cfg.depformer_num_heads, h.device, h.dtype)
         prev = text_token
