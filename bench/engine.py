@@ -165,7 +165,7 @@ and the sampler are hundreds of small tensor operations whose count does not dep
 grows slowly with B. The mid-size tick grows with B mainly through the temporal attention, which
 reads all 3000 slots of every layer's ring for every row (see the section above); on these two
 CPU cores it leaves real time between B = 4 and B = 16, and the full model is a GPU matter
-(section "GPU (H200)"). Prefill: the stepwise prompt costs one tick per prompt step, so the caller
+(section "GPU"). Prefill: the stepwise prompt costs one tick per prompt step, so the caller
 waits (1 + T + 12 + P) x 80 ms before the first word; the fast path does the same work as one
 parallel forward, and the cached path only copies the stored keys, values and staging ring into
 the row, which is what makes first agent audio within 300 ms of connecting reachable."""
