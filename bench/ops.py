@@ -185,6 +185,15 @@ def tick_time(engine: LockstepEngine, pcm: np.ndarray, seconds: float) -> Stats:
     return stats
 
 
+def served_tiny_engine(batch: int) -> LockstepEngine:
+    """The tiny model as the app serves it (2 temporal layers), every slot live."""
+    engine = build_engine("tiny", slots=batch)
+    for slot in range(batch):
+        engine.start_session(slot, engine.voice_names[slot % len(engine.voice_names)], PERSONA,
+                             SamplingParams(seed=slot))
+    return engine
+
+
 def measure(batch: int, seconds: float) -> dict:
     engine = engine_at_real_layer_counts(batch)
     pcm = (0.1 * np.sin(np.arange(batch * 1920) / 9.0)).astype(np.float32).reshape(batch, 1920)
@@ -192,6 +201,7 @@ def measure(batch: int, seconds: float) -> dict:
         engine.step(pcm)
     counters = count_tick(engine, pcm)
     stats = tick_time(engine, pcm, seconds)
+    tiny = tick_time(served_tiny_engine(batch), pcm, seconds)
     top = counters["tick"].ops.most_common(12)
     tick = counters["tick"]
     return {"batch": batch,
@@ -199,6 +209,7 @@ def measure(batch: int, seconds: float) -> dict:
             "operators": {name: c.kernels for name, c in counters.items()},
             "norms": [tick.norm_calls, tick.norm_ops], "cuda_operators": tick.cuda_kernels,
             "tick_ms": stats.median * 1000, "tick_p90_ms": stats.pct(90) * 1000, "ticks": stats.n,
+            "tiny_ms": tiny.median * 1000, "tiny_p90_ms": tiny.pct(90) * 1000,
             "top": top}
 
 
@@ -214,6 +225,9 @@ def report(results: dict[str, dict], batch: int) -> str:
     rows.append(["dispatches, views included: tick"] + [results[k]["dispatches"]["tick"] for k in labels])
     rows.append(["CPU tick, median ms (p90)"] + [f"{fmt_ms(results[k]['tick_ms'] / 1000)} "
                                                   f"({fmt_ms(results[k]['tick_p90_ms'] / 1000)})" for k in labels])
+    rows.append(["CPU tick of the served tiny model (2 layers), median ms (p90)"] +
+                [f"{fmt_ms(results[k]['tiny_ms'] / 1000)} ({fmt_ms(results[k]['tiny_p90_ms'] / 1000)})"
+                 for k in labels])
     rows.append(["measured"] + [results[k]["when"] for k in labels])
     last = results[labels[-1]]
     top = ", ".join(f"{name} {n}" for name, n in last["top"] if not _is_view(name))
