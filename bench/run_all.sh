@@ -37,6 +37,8 @@ echo "== bench/model.py ($model_py)"
 "$model_py" bench/model.py "${quick[@]}"
 echo "== bench/engine.py"
 "$py" bench/engine.py "${quick[@]}"
+echo "== bench/ops.py (operators per engine tick at the real layer counts)"
+"$py" bench/ops.py
 if [[ $pool == 1 && -f bench/pool.py ]]; then
     echo "== bench/pool.py"
     "$py" bench/pool.py "${pool_args[@]}"
