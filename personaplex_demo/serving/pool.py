@@ -30,6 +30,7 @@ from .config import PoolConfig
 from .counters import PoolCounters
 from .metrics import PoolMetrics, PoolWindows, TickListener
 from .pacing import TickPacer
+from .prefill import next_prefill
 from .room import CallState, EndReason, PoolClosedError, PoolFullError, SlotOutput
 from .slot_table import SlotTable
 
@@ -266,19 +267,16 @@ class SlotPool:
 
     def _run_prefills(self) -> None:
         """Prefill waiting slots, one after another, until the gap's budget is spent (at least
-        one). A prompt not in the prefix cache costs a forward over all of it (about as much as
-        several ticks on a GPU's full model): at most one of those per gap, so that callers
-        arriving together cannot add up into one long overrun; cached ones only copy."""
+        one), and at most one whose prompt must be computed (see `prefill.next_prefill`)."""
         clock = self._clock
         budget_end = clock.monotonic() + self.config.prefill_budget_seconds
-        first, cold_allowed = True, True
-        while first or clock.monotonic() < budget_end:
-            first = False
-            pending = self._next_prefill(cold_allowed)
+        ran, cold_ran = 0, 0
+        while not ran or clock.monotonic() < budget_end:  # the first runs whatever the budget
+            pending = next_prefill(self._table, self._lock, self.engine.prefix_cached, not cold_ran)
             if pending is None:
                 return
             slot, call, cold = pending
-            cold_allowed = cold_allowed and not cold
+            ran, cold_ran = ran + 1, cold_ran + cold
             self._engine_active[slot] = True
             began = clock.monotonic()
             try:
@@ -290,25 +288,8 @@ class SlotPool:
                 with self._lock:
                     live = call.go_live(now)  # False: released while the prompt was playing
                 if live:
-                    logger.info("call %s live on slot %d (%s prefill %.0f ms)", call.id, slot,
-                                "cold" if cold else "cached", (now - began) * 1e3)
+                    logger.info("call %s live on slot %d (prefill %.3f s, cold %s)", call.id, slot, now - began, cold)
             self._free_ended_slots()  # a release during prefill, or a failure, frees the slot now
-
-    def _next_prefill(self, cold_allowed: bool) -> tuple[int, Call, bool] | None:
-        """The next slot to prefill, claimed, and whether its prompt must be computed (cold)."""
-        with self._lock:
-            waiting = self._table.waiting_prefills()
-        for slot, call in waiting:
-            try:
-                cold = not self.engine.prefix_cached(call.voice, call.persona)
-            except Exception:  # start_session will say what is wrong with it
-                cold = True
-            if cold and not cold_allowed:
-                continue
-            with self._lock:
-                if call.claim_prefill():
-                    return slot, call, cold
-        return None
 
     def snapshot(self) -> PoolMetrics:
         with self._lock:
