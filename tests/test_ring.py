@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from personaplex_demo.engine.core import LMState, LockstepCore
 from personaplex_demo.engine.pcm import SamplingParams
-from personaplex_demo.model.ring import RingKV, prefill_mask, ring_positions
+from personaplex_demo.model.ring import RingKV, additive, prefill_mask, ring_positions
 
 from .lm_fixtures import golden_persona, golden_voice, tiny_lm
 
@@ -38,6 +39,17 @@ def test_prefill_mask_equals_stepping_the_ring(length, capacity, context):
     assert torch.equal(mask, stepped_mask(length, capacity, context))
     d = torch.arange(length).view(-1, 1) - torch.arange(length).view(1, -1)
     assert torch.equal(mask, (d >= 0) & (d <= capacity - 2) & (d < context))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_additive_mask_attends_as_the_boolean_one_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 2, 8, generator=g).to(dtype) for _ in range(3))
+    mask = torch.rand(3, 1, 2, 8, generator=g) < 0.6
+    mask[..., 0] = True  # every query sees something
+    m = additive(mask, dtype)
+    assert m.dtype == dtype and m.stride(-2) % 16 == 0, "rows aligned for CUDA's memory-efficient kernel"
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v, mask), F.scaled_dot_product_attention(q, k, v, m))
 
 
 def test_lm_state_reset_rows_gives_fresh_rows_and_leaves_the_others():
