@@ -44,7 +44,8 @@ def test_prefill_mask_equals_stepping_the_ring(length, capacity, context):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_additive_mask_attends_as_the_boolean_one_bit_for_bit(dtype):
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(3, 4, 2, 8, generator=g).to(dtype) for _ in range(3))
+    q = torch.randn(3, 4, 2, 8, generator=g).to(dtype)  # [B, H, T, Dh]
+    k, v = (torch.randn(3, 4, 8, 8, generator=g).to(dtype) for _ in range(2))  # 8 slots
     mask = torch.rand(3, 1, 2, 8, generator=g) < 0.6
     mask[..., 0] = True  # every query sees something
     m = additive(mask, dtype)
