@@ -46,6 +46,28 @@ def test_a_wider_bucket_than_the_top_k_changes_no_token():
     assert top_k_bucket(25, V) == 32 and torch.equal(narrow, wide)
 
 
+def test_ties_at_a_rows_kth_place_are_kept_together_whatever_the_bucket(monkeypatch):
+    """Ranks 3..8 tie; a top-k of 5 cuts through them. The kept set (and so the token) must not
+    depend on how many candidates the batch ranks or on the order of the tied ones."""
+    B, V = 256, 64
+    logits = torch.full((B, V), -5.0)
+    logits[:, :3] = torch.tensor([3.0, 2.5, 2.0])
+    logits[:, 10:16] = 1.0
+    draws = [sample(logits, knobs(B, top_k=5, k=k), keys(B)) for k in (16, 32, 64)]
+    real_topk = torch.Tensor.topk
+
+    def ties_reversed(self, k, dim=-1, largest=True, sorted=True):
+        values, order = torch.sort(self.flip(-1), dim=-1, descending=True, stable=True)
+        return values[..., :k], self.shape[-1] - 1 - order[..., :k]
+
+    monkeypatch.setattr(torch.Tensor, "topk", ties_reversed)
+    draws.append(sample(logits, knobs(B, top_k=5, k=16), keys(B)))
+    monkeypatch.setattr(torch.Tensor, "topk", real_topk)
+    assert all(torch.equal(d, draws[0]) for d in draws)
+    assert set(draws[0].tolist()) >= {0, 1, 2} and set(draws[0].tolist()) & set(range(10, 16))
+    assert set(draws[0].tolist()) <= {0, 1, 2, *range(10, 16)}, "nothing less probable than the 5th"
+
+
 def test_draws_follow_the_softmax_and_respect_top_k():
     B = 20000
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0]]).expand(B, -1)

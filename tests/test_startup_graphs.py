@@ -18,12 +18,15 @@ from .support.graphs import FakeBackend
 CONTEXT = 3 * VISIBLE_BUCKET + 40
 
 
-def graphed_core(lm, batch: int) -> tuple[LockstepCore, FakeBackend]:
+def graphed_core(lm, batch: int) -> tuple[LockstepCore, list[FakeBackend]]:
+    """A core whose two graph wrappers replay on stand-ins that check that the Python-side value
+    each part reads (and a real capture would bake in) is the one it was captured with."""
     core = LockstepCore(lm, batch, context=CONTEXT)
-    backend = FakeBackend(run_at_capture=True)
-    core._graphed_listen = CudaGraphed(core._live_listen, "lockstep temporal", backend=backend)
-    core._graphed_speak = CudaGraphed(core._speak, "lockstep depformer", backend=backend)
-    return core, backend
+    listen = FakeBackend(run_at_capture=True, snapshot=lambda: core._visible)
+    speak = FakeBackend(run_at_capture=True, snapshot=lambda: core._top_k)
+    core._graphed_listen = CudaGraphed(core._live_listen, "lockstep temporal", backend=listen)
+    core._graphed_speak = CudaGraphed(core._speak, "lockstep depformer", backend=speak)
+    return core, [listen, speak]
 
 
 def test_the_key_set_is_bounded_and_known_before_the_first_caller():
@@ -38,16 +41,20 @@ def test_the_key_set_is_bounded_and_known_before_the_first_caller():
 def test_every_key_is_captured_at_start_up_and_serving_only_replays():
     lm = tiny_lm()
     eager = LockstepCore(lm, 2, context=CONTEXT)
-    core, backend = graphed_core(lm, 2)
+    core, backends = graphed_core(lm, 2)
     held = core.capture_graphs()
     visible, top_k = core.graph_keys()
     assert held == len(visible) + len(top_k) == 16
-    captures = len([e for e in backend.events if e[0] == "capture"])
+    def events(what: str) -> int:
+        return sum(e[0] == what for b in backends for e in b.events)
+
+    captures = events("capture")
     # Callers with different top-k settings, long enough to cross a visible-slot bucket.
     settings = [SamplingParams(seed=1), SamplingParams(seed=2, text_top_k=300, audio_top_k=2000),
                 SamplingParams(seed=3, text_top_k=5, audio_top_k=20)]
     voice, persona = golden_voice("voice-A"), golden_persona("persona-A")
     g = torch.Generator().manual_seed(0)
+    seen = set()
     for tick in range(3 * VISIBLE_BUCKET // 2):
         if tick % 120 == 0:
             params = settings[(tick // 120) % len(settings)]
@@ -55,7 +62,9 @@ def test_every_key_is_captured_at_start_up_and_serving_only_replays():
                 c.start(tick // 120 % 2, voice, persona, params, seed=tick)
         user = torch.randint(0, 2048, (2, 8), generator=g)
         a, b = eager.step(user), core.step(user)
+        seen.add(core._visible)
         assert torch.equal(a.frame, b.frame) and torch.equal(a.emitted, b.emitted), f"tick {tick}"
-    assert len([e for e in backend.events if e[0] == "capture"]) == captures, "serving captured a graph"
+    assert events("capture") == captures, "serving captured a graph"
     assert all(w.captured and not w.failed for w in core.graphed)
-    assert len([e for e in backend.events if e[0] == "replay"]) == 2 * 3 * VISIBLE_BUCKET // 2
+    assert events("replay") == 2 * 3 * VISIBLE_BUCKET // 2
+    assert {VISIBLE_BUCKET, 2 * VISIBLE_BUCKET} <= seen, "the calls crossed a visible-slot bucket"

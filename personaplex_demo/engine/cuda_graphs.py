@@ -191,7 +191,7 @@ class CudaGraphed:
             for dst, src in zip(cap.inputs, inputs, strict=True):
                 dst.copy_(src)
             cap.graph.replay()
-            # Clone: the next replay of any key may overwrite this memory (the pool is shared).
+            # Clone: the next replay overwrites the static output; the caller's result outlives it.
             return _clone(cap.output)
 
     def _pool(self, device: torch.device) -> Any:

@@ -7,6 +7,7 @@ tokenizer and the transcript, and is what the SlotPool drives.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -99,6 +100,8 @@ class LockstepEngine:
         self._codec_reset: set[int] = set()
         self._silence = torch.tensor(SILENCE_CODES, dtype=torch.long, device=self.device)
         self._pinned: torch.Tensor | None = None  # the host side of the tick's one transfer (CUDA)
+        self._persona_ids = functools.lru_cache(maxsize=64)(
+            lambda persona: tuple(persona_token_ids(tokenizer, persona, max_persona_tokens)))
 
     @property
     def graphed(self) -> list[CudaGraphed]:
@@ -117,9 +120,9 @@ class LockstepEngine:
 
     @torch.no_grad()
     def capture_graphs(self) -> int:
-        """Capture every CUDA graph a tick can need, before the first caller (engine thread, no
-        session started yet). Mimi's state moves on by a frame; a row's codec is reset when its
-        conversation begins. Returns the number of graphs held (0 where graphs are off)."""
+        """Capture every CUDA graph a tick can need, before the first caller (before the ticker
+        starts, no session started yet). Mimi's state moves on by a frame; a row's codec is reset
+        when its conversation begins. Returns the number of graphs held (0 where graphs are off)."""
         if not any(g.enabled for g in self.graphed):
             return 0
         held = self.core.capture_graphs()
@@ -135,8 +138,12 @@ class LockstepEngine:
     # ---- requests (any thread) ------------------------------------------------------------------
 
     def persona_tokens(self, persona: str) -> list[int]:
-        """Token ids of the persona's system prompt; raises a CallerError when it is unusable."""
-        return persona_token_ids(self.tokenizer, persona, self.max_persona_tokens)
+        """Token ids of the persona's system prompt; raises a CallerError when it is unusable.
+        The ids of recent personas are kept: the ticker asks for them in every gap while a
+        caller waits (`prefix_cached`), and again at the start."""
+        if not isinstance(persona, str):
+            return persona_token_ids(self.tokenizer, persona, self.max_persona_tokens)
+        return list(self._persona_ids(persona))
 
     def validate_request(self, voice: str, persona: str, sampling: SamplingParams) -> None:
         self.voices.check_name(voice)
@@ -204,6 +211,6 @@ class LockstepEngine:
         # below 2^24, so exact), in one block.
         ids = torch.cat([text_ids[:, None], res.frame[:, 1:], speak[:, None].long()], dim=1)
         host = self._to_host(torch.cat([out, ids.float()], dim=1))
-        out_np, frame = host[:, :self.frame_size], host[:, self.frame_size:].astype(np.int64)
+        out_np, frame = np.ascontiguousarray(host[:, :self.frame_size]), host[:, self.frame_size:].astype(np.int64)
         texts = [self._transcripts[b].push(i) if i != TEXT_PAD else "" for b, i in enumerate(frame[:, 0].tolist())]
         return TickOutput(out_np, texts, frame[:, :17], frame[:, 17].astype(bool))

@@ -24,6 +24,7 @@ TOP_K_BUCKETS = (32, 256, 2048)
 
 
 def top_k_bucket(k: int, vocab: int) -> int:
+    """How many candidates a batch whose largest top-k is `k` ranks."""
     return min(next((b for b in TOP_K_BUCKETS if b >= k), vocab), vocab)
 
 
@@ -92,21 +93,26 @@ class TopK:
 
     k: int  # candidates ranked: the bucket of the largest top-k in use
     temperature: torch.Tensor  # [B, 1], clamped away from 0
-    drop: torch.Tensor  # [B, k] bool: past the row's own top-k
+    last: torch.Tensor  # [B, 1] long: the rank of the row's k-th candidate
     greedy: torch.Tensor  # [B] bool
 
     @classmethod
     def prepare(cls, state: SamplingState, k: int) -> TopK:
-        rank = torch.arange(k, device=state.top_k.device).view(1, k)
-        return cls(k, state.temperature.clamp(min=1e-5).view(-1, 1), rank >= state.top_k.view(-1, 1), state.greedy)
+        return cls(k, state.temperature.clamp(min=1e-5).view(-1, 1), (state.top_k.clamp(1, k) - 1).view(-1, 1),
+                   state.greedy)
 
 
 def sample(logits: torch.Tensor, knobs: TopK, key: torch.Tensor) -> torch.Tensor:
     """logits [B, V] fp32 -> tokens [B], with the row keys `key` [B, 1] of this draw (see
-    `stream_keys`). Greedy rows take the first maximal index."""
+    `stream_keys`). Greedy rows take the first maximal index.
+
+    A row keeps the candidates at least as probable as its k-th: the cut is by value, so that
+    which of several tokens tied at the k-th place survive does not depend on the order `topk`
+    lists them in, nor on how many candidates the batch ranks."""
     greedy = logits.argmax(dim=-1)
     probs = torch.softmax(logits / knobs.temperature, dim=-1)
     top_p, top_i = probs.topk(knobs.k, dim=-1)  # sorted, descending
-    ratio = (top_p / exponential_noise(key, top_i)).masked_fill_(knobs.drop, 0.0)
+    drop = top_p < top_p.gather(-1, knobs.last)
+    ratio = (top_p / exponential_noise(key, top_i)).masked_fill_(drop, 0.0)
     sampled = top_i.gather(-1, ratio.argmax(dim=-1, keepdim=True))[:, 0]
     return torch.where(knobs.greedy, greedy, sampled)

@@ -121,9 +121,10 @@ class RingKV:
         positions = start[:, None] + torch.arange(steps, device=start.device)  # [B, T]
         self.end += steps if active is None else active.long() * steps
         mask = additive(ring_mask(positions, self.end, self.capacity, context, visible), self.kv.dtype)
-        # A row that does not step still writes its (unused) keys, into slot end % C: the one slot
-        # no query of that row can see (empty, or read as a future position by the ring rule), and
-        # the first it overwrites when it steps again. Cheaper than writing the old values back.
+        # A row that does not step still writes its (unused) key, into slot end % C: the slot it
+        # writes first when it steps again, so no later query of the row reads it (and a recycle
+        # zeroes it). This saves gathering and re-writing the slot's old key in every layer.
+        assert steps == 1 or active is None, "rows that do not step take one key per forward"
         return Attend(positions, mask, positions % self.capacity, visible)
 
     def load_row(self, row: int, kv: Tensor, length: int) -> None:

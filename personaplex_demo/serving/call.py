@@ -178,6 +178,7 @@ class Call(CallView):
 
     @property
     def prefill_waiting(self) -> bool:
+        """Seated, and nobody plays its prompt yet."""
         return self.state == CallState.PREFILL and not self._prefill_started
 
     def claim_prefill(self) -> bool:

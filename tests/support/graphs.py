@@ -34,14 +34,16 @@ class FakeGraph:
     backend: FakeBackend
     fn: Any = None
     inputs: tuple = ()
-    output: torch.Tensor | None = None
+    output: Any = None  # a tensor, or a tuple of them
     pool: Any = None
     stream: Any = None
     replays: int = 0
-    resets: int = 0
+    baked: Any = None  # `FakeBackend.snapshot()` at capture
 
     def replay(self) -> None:
         self.backend.events.append(("replay", self.backend.device()))
+        # A real replay re-runs kernels only: Python-side values read by `fn` stay as captured.
+        assert self.backend.snapshot() == self.baked, "a value the graph baked in has changed since capture"
         self.backend.replaying = True
         try:
             out = self.fn(*self.inputs)
@@ -49,9 +51,6 @@ class FakeGraph:
             self.backend.replaying = False
         copy_into(self.output, out)  # a graph writes into the output memory it captured
         self.replays += 1
-
-    def reset(self) -> None:
-        self.resets += 1
 
 
 @dataclass
@@ -61,6 +60,7 @@ class FakeBackend(CudaBackend):
 
     fail: bool = False  # captures raise, like an OOM, while set
     run_at_capture: bool = False  # see `capture`
+    snapshot: Any = lambda: None  # Python-side values `fn` reads, which a real capture bakes in
     replaying: bool = False
     events: list = field(default_factory=list)  # (what, device context active then)
     active: list = field(default_factory=list)  # the device-context stack
@@ -101,11 +101,12 @@ class FakeBackend(CudaBackend):
         self.events.append(("warmup", self.device()))
         yield
 
-    def capture(self, graph: FakeGraph, fn: Any, inputs: tuple, pool: Any, stream: Any) -> torch.Tensor:
+    def capture(self, graph: FakeGraph, fn: Any, inputs: tuple, pool: Any, stream: Any) -> Any:
         self.events.append(("capture", self.device()))
         if self.fail:
             raise RuntimeError("CUDA out of memory (stand-in)")
         graph.fn, graph.inputs, graph.pool, graph.stream = fn, inputs, pool, stream
+        graph.baked = self.snapshot()
         # Nothing runs at a real capture. `run_at_capture` learns the output's structure by
         # running `fn` once, for functions that leave their state as it was (no row live).
         graph.output = _structure(fn(*inputs)) if self.run_at_capture else torch.empty_like(inputs[0])
