@@ -39,6 +39,8 @@ echo "== bench/engine.py"
 "$py" bench/engine.py "${quick[@]}"
 echo "== bench/ops.py (operators per engine tick at the real layer counts)"
 "$py" bench/ops.py
+echo "== bench/prefill_gap.py (callers arriving together: prefills between ticks)"
+"$py" bench/prefill_gap.py
 if [[ $pool == 1 && -f bench/pool.py ]]; then
     echo "== bench/pool.py"
     "$py" bench/pool.py "${pool_args[@]}"

@@ -22,4 +22,5 @@ class PoolConfig:
     resync_keep_frames: int = 2  # on a resync each caller's backlog is cut to this many newest frames
     idle_sleep_seconds: float = 0.02  # ticker nap when no call holds a slot
     prefill_budget_seconds: float = 0.04  # prefills per gap between steps stop after this (at least one runs)
+    cold_prefills_per_gap: int = 1  # prompts computed (not in the prefix cache) per gap; 0: only the budget limits
     summary_log_seconds: float = 30.0  # INFO summary period while calls are live

@@ -270,9 +270,10 @@ class SlotPool:
         one), and at most one whose prompt must be computed (see `prefill.next_prefill`)."""
         clock = self._clock
         budget_end = clock.monotonic() + self.config.prefill_budget_seconds
-        ran, cold_ran = 0, 0
+        ran, cold_ran, cold_limit = 0, 0, self.config.cold_prefills_per_gap
         while not ran or clock.monotonic() < budget_end:  # the first runs whatever the budget
-            pending = next_prefill(self._table, self._lock, self.engine.prefix_cached, not cold_ran)
+            cold_allowed = not cold_limit or cold_ran < cold_limit
+            pending = next_prefill(self._table, self._lock, self.engine.prefix_cached, cold_allowed)
             if pending is None:
                 return
             slot, call, cold = pending
