@@ -26,10 +26,9 @@ from personaplex_demo.runtime.capacity import (
     SlotCost,
     fitting_slots,
     gib,
-    kv_ring_bytes,
     safety_margin,
 )
-from personaplex_demo.runtime.slot_memory import estimated_tick_bytes, graph_pools, mimi_state_bytes, prefix_cache_bytes
+from personaplex_demo.runtime.slot_memory import mimi_state_bytes, prefix_cache_bytes, slot_cost
 
 MAX_BATCH = DEFAULT_MAX_SLOTS  # the batch the GPU targets are set for; more says nothing new
 PREFIX_ENTRIES = 8  # the engine's default prefix cache, as `--slots auto` counts it
@@ -67,23 +66,13 @@ def batch_sizes(fit: int, cap: int = MAX_BATCH) -> tuple[int, ...]:
     return tuple(1 << i for i in range(top.bit_length()))
 
 
-def slot_cost(cfg: LMConfig, mimi_bytes: int, itemsize: int, cuda_graphs: bool,
-              probe: tuple[int, int] | None) -> tuple[SlotCost, int]:
-    """(one slot's bytes, a tick's fixed working bytes) at the whole context, as
-    `slot_memory.plan_for` counts them: the probe's figures on CUDA, the estimate without it."""
-    frames = cfg.context  # the run makes every row attend its whole ring
-    fixed, per_slot = probe if probe else (0, estimated_tick_bytes(cfg, frames, itemsize))
-    graphs = graph_pools(cuda_graphs)
-    kv = kv_ring_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, frames, itemsize)
-    return SlotCost(kv=kv, mimi=mimi_bytes, activations=per_slot * graphs), fixed * graphs
-
-
 def plan_batches(cfg: LMConfig, mimi_bytes: int, *, free_bytes: int, total_bytes: int, itemsize: int,
                  voice_frames: int, cuda_graphs: bool, source: str, probe: tuple[int, int] | None = None,
                  cap: int = MAX_BATCH) -> BatchPlan:
     """The batch list and search bound for `free_bytes` free after the weights on a device of
     `total_bytes`: `--slots auto`'s fit, uncapped."""
-    cost, fixed = slot_cost(cfg, mimi_bytes, itemsize, cuda_graphs, probe)
+    # The run makes every row attend its whole ring: the cost at the whole context.
+    cost, fixed = slot_cost(cfg, mimi_bytes, cfg.context, itemsize, cuda_graphs, probe)
     reserve = prefix_cache_bytes(cfg, itemsize, voice_frames, PREFIX_ENTRIES) + fixed + safety_margin(total_bytes)
     fit = fitting_slots(free_bytes, reserve, cost)
     return BatchPlan(free_bytes, total_bytes, cost, reserve, fit, batch_sizes(fit, cap), source)

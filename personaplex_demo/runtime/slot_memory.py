@@ -123,6 +123,16 @@ def device_memory(device: torch.device) -> DeviceMemory | None:
     return DeviceMemory(int(free), int(total))
 
 
+def slot_cost(cfg: LMConfig, mimi_bytes: int, frames: int, itemsize: int, cuda_graphs: bool,
+              probe: tuple[int, int] | None) -> tuple[SlotCost, int]:
+    """(one slot's bytes at `frames` of context, a tick's fixed working bytes), each working-memory
+    figure counted once per graph pool: the probe's figures (`probe_tick_bytes`), else the estimate."""
+    fixed, per_slot = probe if probe else (0, estimated_tick_bytes(cfg, frames, itemsize))
+    graphs = graph_pools(cuda_graphs)
+    kv = kv_ring_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, frames, itemsize)
+    return SlotCost(kv=kv, mimi=mimi_bytes, activations=per_slot * graphs), fixed * graphs
+
+
 def plan_for(lm, mimi, voices: VoiceCatalog, *, slots: int | str, max_slots: int, frames: int,
              device: torch.device, dtype: torch.dtype, prefix_cache_size: int, cuda_graphs: bool):
     """The SlotPlan for a loaded model on `device` (see capacity.plan_slots)."""
@@ -135,15 +145,12 @@ def plan_for(lm, mimi, voices: VoiceCatalog, *, slots: int | str, max_slots: int
             probe = probe_tick_bytes(lm, mimi, device, dtype)
         except Exception as e:  # the arithmetic can still go on with the estimate
             log.warning("slot memory probe failed (%s: %s); using an estimate", type(e).__name__, e)
-    fixed, per_slot = probe if probe else (0, estimated_tick_bytes(cfg, frames, itemsize))
-    graphs = graph_pools(cuda_graphs and on_cuda)
-    cost = SlotCost(kv=kv_ring_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, frames, itemsize),
-                    mimi=mimi_state_bytes(mimi), activations=per_slot * graphs)
+    cost, fixed = slot_cost(cfg, mimi_state_bytes(mimi), frames, itemsize, cuda_graphs and on_cuda, probe)
     memory = device_memory(device)
     reserve = 0
     if memory is not None:
         reserve = (prefix_cache_bytes(cfg, itemsize, longest_voice(voices), prefix_cache_size)
-                   + fixed * graphs + safety_margin(memory.total))
+                   + fixed + safety_margin(memory.total))
     per_frame = kv_ring_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, 1, itemsize)
     return plan_slots(slots, device=str(device), free_bytes=memory.free if memory else None,
                       reserve_bytes=reserve, cost=cost, context_frames=frames, max_slots=max_slots,
