@@ -22,7 +22,12 @@ class ZeroableEmbedding(nn.Embedding):
     """NVIDIA's `ScaledEmbedding`: id -1 gives an exact zero vector, other ids are clamped >= 0."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return super().forward(ids.clamp(min=0)).masked_fill_((ids == -1)[..., None], 0.0)
+        return self.lookup(ids.clamp(min=0), (ids == -1)[..., None])
+
+    def lookup(self, clamped: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """`forward` with the clamp and the -1 test already done (`zero`: [..., 1] bool), for a
+        caller that does them once for several tables."""
+        return F.embedding(clamped, self.weight).masked_fill_(zero, 0.0)
 
 
 class LMLayer(TransformerLayer):
@@ -82,9 +87,9 @@ class PersonaPlexLM(nn.Module):
         ids, zero = column.clamp(min=0), (column == -1)[..., None]
         x = None
         for i, table in enumerate(self.emb):
-            e = F.embedding(ids[:, 1 + i], table.weight).masked_fill_(zero[:, 1 + i], 0.0)
+            e = table.lookup(ids[:, 1 + i], zero[:, 1 + i])
             x = e if x is None else x + e
-        x = x + F.embedding(ids[:, 0], self.text_emb.weight).masked_fill_(zero[:, 0], 0.0)
+        x = x + self.text_emb.lookup(ids[:, 0], zero[:, 0])
         return x[:, None, :]
 
     # ---- temporal transformer -----------------------------------------------------------------
@@ -98,7 +103,8 @@ class PersonaPlexLM(nn.Module):
     def temporal_step(self, x: torch.Tensor, kv: RingKV, active: torch.Tensor,
                       visible: int | None = None) -> torch.Tensor:
         """x [B, 1, D] -> out_norm(h) [B, 1, D]. Rows with `active` false do not advance: their
-        key goes to the one slot they cannot see (see `RingKV.advance`); their output is meaningless.
+        key goes to the slot they write first at their next step (see `RingKV.advance`); their
+        output is meaningless.
 
         `visible`: attend only the first `visible` ring slots. Exact when no active row has
         wrapped and each holds at most `visible` keys after this step's append (the caller

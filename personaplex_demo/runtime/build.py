@@ -123,7 +123,8 @@ def build_runtime(options: RuntimeOptions, progress: ProgressFn | None = None,
     engine = LockstepEngine(lm, mimi, tokenizer, voices, plan.slots, device, dtype,
                             prefix_cache_size=options.prefix_cache_size, context=frames,
                             cuda_graphs=options.cuda_graphs)
-    report("capturing CUDA graphs" if device.type == "cuda" else "ready", 0.95)
+    if device.type == "cuda":
+        report("capturing CUDA graphs", 0.95)
     began = time.monotonic()
     if held := engine.capture_graphs():
         log.info("captured %d CUDA graphs in %.1f s, before the first caller", held, time.monotonic() - began)

@@ -267,7 +267,7 @@ class SlotPool:
 
     def _run_prefills(self) -> None:
         """Prefill waiting slots, one after another, until the gap's budget is spent (at least
-        one), and at most one whose prompt must be computed (see `prefill.next_prefill`)."""
+        one), and at most `cold_prefills_per_gap` whose prompt must be computed (see `prefill.py`)."""
         clock = self._clock
         budget_end = clock.monotonic() + self.config.prefill_budget_seconds
         ran, cold_ran, cold_limit = 0, 0, self.config.cold_prefills_per_gap
