@@ -68,7 +68,7 @@ def run_engine(spec: EngineSpec, conn) -> None:
         torch.set_num_threads(spec.torch_threads)
     try:
         runtime = build_runtime(replace(spec.runtime, device=spec.device))
-        pool = SlotPool(runtime.engine, spec.pool)
+        pool = SlotPool(runtime.engine, runtime.pool_config(spec.pool))
         facts = page_facts(runtime)
         server = PoolServer(pool, spec.address, spec.authkey, name=spec.name, facts=facts)
     except Exception as exc:

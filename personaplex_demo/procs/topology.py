@@ -151,7 +151,7 @@ def start_topology(options: TopologyOptions, progress: Callable[[str, float], No
         if len(devices) == 1 and media is None:
             runtime = build_runtime(replace(options.runtime, device=devices[0]), progress)
             names = [f"engine-0 ({runtime.device})"]
-            pool = SlotPool(runtime.engine, options.pool)
+            pool = SlotPool(runtime.engine, runtime.pool_config(options.pool))
             pool.start()
             closers.append(pool.shutdown)
             end_calls = pool.shutdown

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -13,6 +13,7 @@ import torch
 from ..engine.pcm import LockstepEngine
 from ..model.checkpoint import load_lm, load_mimi
 from ..model.config import LMConfig, MimiConfig, ModelFiles
+from ..serving.config import PoolConfig
 from .capacity import DEFAULT_MAX_SLOTS, DTYPE_NAMES, FRAME_RATE, SlotPlan
 from .hub import DEFAULT_HF_REPO, ModelSource, resolve_model
 from .slot_memory import plan_for
@@ -51,6 +52,12 @@ class Runtime:
     device: torch.device
     dtype: torch.dtype
     capacity: SlotPlan | None = None  # how the number of slots was decided
+
+    def pool_config(self, config: PoolConfig) -> PoolConfig:
+        """`config` with this device's trusted row count for admission before a tick is measured."""
+        if config.headroom_prior_rows is not None or self.capacity is None:
+            return config
+        return replace(config, headroom_prior_rows=self.capacity.trusted_rows)
 
 
 def pick_device(device: str) -> torch.device:

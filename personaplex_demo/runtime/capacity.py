@@ -101,6 +101,14 @@ class SlotPlan:
     reserve_bytes: int = 0  # prefix cache, a tick's fixed working memory, safety margin
     fit: int | None = None  # slots that fit before the --max-slots cap (CUDA only)
 
+    @property
+    def trusted_rows(self) -> int:
+        """What `--slots auto` would choose here, whatever --slots says: the calls admission by
+        headroom seats before it has measured a tick (serving/headroom.py)."""
+        if self.free_bytes is None:
+            return min(CPU_AUTO_SLOTS, self.max_slots)
+        return max(1, min(self.fit or 0, self.max_slots))
+
     def describe(self) -> str:
         c = self.cost
         n = f"{self.slots} slot{'' if self.slots == 1 else 's'}"

@@ -70,6 +70,7 @@ class CallView:
         self.id = call_id
         self.state = CallState.QUEUED
         self.queue_position: int | None = None
+        self.wait_reason: str | None = None  # while QUEUED: why (serving/headroom.py WAIT_*)
         self.slot: int | None = None
         self.end_reason: str | None = None  # once ENDED
 
@@ -94,6 +95,7 @@ class Call(CallView):
         self._live_since: float | None = None
         self._last_input: float | None = None
         self._prefill_started = False
+        self.held_back = False  # counted once as waiting for headroom (the pool's lock)
 
     # ---- the caller's side -------------------------------------------------------------------
 
@@ -168,13 +170,17 @@ class Call(CallView):
 
     def assign(self, slot: int) -> None:
         """QUEUED -> PREFILL on `slot`."""
-        self.slot, self.state, self.queue_position = slot, CallState.PREFILL, None
+        self.slot, self.state, self.queue_position, self.wait_reason = slot, CallState.PREFILL, None, None
         self._wake()
 
-    def set_queue_position(self, position: int) -> None:
-        if self.queue_position != position:
-            self.queue_position = position
+    def set_queue_position(self, position: int, reason: str) -> None:
+        if (self.queue_position, self.wait_reason) != (position, reason):
+            self.queue_position, self.wait_reason = position, reason
             self._wake()  # lets a handler that shows the position refresh it
+
+    @property
+    def live_since(self) -> float | None:
+        return self._live_since
 
     @property
     def prefill_waiting(self) -> bool:
@@ -246,7 +252,7 @@ class Call(CallView):
         if self.state == CallState.ENDED:
             return False
         # A plain string from here on: it goes into logs, transcripts and the engine's messages.
-        self.state, self.end_reason, self.queue_position = CallState.ENDED, str(reason), None
+        self.state, self.end_reason, self.queue_position, self.wait_reason = CallState.ENDED, str(reason), None, None
         self._ctx.counters.calls_ended[EndReason.kind(reason)] += 1
         self._inbox.clear()
         self._wake()

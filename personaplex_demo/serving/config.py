@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .headroom import HeadroomConfig
+
 # A caller queued this long is told to come back later (`--max-wait`). The doors enforce it, as
 # they notice a caller who left; every layer's default is this one.
 DEFAULT_MAX_WAIT_SECONDS = 600.0
+ADMISSIONS = ("headroom", "slots")
 
 
 @dataclass(frozen=True)
@@ -24,3 +27,25 @@ class PoolConfig:
     prefill_budget_seconds: float = 0.04  # prefills per gap between steps stop after this (at least one runs)
     cold_prefills_per_gap: int = 1  # prompts computed (not in the prefix cache) per gap; 0: only the budget limits
     summary_log_seconds: float = 30.0  # INFO summary period while calls are live
+    # Admission (serving/headroom.py): "headroom" seats a caller only while the measured tick has
+    # room for one more row; "slots" takes every free slot, whatever the tick costs.
+    admission: str = "headroom"
+    headroom_margin: float = 0.15  # share of the tick budget admission keeps free
+    headroom_prior_rows: int | None = None  # rows taken before a tick time is trusted; None: every slot
+    media_lag_limit_seconds: float = 0.05  # no admission while a door's event loop lags more than this
+    shed_when_overloaded: bool = True  # end the newest call when the tick stays over budget
+    shed_after_seconds: float = 3.0  # ...for this long
+
+    def __post_init__(self) -> None:
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, not {self.admission!r}")
+
+    @property
+    def by_headroom(self) -> bool:
+        return self.admission == "headroom"
+
+    def headroom(self) -> HeadroomConfig:
+        return HeadroomConfig(budget_seconds=self.tick_seconds, margin=self.headroom_margin,
+                              prior_rows=self.headroom_prior_rows, media_lag_limit_seconds=self.media_lag_limit_seconds,
+                              shed=self.by_headroom and self.shed_when_overloaded,
+                              shed_after_seconds=self.shed_after_seconds)

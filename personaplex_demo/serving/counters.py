@@ -28,6 +28,7 @@ class PoolCounters(FrameCounters):
     engine_errors: int = 0  # exceptions from engine.step / start_session
     calls_started: int = 0  # calls that went live
     calls_refused: int = 0  # PoolFullError raised
+    calls_held_back: int = 0  # calls that waited with a slot free, for lack of headroom in the tick
     calls_ended: collections.Counter[str] = field(default_factory=collections.Counter)  # by `EndReason.kind`
 
 

@@ -44,6 +44,10 @@ class PoolMetrics:
     engine_errors: int = 0  # exceptions from engine.step / start_session
     calls_started: int = 0  # calls that went live
     calls_refused: int = 0  # PoolFullError raised
+    calls_held_back: int = 0  # calls that waited with a slot free, for lack of headroom in the tick
+    headroom_ms: float = 0.0  # tick budget left with one more call (negative: over); serving/headroom.py
+    admitting: int = 0  # 1 while a new caller would be seated now (summed: engines taking calls)
+    media_lag_ms: float = 0.0  # the worst event-loop lag a door reported lately
     # Calls ended, by reason: hangup, idle, time_limit, queue_timeout, shutdown, error (any "error: ...").
     calls_ended: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -55,7 +59,8 @@ class PoolMetrics:
             f"live {self.slots_live}/{self.slots_total} prefill {self.slots_prefill} "
             f"queue {self.queue_length} | "
             f"ticks {self.ticks} p50 {self.tick_p50_ms:.1f} ms p99 {self.tick_p99_ms:.1f} ms "
-            f"rtf {self.realtime_factor:.2f} overruns {self.overruns} resyncs {self.resyncs} | "
+            f"rtf {self.realtime_factor:.2f} overruns {self.overruns} resyncs {self.resyncs} "
+            f"headroom {self.headroom_ms:.0f} ms{'' if self.admitting else ' (holding callers)'} | "
             f"latency p50 {self.latency_p50_ms:.1f} ms p99 {self.latency_p99_ms:.1f} ms "
             f"(added p50 {self.added_latency_p50_ms:.1f} p99 {self.added_latency_p99_ms:.1f}) | "
             f"underruns {self.underruns} input drops {self.input_drops} output drops {self.output_drops} "
@@ -102,12 +107,20 @@ class PoolWindows:
 
 
 @dataclass(frozen=True)
+class AdmissionFigures:
+    headroom_ms: float
+    admitting: int
+    media_lag_ms: float
+
+
+@dataclass(frozen=True)
 class WindowSample:
     ticks: np.ndarray  # seconds
     latencies: np.ndarray
     added: np.ndarray
 
-    def metrics(self, slots: SlotCounts, counters: PoolCounters, tick_count: int, tick_seconds: float) -> PoolMetrics:
+    def metrics(self, slots: SlotCounts, counters: PoolCounters, tick_count: int, tick_seconds: float,
+                admission: AdmissionFigures) -> PoolMetrics:
         def ms(values: np.ndarray, q: float) -> float:
             return float(np.percentile(values, q) * 1e3) if values.size else 0.0
 
@@ -121,5 +134,5 @@ class WindowSample:
             realtime_factor=float(ticks.mean() / tick_seconds) if ticks.size else 0.0,
             latency_p50_ms=ms(lat, 50), latency_p99_ms=ms(lat, 99),
             added_latency_p50_ms=ms(added, 50), added_latency_p99_ms=ms(added, 99),
-            **fields,
+            **dataclasses.asdict(admission), **fields,
         )

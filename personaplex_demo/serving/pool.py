@@ -2,9 +2,11 @@
 
 One ticker thread owns the `LockstepEngine`. Every 80 ms it takes one input frame per LIVE slot,
 runs one batched `engine.step`, and hands (agent audio, text piece) to each call. Between steps
-it ends expired calls, recycles freed slots, admits the head of the queue and runs prefill
-(`engine.start_session`). Handlers only see `Call` objects (serving/call.py): numpy arrays in and out,
-non-blocking pushes and awaitable outputs; nothing from torch crosses this boundary.
+it ends expired calls, sheds the newest one if the tick has stayed over budget, recycles freed
+slots, seats the head of the queue while the measured tick has room for one more row
+(serving/headroom.py) and runs prefill (`engine.start_session`). Handlers only see `Call` objects
+(serving/call.py): numpy arrays in and out, non-blocking pushes and awaitable outputs; nothing
+from torch crosses this boundary.
 
 Slot lifecycle (docs/serving.md § Slot lifecycle): IDLE -> PREFILL -> LIVE -> IDLE. A call that
 ends (hang-up, idle, time limit, engine error, shutdown) keeps its slot until the ticker has
@@ -24,14 +26,15 @@ import numpy as np
 
 from ..frame import FRAME_SAMPLES
 from ..sampling_params import SamplingParams
+from .admission import Admission
 from .call import Call, CallContext
 from .clock import Clock, RealClock
 from .config import PoolConfig
 from .counters import PoolCounters
 from .metrics import PoolMetrics, PoolWindows, TickListener
 from .pacing import TickPacer
-from .prefill import next_prefill
-from .room import CallState, EndReason, PoolClosedError, PoolFullError, SlotOutput
+from .prefill import gap_prefills
+from .room import CallState, EndReason, PoolClosedError, SlotOutput
 from .slot_table import SlotTable
 
 if TYPE_CHECKING:
@@ -75,6 +78,7 @@ class SlotPool:
         self._thread: threading.Thread | None = None
         self._tick = 0
         self._windows = PoolWindows()
+        self._admission = Admission(config, self._clock, self._table, self._counters)
         self._pacer = TickPacer(self._clock, config.tick_seconds, config.catch_up_gap_seconds,
                                 config.resync_after_seconds)
         self._last_summary = self._clock.monotonic()
@@ -125,7 +129,7 @@ class SlotPool:
         """Take a free slot (state PREFILL) or a place in the queue (state QUEUED).
 
         Non-blocking, for any thread. Raises a CallerError for a bad request, PoolFullError when the
-        queue is full (with `queue=False`: when no slot is free), PoolClosedError after shutdown."""
+        queue is full (with `queue=False`: when it would wait), PoolClosedError after shutdown."""
         if self.closed:
             raise PoolClosedError("the pool has been shut down; no new calls are taken")
         self.engine.validate_request(voice, persona, sampling)
@@ -133,15 +137,16 @@ class SlotPool:
         with self._lock:
             if self.closed:
                 raise PoolClosedError("the pool has been shut down; no new calls are taken")
-            if not self._table.admit(call, queue, self.config.max_queue):
-                if not queue:
-                    raise PoolFullError(f"all {self.slots_total} slots busy")
-                self._counters.calls_refused += 1
-                raise PoolFullError(f"all {self.slots_total} slots busy and the queue of {self.config.max_queue} "
-                                    "is full; try again in a minute")
-            where = f"slot {call.slot}" if call.slot is not None else f"queued at position {call.queue_position}"
+            self._admission.place(call, queue)  # or PoolFullError
+            where = (f"slot {call.slot}" if call.slot is not None
+                     else f"queued at position {call.queue_position} ({call.wait_reason})")
         logger.info("call %s: %s, voice %s", call.id, where, voice)
         return call
+
+    def report_media_lag(self, seconds: float, source: str = "local") -> None:
+        """A door's event loop ran up to `seconds` late lately; admission waits while it lags."""
+        with self._lock:
+            self._admission.record_media_lag(source, seconds)
 
     def _end_call(self, call: Call, reason: str) -> None:
         """`Call.release`: end it under the lock; the ticker frees its slot."""
@@ -187,13 +192,12 @@ class SlotPool:
     def _resync(self, late: float) -> None:
         with self._lock:
             self._counters.resyncs += 1
-            dropped = sum(call.trim_backlog(self.config.resync_keep_frames)
-                          for _, call in self._table.seated(CallState.LIVE))
+            dropped = self._table.trim_backlogs(self.config.resync_keep_frames)
         logger.warning("slot pool ticker %.2f s behind; resynchronised, dropped %d queued input frames",
                        late, dropped)
 
     def tick_once(self) -> None:
-        """One tick: step every LIVE slot, then (between steps) expire, recycle, admit and prefill."""
+        """One tick: step every LIVE slot, then (between steps) expire, shed, recycle, admit and prefill."""
         self._step_live()
         self._expire()
         self._free_ended_slots()
@@ -202,14 +206,9 @@ class SlotPool:
     def _step_live(self) -> None:
         clock = self._clock
         start = clock.monotonic()
-        rows: list[tuple[int, Call, float | None]] = []  # (slot, call, push time of its frame)
         pcm = np.zeros((self.slots_total, self.frame_size), dtype=np.float32)
         with self._lock:
-            for slot, call in self._table.seated(CallState.LIVE):
-                stamp, frame = call.take_frame()
-                if frame is not None:
-                    pcm[slot] = frame
-                rows.append((slot, call, stamp))
+            rows = self._table.take_frames(pcm)
         if not rows:
             return
         step_start = clock.monotonic()
@@ -227,6 +226,7 @@ class SlotPool:
                 if call.deliver(SlotOutput(out_pcm[slot].copy(), texts[slot], self._tick)) and stamp is not None:
                     latencies.append(now - stamp)
             self._windows.add_tick(now - start, latencies, step_seconds)
+            self._admission.record_tick(now, len(rows), now - start)
         self._windows.notify(now - start, latencies)
 
     def add_tick_listener(self, listener: TickListener) -> None:
@@ -243,16 +243,22 @@ class SlotPool:
                 self._table.end(call, reason)
 
     def _expire(self) -> None:
+        """End the calls past their time limit or silent too long, and the newest one when the tick
+        has stayed over budget (`Admission.to_shed`): the callers who came first keep real time."""
         now = self._clock.monotonic()
         with self._lock:
-            expired = [(c, r) for _, c in self._table.seated(CallState.LIVE) if (r := c.expiry(now)) is not None]
-            for call, reason in expired:
+            ending = [(c, r) for _, c in self._table.seated(CallState.LIVE) if (r := c.expiry(now)) is not None]
+            if (newest := self._admission.to_shed()) is not None:
+                ending.append((newest, EndReason.OVERLOADED))
+            for call, reason in ending:
                 self._table.end(call, reason)
-        for call, reason in expired:
-            logger.info("call %s ended: %s", call.id, reason)
+        for call, reason in ending:
+            logger.log(logging.WARNING if reason == EndReason.OVERLOADED else logging.INFO,
+                       "call %s ended: %s", call.id, reason)
 
     def _free_ended_slots(self) -> None:
-        """end_session for every slot whose call has ended, then hand the slot to the queue's head."""
+        """end_session for every slot whose call has ended, then seat the queue's head on free slots
+        while one more row fits."""
         with self._lock:
             ended = [slot for slot, _ in self._table.seated(CallState.ENDED)]
         for slot in ended:
@@ -263,21 +269,16 @@ class SlotPool:
                     logger.exception("engine.end_session(%d) failed; the slot is reused anyway", slot)
                 self._engine_active[slot] = False
             with self._lock:
-                self._table.vacate(slot, seat_next=not self.closed)
+                self._table.vacate(slot)
+        with self._lock:
+            seated = [] if self.closed else self._admission.seat_waiting()
+        for call in seated:
+            logger.info("call %s: slot %d (from the queue)", call.id, call.slot)
 
     def _run_prefills(self) -> None:
-        """Prefill waiting slots, one after another, until the gap's budget is spent (at least
-        one), and at most `cold_prefills_per_gap` whose prompt must be computed (see `prefill.py`)."""
+        """Prefill waiting slots, one after another (`prefill.gap_prefills` says which and how many)."""
         clock = self._clock
-        budget_end = clock.monotonic() + self.config.prefill_budget_seconds
-        ran, cold_ran, cold_limit = 0, 0, self.config.cold_prefills_per_gap
-        while not ran or clock.monotonic() < budget_end:  # the first runs whatever the budget
-            cold_allowed = not cold_limit or cold_ran < cold_limit
-            pending = next_prefill(self._table, self._lock, self.engine.prefix_cached, cold_allowed)
-            if pending is None:
-                return
-            slot, call, cold = pending
-            ran, cold_ran = ran + 1, cold_ran + cold
+        for slot, call, cold in gap_prefills(self._table, self._lock, self.engine.prefix_cached, clock, self.config):
             self._engine_active[slot] = True
             began = clock.monotonic()
             try:
@@ -297,7 +298,8 @@ class SlotPool:
             slots = self._table.counts()
             counters = dataclasses.replace(self._counters, calls_ended=collections.Counter(self._counters.calls_ended))
             sample, ticks = self._windows.sample(), self._tick
-        return sample.metrics(slots, counters, ticks, self.config.tick_seconds)
+            admission = self._admission.figures(slots.free)
+        return sample.metrics(slots, counters, ticks, self.config.tick_seconds, admission)
 
     def _maybe_log_summary(self) -> None:
         if self._clock.monotonic() - self._last_summary >= self.config.summary_log_seconds:

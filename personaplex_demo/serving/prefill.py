@@ -9,9 +9,11 @@ Cached prompts only copy and may share a gap (docs/engine.md § CUDA graphs, las
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from .call import Call
+from .clock import Clock
+from .config import PoolConfig
 from .slot_table import SlotTable
 
 
@@ -33,3 +35,19 @@ def next_prefill(table: SlotTable, lock: threading.Lock, prefix_cached: Callable
             if call.claim_prefill():
                 return slot, call, cold
     return None
+
+
+def gap_prefills(table: SlotTable, lock: threading.Lock, prefix_cached: Callable[[str, str], bool], clock: Clock,
+                 config: PoolConfig) -> Iterator[tuple[int, Call, bool]]:
+    """The prefills of one gap between ticks, each claimed as it is due (`next_prefill`): until
+    the gap's budget is spent (the first runs whatever the budget), and at most
+    `cold_prefills_per_gap` whose prompt must be computed."""
+    budget_end = clock.monotonic() + config.prefill_budget_seconds
+    ran = cold_ran = 0
+    limit = config.cold_prefills_per_gap
+    while not ran or clock.monotonic() < budget_end:
+        pending = next_prefill(table, lock, prefix_cached, not limit or cold_ran < limit)
+        if pending is None:
+            return
+        ran, cold_ran = ran + 1, cold_ran + pending[2]
+        yield pending

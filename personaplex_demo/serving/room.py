@@ -43,6 +43,7 @@ class EndReason(enum.StrEnum):
     IDLE = "idle"  # no input frame for `idle_release_seconds`
     TIME_LIMIT = "time_limit"
     QUEUE_TIMEOUT = "queue_timeout"
+    OVERLOADED = "overloaded"  # shed so that the calls before it keep real time (serving/headroom.py)
     SHUTDOWN = "shutdown"
     ERROR = "error"
 
@@ -85,6 +86,7 @@ class CallHandle(Protocol):
     id: str
     state: CallState
     queue_position: int | None  # while QUEUED, 1 = next
+    wait_reason: str | None  # while QUEUED: why (serving/headroom.py WAIT_SLOTS or WAIT_CAPACITY)
     slot: int | None
     end_reason: str | None  # once ENDED
 
@@ -128,4 +130,9 @@ class Room(Protocol):
 
     def add_tick_listener(self, listener: TickListener) -> None:
         """Called with every tick's time and frame latencies (for /metrics); must be quick."""
+        ...
+
+    def report_media_lag(self, seconds: float, source: str = ...) -> None:
+        """The door's event loop ran up to `seconds` late lately (its media falls behind);
+        admission waits while any door lags. Never blocks."""
         ...

@@ -1,16 +1,24 @@
 """Who holds which slot, and who waits for one: the slot pool's seating, without the ticking.
 
+Whether there is room for one more row is the caller's question (`fits`, from serving/headroom.py):
+a free slot is necessary, not enough.
+
 Not thread-safe: the pool holds its lock around every use.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+
+import numpy as np
 
 from .call import Call
 from .counters import SlotCounts
+from .headroom import WAIT_CAPACITY, WAIT_SLOTS
 from .room import CallState
+
+Fits = Callable[[int], bool]  # may one more call join this many rows held?
 
 
 class SlotTable:
@@ -26,18 +34,26 @@ class SlotTable:
         """A slot is held, or somebody waits for one."""
         return bool(self.queue) or any(c is not None for c in self.slots)
 
-    def admit(self, call: Call, may_queue: bool, max_queue: int | None) -> bool:
-        """Seat `call` on a free slot or at the end of the queue; False if neither is allowed.
-        Newcomers never jump the queue, even if a slot is free for an instant."""
-        free = next((i for i, occupant in enumerate(self.slots) if occupant is None), None)
-        if free is not None and not self.queue:
-            self.slots[free] = call
-            call.assign(free)
+    @property
+    def rows_held(self) -> int:
+        """Calls that are, or are about to be, stepped every tick (live or being prepared)."""
+        return sum(1 for c in self.slots if c is not None and c.state in (CallState.LIVE, CallState.PREFILL))
+
+    def _free(self) -> int | None:
+        return next((i for i, occupant in enumerate(self.slots) if occupant is None), None)
+
+    def admit(self, call: Call, may_queue: bool, max_queue: int | None, fits: Fits) -> bool:
+        """Seat `call` on a free slot if one more row fits, else put it at the end of the queue;
+        False if neither is allowed. Newcomers never jump the queue, even if a slot is free for an
+        instant."""
+        free = self._free()
+        if free is not None and not self.queue and fits(self.rows_held):
+            self._seat(free, call)
             return True
         if not may_queue or (max_queue is not None and len(self.queue) >= max_queue):
             return False
         self.queue.append(call)
-        call.set_queue_position(len(self.queue))
+        call.set_queue_position(len(self.queue), WAIT_SLOTS if free is None else WAIT_CAPACITY)
         return True
 
     def end(self, call: Call, reason: str) -> bool:
@@ -56,22 +72,47 @@ class SlotTable:
     def seated(self, state: CallState) -> Iterator[tuple[int, Call]]:
         return ((slot, c) for slot, c in enumerate(self.slots) if c is not None and c.state == state)
 
-    def vacate(self, slot: int, seat_next: bool) -> None:
-        """Empty `slot`; with `seat_next`, the head of the queue takes it."""
+    def take_frames(self, pcm: np.ndarray) -> list[tuple[int, Call, float | None]]:
+        """Each live call's oldest input frame into its row of `pcm` (silence stays where none
+        came): the rows to step, as (slot, call, push time of its frame)."""
+        rows = []
+        for slot, call in self.seated(CallState.LIVE):
+            stamp, frame = call.take_frame()
+            if frame is not None:
+                pcm[slot] = frame
+            rows.append((slot, call, stamp))
+        return rows
+
+    def trim_backlogs(self, keep: int) -> int:
+        """Cut every live call's input backlog to its `keep` newest frames; how many were dropped."""
+        return sum(call.trim_backlog(keep) for _, call in self.seated(CallState.LIVE))
+
+    def vacate(self, slot: int) -> None:
         self.slots[slot] = None
-        if seat_next and self.queue:
+
+    def seat_waiting(self, fits: Fits) -> list[Call]:
+        """Seat the head of the queue on free slots for as long as one more row fits; the rest
+        learn their new place and why they wait. The calls seated, in order."""
+        seated = []
+        while self.queue and (free := self._free()) is not None and fits(self.rows_held):
             head = self.queue.popleft()
-            self.slots[slot] = head
-            head.assign(slot)
-            self._renumber()
+            self._seat(free, head)
+            seated.append(head)
+        self._renumber()
+        return seated
+
+    def _seat(self, slot: int, call: Call) -> None:
+        self.slots[slot] = call
+        call.assign(slot)
 
     def waiting_prefills(self) -> list[tuple[int, Call]]:
         """Seated calls whose prompt nobody plays yet, in slot order (`Call.claim_prefill` claims one)."""
         return [(s, c) for s, c in enumerate(self.slots) if c is not None and c.prefill_waiting]
 
     def _renumber(self) -> None:
+        reason = WAIT_SLOTS if self._free() is None else WAIT_CAPACITY
         for position, waiting in enumerate(self.queue, start=1):
-            waiting.set_queue_position(position)
+            waiting.set_queue_position(position, reason)
 
     def counts(self) -> SlotCounts:
         states = [c.state for c in self.slots if c is not None]

@@ -1,0 +1,171 @@
+"""Admission by measured headroom: whether one more call fits in the 80 ms tick, and when to shed one.
+
+A slot count is a promise the machine may not keep (a slower host, a busy one, contexts that grow).
+So the pool asks this policy before it seats a caller, and again every tick:
+
+- `CostCurve` learns what a tick costs at each number of rows on this machine: the recent tick
+  times at each batch size, and a slope between sizes for sizes not seen yet.
+- `HeadroomPolicy.admits` says whether the rows held now plus one more stay inside the budget:
+  measured lately at that size, or predicted with a margin, while the callers' media keeps up
+  (the doors report their event loops' lag). Until a tick time is trusted it follows
+  `--slots auto`'s arithmetic (`prior_rows`).
+- `HeadroomPolicy.shed_due` says when the tick has been over budget for long enough that one call
+  (the newest, by the pool's rule) must end so that the others keep real time.
+
+Everything is plain numbers: times are passed in (`now`), so tests drive it without a clock.
+docs/serving.md § Admission by headroom explains the rules and the defaults.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import numpy as np
+
+# Why a caller waits, as the page, /api/status and the logs say it.
+WAIT_SLOTS = "all slots are busy"
+WAIT_CAPACITY = "the room is at capacity on this machine"
+
+
+@dataclass(frozen=True)
+class HeadroomConfig:
+    budget_seconds: float = 0.08  # one tick
+    margin: float = 0.15  # share of the budget a predicted (not yet measured) size must leave free
+    samples_per_size: int = 32  # recent ticks remembered at each batch size (2.5 s of ticks)
+    min_samples: int = 8  # ticks at a size before its figure is trusted
+    percentile: float = 95.0
+    memory_seconds: float = 30.0  # a size not ticked at for this long is forgotten (the host changes)
+    prior_rows: int | None = None  # rows admitted before any tick has run; None: every slot
+    media_lag_limit_seconds: float = 0.05  # a door whose event loop lags more than this is not keeping up
+    media_lag_memory_seconds: float = 3.0  # a door's report counts for this long
+    shed: bool = True  # end the newest call when the tick stays over budget
+    shed_after_seconds: float = 3.0  # over budget this long (and again after each shed) before one is shed
+
+
+class CostCurve:
+    """Tick seconds by batch size (rows stepped), as measured on this machine."""
+
+    def __init__(self, config: HeadroomConfig) -> None:
+        self.config = config
+        self._ticks: dict[int, collections.deque[tuple[float, float]]] = {}  # rows -> (when, seconds)
+
+    def record(self, now: float, rows: int, seconds: float) -> None:
+        ticks = self._ticks.setdefault(rows, collections.deque(maxlen=self.config.samples_per_size))
+        ticks.append((now, seconds))
+
+    def measured(self, now: float) -> dict[int, float]:
+        """The trusted figure (the configured percentile) at each size with enough recent ticks."""
+        cfg, out = self.config, {}
+        for rows, ticks in self._ticks.items():
+            if len(ticks) >= cfg.min_samples and now - ticks[-1][0] <= cfg.memory_seconds:
+                out[rows] = float(np.percentile([s for _, s in ticks], cfg.percentile))
+        return out
+
+    def predict(self, now: float, rows: int) -> float | None:
+        """Seconds a tick of `rows` rows is expected to take; None when nothing is known yet.
+
+        A size measured recently answers for itself. Otherwise the nearest smaller measured size
+        plus a slope per row: fitted between the measured sizes when there are two or more, else
+        that size's cost shared out per row (a fixed part counted as if it grew with the rows, so
+        the guess errs on the safe side until the next size is measured)."""
+        figures = self.measured(now)
+        if rows in figures:
+            return figures[rows]
+        below = [r for r in figures if r < rows]
+        if not below:
+            return None
+        base = max(below)
+        slope = figures[base] / base
+        if len(figures) >= 2:
+            sizes = np.array(sorted(figures), dtype=np.float64)
+            fitted = float(np.polyfit(sizes, [figures[int(r)] for r in sizes], 1)[0])
+            slope = max(fitted, 0.0)
+        return figures[base] + slope * (rows - base)
+
+
+class HeadroomPolicy:
+    """The admission and shedding rules; see the module docstring. Not thread-safe: the pool holds
+    its lock around every call."""
+
+    def __init__(self, config: HeadroomConfig) -> None:
+        self.config = config
+        self.curve = CostCurve(config)
+        self._recent: collections.deque[float] = collections.deque(maxlen=config.samples_per_size)
+        self._lags: dict[str, tuple[float, float]] = {}  # door -> (when, lag seconds)
+        self._over_since: float | None = None
+        self.held_back = 0  # calls that waited with a slot free, for lack of headroom
+
+    @property
+    def limit(self) -> float:
+        """The tick time admission keeps under."""
+        return self.config.budget_seconds * (1.0 - self.config.margin)
+
+    # ---- measurements ----------------------------------------------------------------------------
+
+    def record_tick(self, now: float, rows: int, seconds: float) -> None:
+        """One tick of `rows` rows took `seconds`."""
+        self.curve.record(now, rows, seconds)
+        self._recent.append(seconds)
+        if self.recent() > self.config.budget_seconds:
+            if self._over_since is None:
+                self._over_since = now
+        else:
+            self._over_since = None
+
+    def record_media_lag(self, now: float, source: str, seconds: float) -> None:
+        """A door's event loop ran `seconds` late lately (its worst in its last report period)."""
+        self._lags[source] = (now, seconds)
+
+    def recent(self) -> float:
+        """The configured percentile of the most recent ticks, whatever their size (0 before any)."""
+        return float(np.percentile(self._recent, self.config.percentile)) if self._recent else 0.0
+
+    def media_lag(self, now: float) -> float:
+        """The worst lag any door reported lately."""
+        keep = self.config.media_lag_memory_seconds
+        return max((lag for when, lag in self._lags.values() if now - when <= keep), default=0.0)
+
+    # ---- decisions -----------------------------------------------------------------------------
+
+    def predicted(self, now: float, rows: int) -> float | None:
+        return self.curve.predict(now, rows)
+
+    def admits(self, now: float, rows: int) -> bool:
+        """May one more call join the `rows` rows held now (live, or being prepared)?"""
+        if rows == 0:
+            return True  # nobody to protect: a caller alone gets what the machine can do
+        if self.media_lag(now) > self.config.media_lag_limit_seconds:
+            return False
+        if not self.curve.measured(now):  # nothing trusted yet: the memory arithmetic's count
+            prior = self.config.prior_rows
+            return prior is None or rows < prior
+        budget = self.config.budget_seconds
+        if self.recent() > budget:
+            return False
+        # A size ticked at lately, within the budget, is taken again as it was (a call ended, a
+        # waiting one takes its place); a size not measured is predicted, and needs the margin.
+        known = self.curve.measured(now).get(rows + 1)
+        if known is not None:
+            return known <= budget
+        predicted = self.curve.predict(now, rows + 1)
+        return predicted is not None and predicted <= self.limit
+
+    def headroom(self, now: float, rows: int) -> float:
+        """Seconds of the budget left if one more call joined `rows` (negative: over), for the
+        gauge: the budget less the predicted tick, or less the recent tick while none is predicted."""
+        predicted = self.curve.predict(now, rows + 1) if rows else None
+        used = predicted if predicted is not None else self.recent()
+        return self.config.budget_seconds - max(used, self.recent())
+
+    def shed_due(self, now: float, live: int) -> bool:
+        """True when the tick has been over budget for `shed_after_seconds` with more than one
+        call live; the clock restarts, so the next shed waits as long at the smaller batch."""
+        cfg = self.config
+        if not cfg.shed or live <= 1 or self._over_since is None:
+            return False
+        if now - self._over_since < cfg.shed_after_seconds:
+            return False
+        self._over_since = now
+        self._recent.clear()  # judge the smaller batch by its own ticks
+        return True

@@ -1,0 +1,341 @@
+"""Admission by measured headroom (serving/headroom.py): the policy with injected tick costs and
+times, the slot pool under it with a fake clock and an engine whose tick cost grows with its rows,
+and placement across engines. Nothing here depends on how fast this machine is."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import httpx
+import numpy as np
+import pytest
+from starlette.applications import Starlette
+
+from personaplex_demo.engine.pcm import TickOutput
+from personaplex_demo.procs.remote_pool import PoolRouter
+from personaplex_demo.serving.config import PoolConfig
+from personaplex_demo.serving.headroom import WAIT_CAPACITY, WAIT_SLOTS, HeadroomConfig, HeadroomPolicy
+from personaplex_demo.serving.metrics import PoolMetrics
+from personaplex_demo.serving.pool import SlotPool
+from personaplex_demo.serving.room import PoolClosedError, PoolFullError
+from personaplex_demo.web.prometheus import metrics_routes
+
+from .support.fake_clock import FakeClock
+from .test_metrics import scrape
+from .test_pool import FakeEngine, frame, run_for
+
+MS = 1e-3
+TICK = 0.08
+
+
+def measured(policy: HeadroomPolicy, rows: int, seconds: float, at: float, ticks: int = 16) -> float:
+    """`ticks` ticks of `rows` rows, one every 80 ms from `at`; the time after the last."""
+    for i in range(ticks):
+        policy.record_tick(at + i * TICK, rows, seconds)
+    return at + ticks * TICK
+
+
+# ---- the policy, costs injected ------------------------------------------------------------------
+
+
+def test_a_caller_alone_is_always_admitted_and_before_any_tick_the_memory_arithmetic_decides():
+    policy = HeadroomPolicy(HeadroomConfig(prior_rows=4))
+    assert policy.admits(0.0, 0)
+    assert [policy.admits(0.0, rows) for rows in (1, 2, 3, 4, 5)] == [True, True, True, False, False]
+    # A tick time alone is not trusted yet (fewer than min_samples ticks): still the arithmetic.
+    policy.record_tick(0.0, 1, 200 * MS)
+    assert policy.admits(0.1, 2) and not policy.admits(0.1, 4)
+    # Once it is, the measurement decides, whatever the arithmetic said.
+    now = measured(policy, 1, 200 * MS, 0.0)
+    assert not policy.admits(now, 1) and policy.admits(now, 0)
+
+
+def test_one_more_row_is_admitted_while_its_predicted_tick_fits_with_the_margin():
+    policy = HeadroomPolicy(HeadroomConfig())  # 80 ms budget, 15 % margin: 68 ms
+    now = measured(policy, 2, 30 * MS, 0.0)
+    # One size known: its cost is shared out per row (30 ms / 2 rows), so 3 rows -> 45 ms.
+    assert policy.predicted(now, 3) == pytest.approx(45 * MS)
+    assert policy.admits(now, 2)
+    now = measured(policy, 3, 50 * MS, now)
+    # Two sizes: the fitted slope (20 ms a row) from the largest: 4 rows -> 70 ms > 68 ms.
+    assert policy.predicted(now, 4) == pytest.approx(70 * MS)
+    assert not policy.admits(now, 3)
+    assert policy.admits(now, 2)  # 3 rows measured at 50 ms
+    assert policy.headroom(now, 3) == pytest.approx(10 * MS)
+
+
+def test_a_busy_host_stops_admission_and_admission_resumes_when_the_tick_recovers():
+    policy = HeadroomPolicy(HeadroomConfig())
+    now = measured(policy, 2, 25 * MS, 0.0)
+    assert policy.admits(now, 2)
+    now = measured(policy, 2, 85 * MS, now, ticks=32)  # the host got busy: same rows, slower ticks
+    assert not policy.admits(now, 2) and not policy.admits(now, 1)
+    assert policy.headroom(now, 2) < 0
+    now = measured(policy, 2, 25 * MS, now, ticks=32)  # and calmed down
+    assert policy.admits(now, 2)
+
+
+def test_a_size_measured_within_budget_is_taken_again_though_a_prediction_would_need_the_margin():
+    policy = HeadroomPolicy(HeadroomConfig())
+    now = measured(policy, 4, 74 * MS, 0.0)  # 4 rows ran within the 80 ms budget, above 68 ms
+    now = measured(policy, 3, 55 * MS, now, ticks=8)  # one of them hung up
+    assert policy.admits(now, 3)  # its place is taken again
+    assert not policy.admits(now, 4)  # 5 rows are predicted at 93 ms
+    worse = measured(policy, 4, 84 * MS, now)
+    assert not policy.admits(worse, 3)  # once 4 rows ran over budget, not any more
+
+
+def test_a_size_not_ticked_at_for_a_while_is_forgotten():
+    policy = HeadroomPolicy(HeadroomConfig(memory_seconds=30.0))
+    now = measured(policy, 3, 90 * MS, 0.0)  # measured while the host was busy
+    now = measured(policy, 2, 30 * MS, now)
+    assert not policy.admits(now, 2)  # 3 rows measured recently at 90 ms
+    later = measured(policy, 2, 30 * MS, now + 40.0)
+    assert policy.predicted(later, 3) == pytest.approx(45 * MS)  # from 2 rows only
+    assert policy.admits(later, 2)
+
+
+def test_a_lagging_event_loop_holds_admission_until_its_reports_recover_or_age():
+    policy = HeadroomPolicy(HeadroomConfig(media_lag_limit_seconds=0.05, media_lag_memory_seconds=3.0))
+    now = measured(policy, 1, 10 * MS, 0.0)
+    policy.record_media_lag(now, "worker-1", 0.02)
+    assert policy.admits(now, 1)
+    policy.record_media_lag(now, "worker-2", 0.2)
+    assert not policy.admits(now, 1) and policy.media_lag(now) == 0.2
+    assert policy.admits(now, 0)  # nobody to protect
+    policy.record_media_lag(now + 1, "worker-2", 0.01)
+    assert policy.admits(now + 1, 1)
+    policy.record_media_lag(now + 2, "worker-2", 0.3)
+    assert policy.admits(now + 2 + 3.5, 1)  # a report older than media_lag_memory_seconds no longer counts
+
+
+def test_shedding_waits_for_a_sustained_overload_then_restarts_its_clock():
+    policy = HeadroomPolicy(HeadroomConfig(shed_after_seconds=3.0))
+    now = measured(policy, 4, 120 * MS, 0.0, ticks=25)  # 2 s over budget
+    assert not policy.shed_due(now, 4)
+    now = measured(policy, 4, 120 * MS, now, ticks=20)  # 3.6 s
+    assert policy.shed_due(now, 4)
+    assert not policy.shed_due(now, 3)  # the clock restarted: the smaller batch gets its own 3 s
+    now = measured(policy, 3, 100 * MS, now, ticks=40)
+    assert policy.shed_due(now, 3)
+    now = measured(policy, 2, 100 * MS, now, ticks=100)
+    assert not policy.shed_due(now, 1)  # a caller alone is never shed
+    now = measured(policy, 2, 60 * MS, now, ticks=40)  # within budget: no overload
+    assert not policy.shed_due(now, 2)
+
+
+def test_a_short_spike_is_not_an_overload_and_shedding_can_be_turned_off():
+    policy = HeadroomPolicy(HeadroomConfig())
+    now = measured(policy, 4, 40 * MS, 0.0, ticks=40)
+    now = measured(policy, 4, 300 * MS, now, ticks=2)  # a GC pause, a prefill
+    now = measured(policy, 4, 40 * MS, now, ticks=40)
+    assert not policy.shed_due(now + 10, 4)
+    off = HeadroomPolicy(HeadroomConfig(shed=False))
+    now = measured(off, 4, 150 * MS, 0.0, ticks=200)
+    assert not off.shed_due(now, 4)
+
+
+# ---- the slot pool under the policy (fake clock, a tick cost that grows with the rows) -----------
+
+
+class CostlyEngine(FakeEngine):
+    """A fake engine whose step takes `fixed + per_row * rows` seconds of the fake clock, times `load`."""
+
+    def __init__(self, batch: int, clock: FakeClock, fixed: float, per_row: float) -> None:
+        super().__init__(batch, clock)
+        self.fixed, self.per_row, self.load = fixed, per_row, 1.0
+
+    def step(self, pcm: np.ndarray) -> TickOutput:
+        self.step_seconds = self.load * (self.fixed + self.per_row * len(self.active))
+        return super().step(pcm)
+
+
+def costly_pool(batch: int = 6, **config) -> tuple[SlotPool, CostlyEngine]:
+    clock = FakeClock()
+    engine = CostlyEngine(batch, clock, fixed=5 * MS, per_row=20 * MS)  # 1 row 25 ms, 3 rows 65, 4 rows 85
+    return SlotPool(engine, PoolConfig(**{"idle_release_seconds": 60.0, **config}), clock), engine
+
+
+def talk(pool: SlotPool, calls, turns: int) -> None:
+    """`turns` ticks with a frame from every live caller before each."""
+    for _ in range(turns):
+        for call in calls:
+            if call.state == "live":
+                call.push_frame(frame(0.1))
+        run_for(pool, 1)
+
+
+def join(pool: SlotPool, calls: list, turns: int = 16):
+    call = pool.admit("NATF0", "p")
+    calls.append(call)
+    talk(pool, calls, turns)
+    return call
+
+
+def test_callers_beyond_the_measured_headroom_wait_with_the_reason_and_get_in_when_a_call_ends():
+    pool, _ = costly_pool(batch=6, headroom_prior_rows=1)
+    calls: list = []
+    first, second, third = (join(pool, calls) for _ in range(3))
+    assert [c.state for c in calls] == ["live"] * 3  # 25, 45, 65 ms: each predicted, each fits in 68
+    fourth = join(pool, calls)  # 4 rows are predicted at 85 ms
+    assert (fourth.state, fourth.queue_position, fourth.wait_reason) == ("queued", 1, WAIT_CAPACITY)
+    m = pool.snapshot()
+    assert (m.slots_free, m.queue_length, m.calls_held_back, m.admitting) == (3, 1, 1, 0)
+    assert m.headroom_ms == pytest.approx(80 - 85)
+    fifth = join(pool, calls, turns=40)  # it waits behind the fourth, whatever the free slots
+    assert (fifth.state, fifth.queue_position) == ("queued", 2)
+    assert pool.snapshot().calls_held_back == 2
+
+    first.release()
+    talk(pool, calls, 3)
+    assert fourth.state == "live" and (fifth.state, fifth.queue_position) == ("queued", 1)
+    assert [c.state for c in (second, third)] == ["live", "live"]
+    assert pool.snapshot().calls_ended.get("overloaded", 0) == 0
+
+
+def test_with_admission_by_slots_every_free_slot_is_taken():
+    pool, _ = costly_pool(batch=6, admission="slots", headroom_prior_rows=1)
+    calls: list = []
+    for _ in range(5):
+        join(pool, calls)
+    assert [c.state for c in calls] == ["live"] * 5
+    assert pool.snapshot().calls_held_back == 0
+
+
+def test_a_full_room_says_its_slots_are_busy():
+    pool, _ = costly_pool(batch=1)
+    calls: list = []
+    join(pool, calls)
+    waiting = join(pool, calls)
+    assert (waiting.state, waiting.wait_reason) == ("queued", WAIT_SLOTS)
+    assert pool.snapshot().calls_held_back == 0
+
+
+def test_when_the_tick_stays_over_budget_the_newest_call_is_shed_first():
+    pool, engine = costly_pool(batch=6, headroom_prior_rows=1)
+    calls: list = []
+    for _ in range(3):
+        join(pool, calls)
+    assert [c.state for c in calls] == ["live"] * 3
+    engine.load = 2.0  # the host gets busy: 3 rows now take 130 ms, 2 rows 90, 1 row 50
+    talk(pool, calls, 20)  # 2.6 s over budget
+    assert [c.state for c in calls] == ["live"] * 3
+    talk(pool, calls, 10)
+    assert [c.state for c in calls] == ["live", "live", "ended"]
+    assert calls[2].end_reason == "overloaded"
+    talk(pool, calls, 40)  # still over budget with two: the next newest goes too
+    assert [c.state for c in calls] == ["live", "ended", "ended"]
+    talk(pool, calls, 100)  # the first caller is never shed: 50 ms alone fits
+    assert calls[0].state == "live" and pool.snapshot().calls_ended["overloaded"] == 2
+    latecomer = join(pool, calls)  # and nobody new joins while two would not fit
+    assert (latecomer.state, latecomer.wait_reason) == ("queued", WAIT_CAPACITY)
+
+
+def test_with_shedding_off_every_call_stays_however_late_the_tick():
+    pool, engine = costly_pool(batch=6, headroom_prior_rows=1, shed_when_overloaded=False)
+    calls: list = []
+    for _ in range(3):
+        join(pool, calls)
+    engine.load = 2.0
+    talk(pool, calls, 100)
+    assert [c.state for c in calls] == ["live"] * 3
+
+
+def test_before_any_tick_the_pool_seats_the_trusted_number_of_callers_at_once():
+    pool, _ = costly_pool(batch=6, headroom_prior_rows=2)
+    calls = [pool.admit("NATF0", "p") for _ in range(4)]
+    assert [c.state for c in calls] == ["prefill", "prefill", "queued", "queued"]
+    assert [c.wait_reason for c in calls[2:]] == [WAIT_CAPACITY, WAIT_CAPACITY]
+    talk(pool, calls, 60)  # measured, then one at a time as each predicted tick fits
+    assert [c.state for c in calls] == ["live"] * 3 + ["queued"]
+
+
+def test_the_media_side_lagging_holds_new_callers():
+    pool, _ = costly_pool(batch=6, headroom_prior_rows=1)
+    calls: list = []
+    join(pool, calls)
+    pool.report_media_lag(0.3, "page")
+    waiting = join(pool, calls)
+    assert (waiting.state, waiting.wait_reason) == ("queued", WAIT_CAPACITY)
+    assert pool.snapshot().media_lag_ms == pytest.approx(300)
+    pool.report_media_lag(0.01, "page")
+    talk(pool, calls, 3)
+    assert waiting.state == "live"
+
+
+def test_metrics_show_the_headroom_gauge_and_the_calls_held_back():
+    pool, _ = costly_pool(batch=6, headroom_prior_rows=1)
+    calls: list = []
+    for _ in range(4):
+        join(pool, calls)
+    app = Starlette(routes=metrics_routes(pool))
+
+    async def get() -> dict:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            return await scrape(http)
+
+    held = asyncio.run(get())
+    assert held[("personaplex_calls_held_back_total", ())] == 1
+    assert held[("personaplex_admitting", ())] == 0
+    assert held[("personaplex_tick_headroom_seconds", ())] == pytest.approx(-0.005)  # 4 rows: 85 ms
+    assert held[("personaplex_queue_length", ())] == 1
+    calls[0].release()
+    talk(pool, calls, 3)
+    freed = asyncio.run(get())
+    assert freed[("personaplex_admitting", ())] == 0 and freed[("personaplex_queue_length", ())] == 0
+    assert freed[("personaplex_calls_held_back_total", ())] == 1  # a counter: it stays
+    calls[1].release()
+    talk(pool, calls, 3)
+    assert asyncio.run(get())[("personaplex_admitting", ())] == 1  # 2 rows held, 3 measured at 65 ms
+
+
+# ---- placement across engines ---------------------------------------------------------------------
+
+
+class StubEngine:
+    """What PoolRouter reads of a RemotePool: its figures, and an acquire that seats or refuses."""
+
+    def __init__(self, name: str, *, admitting: int, headroom_ms: float, queue: int = 0, slots_free: int = 2,
+                 refuses: bool = False) -> None:
+        self.name, self.alive, self.slots_total = name, True, 4
+        self.config = PoolConfig()
+        self.room = dataclasses.replace(PoolMetrics(4, 0, 0, queue, 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0.0, 0.0),
+                                        admitting=admitting, headroom_ms=headroom_ms, slots_free=slots_free)
+        self.refuses = refuses
+        self.asked: list[bool] = []
+
+    async def acquire(self, voice, persona, sampling=None, *, queue=True):
+        self.asked.append(queue)
+        if not queue and (self.refuses or not self.room.admitting):
+            raise PoolFullError(WAIT_CAPACITY)
+        return self.name
+
+
+def place(*engines: StubEngine) -> str:
+    return asyncio.run(PoolRouter(list(engines)).acquire("NATF0", "p"))
+
+
+def test_placement_takes_the_engine_with_the_most_headroom_that_admits():
+    busy = StubEngine("busy", admitting=0, headroom_ms=-10, slots_free=3)
+    some = StubEngine("some", admitting=1, headroom_ms=15)
+    most = StubEngine("most", admitting=1, headroom_ms=40, slots_free=1)
+    assert place(busy, some, most) == "most"
+    most.refuses = True  # it filled up meanwhile: the engine's own answer wins over its last figures
+    assert place(busy, some, most) == "some"
+
+
+def test_with_no_engine_admitting_the_call_waits_in_the_shortest_queue_then_the_most_headroom():
+    a = StubEngine("a", admitting=0, headroom_ms=30, queue=2)
+    b = StubEngine("b", admitting=0, headroom_ms=-5, queue=1)
+    c = StubEngine("c", admitting=0, headroom_ms=10, queue=1)
+    assert place(a, b, c) == "c"
+    # Each was asked for a seat first; only the chosen one for a place in its queue.
+    assert (a.asked, b.asked, c.asked) == ([False], [False], [False, True])
+
+
+def test_a_router_with_every_engine_gone_refuses():
+    gone = StubEngine("gone", admitting=1, headroom_ms=50)
+    gone.alive = False
+    with pytest.raises(PoolClosedError):
+        place(gone)
