@@ -225,6 +225,7 @@ class PageCaller:
                 if not line.startswith("data:"):
                     continue
                 msg = json.loads(line[5:])
+                self.seen(msg)
                 kind = msg.get("msg")
                 if kind == "process_generating":
                     if self.in_window(time.monotonic()):
@@ -235,6 +236,9 @@ class PageCaller:
                         self.relay_running = False
                 elif kind == "close_stream":
                     return
+
+    def seen(self, msg: dict) -> None:
+        """Every message of the session's event stream, as it arrives (for a subclass to read)."""
 
     async def component(self, fn_name: str, data) -> dict:
         body = {"session_hash": self.session, "component_id": self.events.webrtc, "fn_name": fn_name, "data": data}
@@ -358,7 +362,8 @@ class Row:
         return (self.cores - self.ticker) / self.callers
 
 
-async def run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
+async def with_loopback(run):
+    """Await `run` (callers' coroutine) with aiortc set up as the callers need it on this machine."""
     import aioice.ice
     import aiortc.rtcrtpsender
 
@@ -368,9 +373,13 @@ async def run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
     install_audio_level()  # a browser computes the RTP audio level natively, not in a Python loop
     encoder_factory = aiortc.rtcrtpsender.get_encoder  # a caller may switch it (a=ptime); each run starts anew
     try:
-        return await _run_webrtc(app, n, seconds, settle)
+        return await run
     finally:
         aiortc.rtcrtpsender.get_encoder = encoder_factory
+
+
+async def run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
+    return await with_loopback(_run_webrtc(app, n, seconds, settle))
 
 
 async def _run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:

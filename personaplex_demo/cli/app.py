@@ -99,7 +99,7 @@ def start_room(cfg: AppConfig, server_rtc: dict | None) -> Topology | int:
                            max_slots=cfg.max_slots, hf_repo=cfg.hf_repo, cache_dir=cache_dir,
                            context=context_frames(cfg.context, LMConfig().context)),
             PoolConfig(idle_release_seconds=cfg.idle_release, time_limit_seconds=cfg.time_limit,
-                       max_queue=cfg.max_queue),
+                       max_queue=cfg.max_queue, admission=cfg.admission, shed_when_overloaded=not cfg.no_shedding),
             devices=tuple(devices),
             media_workers=(cfg.media_workers if cfg.media_workers is not None
                            else default_media_workers(devices, slots_total)),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..model.config import LMConfig
 from ..runtime.capacity import DEFAULT_MAX_SLOTS, DTYPE_NAMES, FRAME_RATE, MIN_CONTEXT_SECONDS, parse_slots
 from ..runtime.hub import CACHE_DIR_DEFAULT, CACHE_DIR_HELP, DEFAULT_HF_REPO, MODEL_CHOICES
-from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
+from ..serving.config import ADMISSIONS, DEFAULT_MAX_WAIT_SECONDS
 from .options import at_least, between, build_parser, config_from, env_help, option, positive
 
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
@@ -63,6 +63,12 @@ class AppConfig:
     max_wait: float = option(DEFAULT_MAX_WAIT_SECONDS, "seconds a caller may wait in the queue before being asked "
                              "to come back later; 0: no limit", env="PERSONAPLEX_MAX_WAIT", check=at_least(0),
                              metavar="SECONDS")
+    admission: str = option("headroom", "headroom: seat a caller only while the measured tick time leaves room for one "
+                            "more (the rest wait in the queue, told why); slots: every free slot is taken",
+                            env="PERSONAPLEX_ADMISSION", choices=ADMISSIONS)
+    no_shedding: bool = option(False, "keep every call when the tick stays over its 80 ms budget; by default (with "
+                               "--admission headroom) the newest call is ended so that the others keep real time",
+                               env="PERSONAPLEX_NO_SHEDDING")
     host: str = option("127.0.0.1", "address to listen on; 0.0.0.0 for every network interface",
                        env="PERSONAPLEX_HOST")
     port: int = option(7860, "port to listen on", env="PERSONAPLEX_PORT", check=between(1, 65535))

@@ -3,7 +3,7 @@
 Three conversations, each over a `channel.Channel` (one pickled batch per write):
 
     a pool's clients <-> its PoolServer          (remote_pool.py <-> pool_server.py)
-        client -> server   Start, Push, Release
+        client -> server   Start, Push, Release, MediaLag (about once a second)
         server -> client   Hello (once, first, before the channel starts), Started, Refused,
                            StateChange, Out, RoomFigures (twice a second)
     the main process <-> an engine process       (engine_process.py)
@@ -66,6 +66,13 @@ class Release:
     reason: str  # an EndReason, as a plain string
 
 
+@dataclass(frozen=True, slots=True)
+class MediaLag:
+    """The client's event loop ran up to `seconds` late lately: its media falls behind."""
+
+    seconds: float
+
+
 RefusalKind = Literal["caller", "busy", "full", "closed"]  # a bad request | no free slot | queue full | shut
 
 
@@ -77,6 +84,7 @@ class Started:
     queue_position: int | None
     slot: int | None
     time_left: float | None
+    wait_reason: str | None = None  # while queued: why
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +102,7 @@ class StateChange:
     slot: int | None
     time_left: float | None
     end_reason: str | None  # once ended
+    wait_reason: str | None = None  # while queued: why
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +216,7 @@ class Closed:
     final: tuple[Any, ...] | None
 
 
-ClientMessage = Start | Push | Release
+ClientMessage = Start | Push | Release | MediaLag
 ServerMessage = Started | Refused | StateChange | Out | RoomFigures
 EngineCommand = EndCalls | Stop
 EngineReport = EngineReady | EngineFailed

@@ -65,6 +65,8 @@ class _Client:
                         call.release(reason)
                 case msg.Start():
                     self.start(message)
+                case msg.MediaLag(seconds=seconds):
+                    self.server.pool.report_media_lag(seconds, self.name)
                 case _:
                     log.warning("%s: unexpected %s ignored", self.name, type(message).__name__)
 
@@ -95,7 +97,7 @@ class _Client:
         with self.lock:
             self.calls[rid] = call
         self.send(msg.Started(rid=rid, call_id=call.id, state=call.state.value, queue_position=call.queue_position,
-                          slot=call.slot, time_left=call.time_left()))
+                          slot=call.slot, time_left=call.time_left(), wait_reason=call.wait_reason))
         if self.channel.closed:  # gone while we were placing it
             call.release(CLIENT_GONE)
             return
@@ -106,7 +108,7 @@ class _Client:
 
     async def pump(self, rid: int, call: Call) -> None:
         """Send the call's state changes and outputs until it ends."""
-        sent = (call.state, call.queue_position, call.slot)
+        sent = (call.state, call.queue_position, call.slot, call.wait_reason)
         try:
             while True:
                 if call.state.waiting:
@@ -118,11 +120,12 @@ class _Client:
                     out = await call.next_output(timeout=1.0)
                     if out is not None:
                         self.send(msg.Out(rid, out.pcm, out.text, out.tick))
-                now = (call.state, call.queue_position, call.slot)
+                now = (call.state, call.queue_position, call.slot, call.wait_reason)
                 if now != sent and call.state != CallState.ENDED:
                     sent = now
                     self.send(msg.StateChange(rid=rid, state=call.state.value, queue_position=call.queue_position,
-                                          slot=call.slot, time_left=call.time_left(), end_reason=None))
+                                          slot=call.slot, time_left=call.time_left(), end_reason=None,
+                                          wait_reason=call.wait_reason))
         except CallEnded as ended:
             # A plain string on the wire: the receiver needs no class of ours to read it.
             self.send(msg.StateChange(rid=rid, state=CallState.ENDED.value, queue_position=None, slot=call.slot,

@@ -61,7 +61,8 @@ class RemoteCall(CallView):
         self._deadline: float | None = None
         self._outbox: collections.deque[SlotOutput] = collections.deque(maxlen=engine.config.output_queue_frames)
         self._changed = asyncio.Event()
-        self.update(started.state, started.queue_position, started.slot, started.time_left, None)
+        self.update(started.state, started.queue_position, started.slot, started.time_left, None,
+                    started.wait_reason)
 
     def __repr__(self) -> str:
         return f"RemoteCall({self.id}@{self.engine.name}, {self.state}, slot={self.slot}, queue={self.queue_position})"
@@ -127,10 +128,11 @@ class RemoteCall(CallView):
     # ---- the engine's side (on the call's event loop) ----------------------------------------
 
     def update(self, state: str, queue_position: int | None, slot: int | None, time_left: float | None,
-                end_reason: str | None) -> None:
+               end_reason: str | None, wait_reason: str | None = None) -> None:
         if self.state == CallState.ENDED:
             return  # released here first: the engine's late news changes nothing
         self.state, self.queue_position, self.slot = CallState(state), queue_position, slot
+        self.wait_reason = wait_reason if self.state == CallState.QUEUED else None
         if self.state == CallState.ENDED:
             self.end_reason = end_reason or "ended"
             self.queue_position = None
@@ -187,8 +189,13 @@ class RemotePool:
         second for the ticks in between."""
         self._tick_listeners.append(listener)
 
-    def send(self, message: msg.Start | msg.Push | msg.Release) -> None:
+    def send(self, message: msg.ClientMessage) -> None:
         self._channel.send(message)
+
+    def report_media_lag(self, seconds: float, source: str = "") -> None:
+        """Tell the engine how late this process's event loop ran (it names the source itself)."""
+        if self.alive:
+            self.send(msg.MediaLag(float(seconds)))
 
     async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING, *,
                       queue: bool = True) -> RemoteCall:
@@ -246,7 +253,7 @@ class RemotePool:
                 case msg.StateChange(rid=rid):
                     if (call := self._calls.get(rid)) is not None:
                         call.update(message.state, message.queue_position, message.slot, message.time_left,
-                                    message.end_reason)
+                                    message.end_reason, message.wait_reason)
                         if call.state == CallState.ENDED:
                             self._calls.pop(rid, None)
                 case msg.Started():
@@ -303,8 +310,10 @@ def combine_metrics(metrics: list[PoolMetrics]) -> PoolMetrics:
 
 
 class PoolRouter:
-    """Several engines' pools as one `Room`. A call goes to an engine with a free slot (the
-    freest first); when none has one, into the shortest queue. Engines that stopped are skipped."""
+    """Several engines' pools as one `Room`. A call goes to an engine that takes it now (a free
+    slot with headroom in its tick, serving/headroom.py), the one with the most headroom first;
+    when none does, into the shortest queue (the most headroom among equals). Engines that stopped
+    are skipped."""
 
     def __init__(self, engines: list[RemotePool]) -> None:
         if not engines:
@@ -325,6 +334,10 @@ class PoolRouter:
         for engine in self.engines:
             engine.add_tick_listener(listener)
 
+    def report_media_lag(self, seconds: float, source: str = "") -> None:
+        for engine in self.engines:
+            engine.report_media_lag(seconds, source)
+
     def engine_status(self) -> list[dict[str, Any]]:
         """Per engine, for /api/status: its name, whether it runs, and its pool's figures."""
         return [{"name": e.name, "alive": e.alive, **e.snapshot().as_dict()} for e in self.engines]
@@ -334,14 +347,14 @@ class PoolRouter:
         alive = [e for e in self.engines if e.alive]
         if not alive:
             raise PoolClosedError("no engine is running")
-        # A free slot anywhere first: each engine takes the call only if it has one, atomically.
-        for engine in sorted(alive, key=lambda e: (-e.room.slots_free, e.room.queue_length)):
+        # A seat anywhere first: each engine takes the call only if it would seat it now, atomically.
+        for engine in sorted(alive, key=lambda e: (-e.room.admitting, -e.room.headroom_ms, -e.room.slots_free)):
             try:
                 return await engine.acquire(voice, persona, sampling, queue=False)
             except (PoolFullError, PoolClosedError):
                 continue
         full: PoolFullError | None = None
-        for engine in sorted((e for e in alive if e.alive), key=lambda e: e.room.queue_length):
+        for engine in sorted((e for e in alive if e.alive), key=lambda e: (e.room.queue_length, -e.room.headroom_ms)):
             try:
                 return await engine.acquire(voice, persona, sampling, queue=True)
             except PoolFullError as exc:

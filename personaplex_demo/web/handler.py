@@ -33,7 +33,9 @@ from ..errors import CallerError
 from ..frame import FRAME_SAMPLES, SAMPLE_RATE
 from ..rtc.audio import output_frame_samples
 from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
+from ..serving.headroom import WAIT_CAPACITY
 from ..serving.room import CallEnded, CallHandle, CallState, EndReason, PoolClosedError, PoolFullError, Room
+from .loop_lag import ensure_probe
 from .page_inputs import CallRequest
 from .recording import CallRecording, RecordingFiles, RecordingStore
 from .status import STATUS_SECONDS, PageThrottle, RoomMetrics, room_line, status_line
@@ -49,6 +51,8 @@ END_MESSAGES = {
     EndReason.IDLE: "The call ended: no microphone audio arrived for a few seconds.",
     EndReason.SHUTDOWN: "The server is restarting. Please try again in a minute.",
     EndReason.QUEUE_TIMEOUT: "Still no free slot after a long wait, sorry. Please try again in a few minutes.",
+    EndReason.OVERLOADED: ("The room is overloaded: this machine could no longer keep every call in real time, "
+                           "so the newest call was ended. Please try again in a few minutes."),
 }
 
 
@@ -127,6 +131,7 @@ class CallHandler(AsyncStreamHandler):
 
     async def start_up(self) -> None:
         self._connected_at = time.monotonic()
+        ensure_probe(self.room)
         try:
             self.webrtc_id = get_current_context().webrtc_id
         except RuntimeError:  # driven directly, outside a fastrtc connection
@@ -141,8 +146,9 @@ class CallHandler(AsyncStreamHandler):
         except CallerError as e:
             self._fail(f"This call cannot start: {e}")
             log.info("call %s refused: %s", self.call_id, e)
-        except PoolFullError:
-            busy = f"All {self.room.slots_total} conversation slots are busy"
+        except PoolFullError as e:
+            busy = (f"All {self.room.slots_total} conversation slots are busy" if not str(e).startswith(WAIT_CAPACITY)
+                    else "The room is at capacity on this machine: every call must keep real time")
             self._fail(f"{busy}. Please try again in a minute." if not self.room.config.max_queue else
                        f"{busy} and the waiting line is full. Please try again in a minute.")
             log.info("call %s refused: room full", self.call_id)

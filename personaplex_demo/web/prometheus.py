@@ -39,10 +39,18 @@ GAUGES = (  # (name, PoolMetrics field, help)
     ("slots_prefilling", "slots_prefill", "Slots preparing a call (voice and persona prompt)."),
     ("slots_free", "slots_free", "Slots held by no call."),
     ("queue_length", "queue_length", "Callers waiting for a slot."),
+    ("admitting", "admitting", "1 while a new caller would be seated now (a free slot with headroom in the tick)."),
+)
+# Milliseconds in PoolMetrics, seconds here: (name, field, help).
+SECONDS_GAUGES = (
+    ("tick_headroom_seconds", "headroom_ms",
+     "Tick budget (80 ms) left if one more call joined, from the measured tick times; negative: over budget."),
+    ("media_lag_seconds", "media_lag_ms", "The worst event-loop lag a door (page or media worker) reported lately."),
 )
 COUNTERS = (
     ("calls_started", "calls_started", "Calls that went live."),
     ("calls_refused", "calls_refused", "Calls refused because every slot and the queue were full."),
+    ("calls_held_back", "calls_held_back", "Calls that waited in the queue with a slot free, for lack of headroom."),
     ("engine_errors", "engine_errors", "Exceptions from the engine's step or prefill."),
     ("ticks", "ticks", "Engine steps run."),
     ("tick_overruns", "overruns", "Ticks that finished after their deadline."),
@@ -63,6 +71,8 @@ class PoolCollector(Collector):
         m = self.room.snapshot()
         for name, field, text in GAUGES:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=getattr(m, field))
+        for name, field, text in SECONDS_GAUGES:
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=getattr(m, field) / 1e3)
         for name, field, text in COUNTERS:
             yield CounterMetricFamily(f"{PREFIX}_{name}", text, value=getattr(m, field))
         ended = CounterMetricFamily(f"{PREFIX}_calls_ended", "Calls ended, by reason.", labels=["reason"])

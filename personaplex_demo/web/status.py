@@ -8,6 +8,7 @@ import time
 import weakref
 from collections.abc import Callable
 
+from ..serving.headroom import WAIT_SLOTS
 from ..serving.metrics import PoolMetrics
 from ..serving.room import CallHandle, CallState, Room
 
@@ -51,7 +52,8 @@ def status_line(call: CallHandle | None, room: Room) -> str:
     if call is None:
         return f"Connecting… · {figures}"
     if call.state == CallState.QUEUED:
-        return f"All slots are busy: you are number {call.queue_position} in the queue · {figures}"
+        why = (call.wait_reason or WAIT_SLOTS).capitalize()
+        return f"{why}: you are number {call.queue_position} in the queue · {figures}"
     if call.state == CallState.PREFILL:
         return f"Preparing your voice and persona… · {figures}"
     if call.state == CallState.LIVE:
