@@ -50,6 +50,11 @@ if [[ $pool == 1 ]]; then
     if [[ ${#quick[@]} -gt 0 ]]; then media_args=(--callers 1 4 --seconds 10); else media_args=(--engine-only); fi
     "$py" bench/media.py "${media_args[@]}" --write
 fi
+if [[ $pool == 1 ]]; then
+    echo "== bench/admission.py (twelve real WebRTC callers in twelve slots: admission by headroom and by slots)"
+    if [[ ${#quick[@]} -gt 0 ]]; then admission_args=(--seconds 10); else admission_args=(); fi
+    "$py" bench/admission.py "${admission_args[@]}" --write
+fi
 echo "== bench/input_delay.py (a caller's sound through WebRTC into the server, loopback)"
 if [[ ${#quick[@]} -gt 0 ]]; then delay_args=(--seconds 5 --rounds 1); else delay_args=(); fi
 "$py" bench/input_delay.py "${delay_args[@]}" --write

@@ -125,6 +125,17 @@ def test_shedding_waits_for_a_sustained_overload_then_restarts_its_clock():
     assert not policy.shed_due(now, 2)
 
 
+def test_no_more_calls_are_shed_while_the_last_shed_left_the_ticks_as_long():
+    policy = HeadroomPolicy(HeadroomConfig(shed_after_seconds=3.0))
+    now = measured(policy, 4, 100 * MS, 0.0, ticks=40)
+    assert policy.shed_due(now, 4)
+    now = measured(policy, 3, 98 * MS, now, ticks=60)  # the host, not the rows: no shorter
+    assert not policy.shed_due(now, 3)
+    now = measured(policy, 3, 60 * MS, now, ticks=40)  # recovered: the overload is over
+    now = measured(policy, 3, 110 * MS, now, ticks=60)  # and a new one starts
+    assert policy.shed_due(now, 3)
+
+
 def test_a_short_spike_is_not_an_overload_and_shedding_can_be_turned_off():
     policy = HeadroomPolicy(HeadroomConfig())
     now = measured(policy, 4, 40 * MS, 0.0, ticks=40)
@@ -219,9 +230,9 @@ def test_when_the_tick_stays_over_budget_the_newest_call_is_shed_first():
         join(pool, calls)
     assert [c.state for c in calls] == ["live"] * 3
     engine.load = 2.0  # the host gets busy: 3 rows now take 130 ms, 2 rows 90, 1 row 50
-    talk(pool, calls, 20)  # 2.6 s over budget
+    talk(pool, calls, 20)  # 2.6 s of 130 ms ticks: less than 3 s over budget on average
     assert [c.state for c in calls] == ["live"] * 3
-    talk(pool, calls, 10)
+    talk(pool, calls, 20)
     assert [c.state for c in calls] == ["live", "live", "ended"]
     assert calls[2].end_reason == "overloaded"
     talk(pool, calls, 40)  # still over budget with two: the next newest goes too

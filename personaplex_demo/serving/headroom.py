@@ -3,14 +3,20 @@
 A slot count is a promise the machine may not keep (a slower host, a busy one, contexts that grow).
 So the pool asks this policy before it seats a caller, and again every tick:
 
-- `CostCurve` learns what a tick costs at each number of rows on this machine: the recent tick
-  times at each batch size, and a slope between sizes for sizes not seen yet.
+- `CostCurve` learns what a tick costs at each number of rows on this machine: the mean of the
+  recent tick times at each batch size, and a slope between sizes for sizes not seen yet. The
+  mean, not a high percentile, because that is what decides whether the ticker keeps up: the
+  pacer catches up after a long tick (serving/pacing.py), so a caller misses audio only when the
+  ticks take longer than 80 ms on average.
 - `HeadroomPolicy.admits` says whether the rows held now plus one more stay inside the budget:
-  measured lately at that size, or predicted with a margin, while the callers' media keeps up
+  measured lately at that size (with a 5 % margin), or predicted (with a 15 % one), while the
+  callers' media keeps up
   (the doors report their event loops' lag). Until a tick time is trusted it follows
   `--slots auto`'s arithmetic (`prior_rows`).
-- `HeadroomPolicy.shed_due` says when the tick has been over budget for long enough that one call
-  (the newest, by the pool's rule) must end so that the others keep real time.
+- `HeadroomPolicy.shed_due` says when the ticks have been over budget for long enough that one call
+  (the newest, by the pool's rule) must end so that the others keep real time, unless the last
+  shed did not make the ticks any shorter (then the cost is not the rows', and ending more calls
+  would not help).
 
 Everything is plain numbers: times are passed in (`now`), so tests drive it without a clock.
 docs/serving.md § Admission by headroom explains the rules and the defaults.
@@ -32,9 +38,9 @@ WAIT_CAPACITY = "the room is at capacity on this machine"
 class HeadroomConfig:
     budget_seconds: float = 0.08  # one tick
     margin: float = 0.15  # share of the budget a predicted (not yet measured) size must leave free
+    measured_margin: float = 0.05  # ...and a size measured lately: below the shedding line, so no churn
     samples_per_size: int = 32  # recent ticks remembered at each batch size (2.5 s of ticks)
     min_samples: int = 8  # ticks at a size before its figure is trusted
-    percentile: float = 95.0
     memory_seconds: float = 30.0  # a size not ticked at for this long is forgotten (the host changes)
     prior_rows: int | None = None  # rows admitted before any tick has run; None: every slot
     media_lag_limit_seconds: float = 0.05  # a door whose event loop lags more than this is not keeping up
@@ -55,11 +61,11 @@ class CostCurve:
         ticks.append((now, seconds))
 
     def measured(self, now: float) -> dict[int, float]:
-        """The trusted figure (the configured percentile) at each size with enough recent ticks."""
+        """The mean tick time at each size with enough recent ticks."""
         cfg, out = self.config, {}
         for rows, ticks in self._ticks.items():
             if len(ticks) >= cfg.min_samples and now - ticks[-1][0] <= cfg.memory_seconds:
-                out[rows] = float(np.percentile([s for _, s in ticks], cfg.percentile))
+                out[rows] = float(np.mean([s for _, s in ticks]))
         return out
 
     def predict(self, now: float, rows: int) -> float | None:
@@ -94,7 +100,7 @@ class HeadroomPolicy:
         self._recent: collections.deque[float] = collections.deque(maxlen=config.samples_per_size)
         self._lags: dict[str, tuple[float, float]] = {}  # door -> (when, lag seconds)
         self._over_since: float | None = None
-        self.held_back = 0  # calls that waited with a slot free, for lack of headroom
+        self._shed_at: float | None = None  # the recent tick time when the last call was shed
 
     @property
     def limit(self) -> float:
@@ -111,15 +117,15 @@ class HeadroomPolicy:
             if self._over_since is None:
                 self._over_since = now
         else:
-            self._over_since = None
+            self._over_since = self._shed_at = None
 
     def record_media_lag(self, now: float, source: str, seconds: float) -> None:
         """A door's event loop ran `seconds` late lately (its worst in its last report period)."""
         self._lags[source] = (now, seconds)
 
     def recent(self) -> float:
-        """The configured percentile of the most recent ticks, whatever their size (0 before any)."""
-        return float(np.percentile(self._recent, self.config.percentile)) if self._recent else 0.0
+        """The mean of the most recent ticks, whatever their size (0 before any)."""
+        return float(np.mean(self._recent)) if self._recent else 0.0
 
     def media_lag(self, now: float) -> float:
         """The worst lag any door reported lately."""
@@ -147,7 +153,7 @@ class HeadroomPolicy:
         # waiting one takes its place); a size not measured is predicted, and needs the margin.
         known = self.curve.measured(now).get(rows + 1)
         if known is not None:
-            return known <= budget
+            return known <= budget * (1.0 - self.config.measured_margin)
         predicted = self.curve.predict(now, rows + 1)
         return predicted is not None and predicted <= self.limit
 
@@ -159,13 +165,18 @@ class HeadroomPolicy:
         return self.config.budget_seconds - max(used, self.recent())
 
     def shed_due(self, now: float, live: int) -> bool:
-        """True when the tick has been over budget for `shed_after_seconds` with more than one
-        call live; the clock restarts, so the next shed waits as long at the smaller batch."""
+        """True when the ticks have been over budget for `shed_after_seconds` with more than one
+        call live; the clock restarts, so the next shed waits as long at the smaller batch. Not
+        again while the last shed left the ticks as long as they were (less than 5 % shorter):
+        then the host, not the rows, is the cost, and more calls ended would not help."""
         cfg = self.config
         if not cfg.shed or live <= 1 or self._over_since is None:
             return False
         if now - self._over_since < cfg.shed_after_seconds:
             return False
-        self._over_since = now
+        recent = self.recent()
+        if self._shed_at is not None and recent > 0.95 * self._shed_at:
+            return False
+        self._over_since, self._shed_at = now, recent
         self._recent.clear()  # judge the smaller batch by its own ticks
         return True
