@@ -85,7 +85,9 @@ def started_pool(runtime, **config):
 async def serving(runtime, limit: int):
     """A started pool, a fastrtc Stream mounted on FastAPI, and an in-process HTTP client."""
     recordings = RecordingStore()
-    with started_pool(runtime, time_limit_seconds=60) as pool:
+    # Admission by slot count: these tests follow calls through the handler and its queue on any
+    # host; admission by headroom, which depends on the host's speed, has tests of its own.
+    with started_pool(runtime, time_limit_seconds=60, admission="slots") as pool:
         stream = Stream(CallHandler(pool, recordings), modality="audio", mode="send-receive",
                         concurrency_limit=limit, server_rtc_configuration=NO_ICE_SERVERS)
         app = FastAPI()

@@ -80,7 +80,10 @@ async def call_all(http: httpx.AsyncClient, count: int, first: int = 0) -> list[
 
 @pytest.fixture(scope="module")
 def app_with_workers(tiny_cache_dir, tmp_path_factory) -> LaunchedApp:
-    with launched_app(tmp_path_factory.mktemp("app"), tiny_cache_dir, args=["--slots", "4", "--media-workers", "2"]) as app:
+    # Admission by slot count: this follows calls across worker processes on any host; admission
+    # by headroom, which depends on the host's speed, has tests of its own (test_headroom.py).
+    args = ["--slots", "4", "--media-workers", "2", "--admission", "slots"]
+    with launched_app(tmp_path_factory.mktemp("app"), tiny_cache_dir, args=args) as app:
         yield app
 
 
