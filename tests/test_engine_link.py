@@ -19,6 +19,7 @@ from personaplex_demo.procs.pool_server import PoolServer
 from personaplex_demo.procs.remote_pool import ENGINE_LOST, PoolRouter, RemotePool
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 from personaplex_demo.serving.config import PoolConfig
+from personaplex_demo.serving.headroom import WAIT_CAPACITY
 from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.serving.room import CallEnded, PoolFullError
 
@@ -136,3 +137,30 @@ async def test_the_router_fills_free_slots_on_every_engine_before_queueing(runti
         await asyncio.sleep(0.7)
         assert router.snapshot().calls_ended == {"hangup": 3}  # counts by reason add up across engines
         router.close()
+
+
+async def test_a_lagging_client_holds_new_calls_with_the_reason_until_it_recovers(tiny_cache_dir, tmp_path):
+    runtime = build_runtime(RuntimeOptions(model="tiny", slots=2, cache_dir=tiny_cache_dir))
+    address = str(tmp_path / "engine.sock")
+    with served(runtime, address, "engine-0") as (pool, _):
+        remote = RemotePool(address, KEY)
+        try:
+            first = await remote.acquire("NATF2", "")
+            await first.wait_live(timeout=10)
+            remote.report_media_lag(0.4)  # the client's event loop says it runs 400 ms late
+            deadline = time.monotonic() + 5
+            while pool.snapshot().media_lag_ms < 400 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert pool.snapshot().media_lag_ms == pytest.approx(400)
+            second = await remote.acquire("NATM1", "")
+            assert (second.state, second.queue_position, second.wait_reason) == ("queued", 1, WAIT_CAPACITY)
+            with pytest.raises(PoolFullError, match="capacity"):
+                await remote.acquire("NATF2", "", queue=False)  # what the router asks first: no seat here
+            remote.report_media_lag(0.0)
+            await asyncio.gather(talk(first, 2.0), second.wait_live(timeout=10))
+            assert second.state == "live" and second.wait_reason is None
+            assert pool.snapshot().calls_held_back == 1
+            first.release()
+            second.release()
+        finally:
+            remote.close()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
+import types
 
 import httpx
 import numpy as np
@@ -19,7 +21,10 @@ from personaplex_demo.serving.headroom import WAIT_CAPACITY, WAIT_SLOTS, Headroo
 from personaplex_demo.serving.metrics import PoolMetrics
 from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.serving.room import PoolClosedError, PoolFullError
+from personaplex_demo.web.loop_lag import ensure_probe, probe
+from personaplex_demo.web.page import status_payload
 from personaplex_demo.web.prometheus import metrics_routes
+from personaplex_demo.web.status import status_line
 
 from .support.fake_clock import FakeClock
 from .test_metrics import scrape
@@ -205,6 +210,20 @@ def test_callers_beyond_the_measured_headroom_wait_with_the_reason_and_get_in_wh
     assert pool.snapshot().calls_ended.get("overloaded", 0) == 0
 
 
+def test_the_page_and_the_status_say_why_a_caller_waits():
+    pool, _ = costly_pool(batch=6, headroom_prior_rows=1)
+    calls: list = []
+    for _ in range(4):
+        join(pool, calls)
+    runtime = types.SimpleNamespace(model_name="tiny", is_tiny=True, banner=None, capacity=None)
+    payload = status_payload(runtime, pool)
+    assert (payload["admission"], payload["queue_reason"], payload["queue_length"]) == ("headroom", WAIT_CAPACITY, 1)
+    assert payload["calls_held_back"] == 1 and payload["admitting"] == 0
+    line = status_line(calls[3], pool)
+    assert line.startswith("The room is at capacity on this machine: you are number 1 in the queue"), line
+    assert status_line(calls[0], pool).startswith("Live")
+
+
 def test_with_admission_by_slots_every_free_slot_is_taken():
     pool, _ = costly_pool(batch=6, admission="slots", headroom_prior_rows=1)
     calls: list = []
@@ -299,6 +318,33 @@ def test_metrics_show_the_headroom_gauge_and_the_calls_held_back():
     calls[1].release()
     talk(pool, calls, 3)
     assert asyncio.run(get())[("personaplex_admitting", ())] == 1  # 2 rows held, 3 measured at 65 ms
+
+
+class Reports:
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+
+    def report_media_lag(self, seconds: float, source: str = "local") -> None:
+        self.lags.append(seconds)
+
+
+def test_the_event_loop_probe_reports_how_late_its_loop_wakes_and_runs_once_per_loop():
+    room = Reports()
+
+    async def go() -> None:
+        task = asyncio.create_task(probe(room, interval=0.01, period=0.1))
+        await asyncio.sleep(0.15)
+        quiet = list(room.lags)
+        time.sleep(0.25)  # a handler that blocks the loop
+        await asyncio.sleep(0.3)
+        task.cancel()
+        assert quiet and max(room.lags) >= 0.2 > max(quiet)
+        other = Reports()
+        ensure_probe(other)
+        ensure_probe(other)  # the loop's probe runs already
+        assert sum(t.get_name() == "event-loop-lag-probe" for t in asyncio.all_tasks()) == 1
+
+    asyncio.run(go())
 
 
 # ---- placement across engines ---------------------------------------------------------------------

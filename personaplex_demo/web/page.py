@@ -31,7 +31,7 @@ from .deeplink import SEED_RANGE, LinkRules, NumberRule, add_deep_links, number_
 from .handler import CallHandler, FinalUpdates
 from .page_inputs import PageInputs
 from .recording import RecordingStore
-from .status import RoomMetrics, room_line
+from .status import RoomMetrics, queue_reason, room_line
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_PRESET = "Assistant (teacher)"
@@ -65,8 +65,10 @@ def load_presets() -> dict[str, str]:
 def status_payload(runtime, room: Room) -> dict[str, Any]:
     """What `GET /api/status` returns: the model and the room's live figures."""
     capacity = getattr(runtime, "capacity", None)
+    metrics = room.snapshot()
     return {"model": runtime.model_name, "tiny": bool(runtime.is_tiny), "banner": runtime.banner,
-            "capacity": capacity.as_dict() if capacity else None, **room.snapshot().as_dict()}
+            "capacity": capacity.as_dict() if capacity else None, "admission": room.config.admission,
+            "queue_reason": queue_reason(metrics), **metrics.as_dict()}
 
 
 def status_routes(runtime, room: Room, extra: Callable[[], dict[str, Any]] | None = None) -> list[Route]:

@@ -8,7 +8,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from ..serving.headroom import WAIT_SLOTS
+from ..serving.headroom import WAIT_CAPACITY, WAIT_SLOTS
 from ..serving.metrics import PoolMetrics
 from ..serving.room import CallHandle, CallState, Room
 
@@ -37,6 +37,14 @@ class RoomMetrics:
         with cls._lock:
             cls._cache[room] = (now, metrics)
         return metrics
+
+
+def queue_reason(m: PoolMetrics) -> str | None:
+    """Why callers wait (None when nobody does): every slot is held, or a slot is free and the tick
+    has no room for one more (serving/headroom.py)."""
+    if not m.queue_length:
+        return None
+    return WAIT_CAPACITY if m.slots_free else WAIT_SLOTS
 
 
 def room_line(m: PoolMetrics) -> str:
