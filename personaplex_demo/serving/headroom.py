@@ -68,14 +68,15 @@ class CostCurve:
                 out[rows] = float(np.mean([s for _, s in ticks]))
         return out
 
-    def predict(self, now: float, rows: int) -> float | None:
+    def predict(self, now: float, rows: int, figures: dict[int, float] | None = None) -> float | None:
         """Seconds a tick of `rows` rows is expected to take; None when nothing is known yet.
+        `figures`: `measured(now)`, when the caller has it already.
 
         A size measured recently answers for itself. Otherwise the nearest smaller measured size
         plus a slope per row: fitted between the measured sizes when there are two or more, else
         that size's cost shared out per row (a fixed part counted as if it grew with the rows, so
         the guess errs on the safe side until the next size is measured)."""
-        figures = self.measured(now)
+        figures = self.measured(now) if figures is None else figures
         if rows in figures:
             return figures[rows]
         below = [r for r in figures if r < rows]
@@ -143,7 +144,8 @@ class HeadroomPolicy:
             return True  # nobody to protect: a caller alone gets what the machine can do
         if self.media_lag(now) > self.config.media_lag_limit_seconds:
             return False
-        if not self.curve.measured(now):  # nothing trusted yet: the memory arithmetic's count
+        figures = self.curve.measured(now)
+        if not figures:  # nothing trusted yet: the memory arithmetic's count
             prior = self.config.prior_rows
             return prior is None or rows < prior
         budget = self.config.budget_seconds
@@ -151,18 +153,18 @@ class HeadroomPolicy:
             return False
         # A size ticked at lately, within the budget, is taken again as it was (a call ended, a
         # waiting one takes its place); a size not measured is predicted, and needs the margin.
-        known = self.curve.measured(now).get(rows + 1)
+        known = figures.get(rows + 1)
         if known is not None:
             return known <= budget * (1.0 - self.config.measured_margin)
-        predicted = self.curve.predict(now, rows + 1)
+        predicted = self.curve.predict(now, rows + 1, figures)
         return predicted is not None and predicted <= self.limit
 
     def headroom(self, now: float, rows: int) -> float:
         """Seconds of the budget left if one more call joined `rows` (negative: over), for the
         gauge: the budget less the predicted tick, or less the recent tick while none is predicted."""
+        recent = self.recent()
         predicted = self.curve.predict(now, rows + 1) if rows else None
-        used = predicted if predicted is not None else self.recent()
-        return self.config.budget_seconds - max(used, self.recent())
+        return self.config.budget_seconds - max(recent if predicted is None else predicted, recent)
 
     def shed_due(self, now: float, live: int) -> bool:
         """True when the ticks have been over budget for `shed_after_seconds` with more than one
