@@ -108,8 +108,10 @@ class App:
         env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1", PERSONAPLEX_LOOPBACK_ICE="1",
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         env.pop("HF_TOKEN", None)
+        # Every caller seated (admission by slot count): this measures what N callers cost, however
+        # many the host keeps in real time; `extra` may say otherwise (bench/admission.py does).
         cmd = [sys.executable, "app.py", "--model", "tiny", "--slots", str(slots), "--port", str(self.port),
-               "--max-queue", "0", *extra]
+               "--max-queue", "0", "--admission", "slots", *extra]
         if cache_dir:
             cmd += ["--cache-dir", cache_dir]
         self.proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -427,7 +429,7 @@ def run_engine_only(n: int, slots: int, seconds: float, settle: float, cache_dir
 
     runtime = build_runtime(RuntimeOptions(model="tiny", slots=slots,
                                            cache_dir=Path(cache_dir) if cache_dir else None))
-    pool = SlotPool(runtime.engine, PoolConfig(time_limit_seconds=None))
+    pool = SlotPool(runtime.engine, PoolConfig(time_limit_seconds=None, admission="slots"))
     pool.start()
 
     async def feed(call, stop_at: float) -> None:

@@ -141,7 +141,7 @@ def run_one(factory: EngineFactory, slots: int, seconds: float, seed: int) -> Ro
     engine = factory(slots)
     voice = engine.voice_names[0]
     warm_up(engine, voice)
-    pool = SlotPool(engine, PoolConfig(time_limit_seconds=None, max_queue=0))
+    pool = SlotPool(engine, PoolConfig(time_limit_seconds=None, max_queue=0, admission="slots"))
     pool.start()
     rng = random.Random(seed)
 

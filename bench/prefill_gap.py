@@ -44,7 +44,7 @@ def wait_live(calls, seconds: float) -> bool:
 
 def one_round(policy: int, tag: str) -> dict:
     engine = build_engine("tiny", slots=8)
-    pool = SlotPool(engine, PoolConfig(cold_prefills_per_gap=policy, idle_release_seconds=30.0))
+    pool = SlotPool(engine, PoolConfig(cold_prefills_per_gap=policy, idle_release_seconds=30.0, admission="slots"))
     ticks: list[float] = []
     pool.add_tick_listener(lambda seconds, latencies: ticks.append(time.monotonic()))
     pool.start()
