@@ -18,10 +18,10 @@ from personaplex_demo.engine.pcm import TickOutput
 from personaplex_demo.procs.remote_pool import PoolRouter
 from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.headroom import WAIT_CAPACITY, WAIT_SLOTS, HeadroomConfig, HeadroomPolicy
+from personaplex_demo.serving.loop_lag import ensure_probe, probe
 from personaplex_demo.serving.metrics import PoolMetrics
 from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.serving.room import PoolClosedError, PoolFullError
-from personaplex_demo.web.loop_lag import ensure_probe, probe
 from personaplex_demo.web.page import status_payload
 from personaplex_demo.web.prometheus import metrics_routes
 from personaplex_demo.web.status import status_line
@@ -362,7 +362,7 @@ class StubEngine:
         self.refuses = refuses
         self.asked: list[bool] = []
 
-    async def acquire(self, voice, persona, sampling=None, *, queue=True):
+    async def acquire(self, voice, persona, sampling=None, door="page", *, queue=True):
         self.asked.append(queue)
         if not queue and (self.refuses or not self.room.admitting):
             raise PoolFullError(WAIT_CAPACITY)

@@ -124,6 +124,7 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
     from ..web.recording import RecordingStore, remove_stale_recordings
 
     runtime, room = topology.runtime, topology.pool
+    door = realtime_door(cfg, topology)
     if runtime.banner:
         log.warning("%s", runtime.banner)
     notice = None
@@ -147,7 +148,9 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
         try:
             demo.launch(server_name=cfg.host, server_port=cfg.port, share=cfg.share, quiet=not cfg.verbose,
                         prevent_thread_lock=True,
-                        app_kwargs={"routes": status_routes(runtime, room, topology.status) + metrics_routes(room),
+                        app_kwargs={"routes": status_routes(runtime, room, lambda: status_extra(topology, door))
+                                    + metrics_routes(room, [door.collector()] if door else [])
+                                    + (door.routes() if door else []),
                                     "middleware": [Middleware(RefuseLongQueries)]})
         except OSError:
             log.error("cannot serve on %s:%d: the port is in use or the address is not this machine's; "
@@ -155,7 +158,8 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
             topology.close()
             recordings.close()
             return 1
-        log.info("serving on http://%s:%d (status: /api/status, metrics: /metrics)", cfg.host, cfg.port)
+        log.info("serving on http://%s:%d (status: /api/status, metrics: /metrics%s)", cfg.host, cfg.port,
+                 f", Realtime API: ws://{cfg.host}:{cfg.port}/v1/realtime" if door else "")
         if demo.share_url:
             log.info("public link: %s", demo.share_url)
         return demo, recordings, stop.wait()
@@ -163,6 +167,26 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
         topology.close()
         recordings.close()
         raise
+
+
+def realtime_door(cfg: AppConfig, topology: Topology):
+    """The Realtime WebSocket door on the room (api/door.py), or None with --no-realtime."""
+    if cfg.no_realtime:
+        return None
+    from ..api.config import RealtimeConfig
+    from ..api.door import RealtimeDoor
+
+    if cfg.api_key is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("the Realtime API (/v1/realtime) is open to anyone who reaches this port: set --api-key "
+                    "(PERSONAPLEX_API_KEY) to require a key, or --no-realtime to turn it off")
+    return RealtimeDoor(topology.pool, topology.runtime.engine, RealtimeConfig(
+        api_key=cfg.api_key, max_sockets_per_client=cfg.realtime_max_sockets, max_wait_seconds=cfg.max_wait_seconds,
+        model_name=topology.runtime.model_name))
+
+
+def status_extra(topology: Topology, door) -> dict[str, Any]:
+    """/api/status beyond the room's figures: engines, media workers, the Realtime door."""
+    return {**topology.status(), "realtime": door.status() if door is not None else None}
 
 
 def shut_down_app(demo: Any, recordings: RecordingStore, received: str, topology: Topology) -> None:

@@ -16,7 +16,8 @@ from .options import at_least, between, build_parser, config_from, env_help, opt
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 
 DESCRIPTION = ("PersonaPlex Live: talk with NVIDIA PersonaPlex-7B in the browser.\n"
-               "Serves the page, the WebRTC calls and GET /api/status on one port.")
+               "Serves the page, the WebRTC calls, the Realtime WebSocket (/v1/realtime) and GET /api/status on "
+               "one port.")
 
 # Variables read outside AppConfig, listed in --help and the README with the config's own.
 OTHER_ENV = {
@@ -85,6 +86,15 @@ class AppConfig:
                                        "(Opus, RTP, page updates); 0 keeps them in this process",
                                        env="PERSONAPLEX_MEDIA_WORKERS", check=at_least(0),
                                        shown_default="0 on a CPU; on a CUDA host cores - 2, at most one per slot",
+                                       metavar="N")
+    no_realtime: bool = option(False, "turn off the OpenAI-Realtime-compatible WebSocket at /v1/realtime (calls "
+                               "from code: agent frameworks, the openai SDK)", env="PERSONAPLEX_NO_REALTIME")
+    api_key: str | None = option(None, "a key every /v1/realtime socket must present (Authorization: Bearer KEY); "
+                                 "on a Space, set it as a secret", env="PERSONAPLEX_API_KEY", secret=True,
+                                 shown_default="none: the socket is open to anyone who can reach the port",
+                                 metavar="KEY")
+    realtime_max_sockets: int = option(4, "open /v1/realtime sockets per client address, so that one script cannot "
+                                       "take the room", env="PERSONAPLEX_REALTIME_MAX_SOCKETS", check=at_least(1),
                                        metavar="N")
     verbose: bool = option(False, "also log each internal HTTP request and Gradio's own startup messages",
                            env="PERSONAPLEX_VERBOSE")

@@ -31,14 +31,16 @@ class Option:
     shown_default: str | None = None  # what --help and the docs show when the default is a placeholder (None)
     metavar: str | None = None
     parse: Callable[[str], Any] | None = None  # text to value for a type of its own; a ValueError says what is wrong
+    secret: bool = False  # --help says whether it is set, never the value
 
 
 def option(default: Any, help: str, *, env: str | None = None, choices: tuple[str, ...] | None = None,
            check: Check | None = None, shown_default: str | None = None, metavar: str | None = None,
-           parse: Callable[[str], Any] | None = None) -> Any:
+           parse: Callable[[str], Any] | None = None, secret: bool = False) -> Any:
     """A dataclass field that is also a command-line flag (`--field-name`) and, with `env`, a variable."""
     return dataclasses.field(default=default,
-                             metadata={"option": Option(help, env, choices, check, shown_default, metavar, parse)})
+                             metadata={"option": Option(help, env, choices, check, shown_default, metavar, parse,
+                                                        secret)})
 
 
 def at_least(minimum: float) -> Check:
@@ -149,7 +151,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type, environ: Mapping[str
             except argparse.ArgumentTypeError as exc:  # one line, without the usage text a flag error has
                 parser.exit(2, f"{parser.prog}: error: {spec.option.env}: {exc}\n")
             source = f"from {spec.option.env}"
-        shown = spec.shown(default) + (f", {source}" if source else "")
+        shown = ("set" if spec.option.secret and default else spec.shown(default)) + (f", {source}" if source else "")
         help_text = f"{spec.option.help} (default: {shown})".replace("%", "%%")
         if spec.kind is bool:
             parser.add_argument(spec.flag, dest=spec.name, action="store_true", default=default, help=help_text)

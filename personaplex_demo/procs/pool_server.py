@@ -81,7 +81,7 @@ class _Client:
         rid = start.rid
         try:
             call = self.server.pool.admit(start.voice, start.persona, SamplingParams(**start.sampling),
-                                          queue=start.may_queue)
+                                          queue=start.may_queue, door=start.door)
         except CallerError as exc:
             self.refuse(rid, "caller", str(exc))
             return

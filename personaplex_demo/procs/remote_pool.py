@@ -38,7 +38,16 @@ from ..sampling_params import SamplingParams
 from ..serving.call import CallView, checked_frame
 from ..serving.config import PoolConfig
 from ..serving.metrics import PoolMetrics, tell_listeners
-from ..serving.room import CallEnded, CallState, EndReason, PoolClosedError, PoolFullError, SlotOutput, TickListener
+from ..serving.room import (
+    DOOR_PAGE,
+    CallEnded,
+    CallState,
+    EndReason,
+    PoolClosedError,
+    PoolFullError,
+    SlotOutput,
+    TickListener,
+)
 from . import messages as msg
 from .channel import Channel
 
@@ -53,8 +62,8 @@ DEFAULT_SAMPLING = SamplingParams()
 class RemoteCall(CallView):
     """One call on a `RemotePool` (a `CallHandle`), driven by the engine's messages; see `serving.call.Call`."""
 
-    def __init__(self, engine: RemotePool, started: msg.Started) -> None:
-        super().__init__(started.call_id)
+    def __init__(self, engine: RemotePool, started: msg.Started, door: str = DOOR_PAGE) -> None:
+        super().__init__(started.call_id, door)
         self.engine = engine
         self.rid = started.rid
         self.frames_pushed = 0
@@ -175,6 +184,7 @@ class RemotePool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
+        self._doors: dict[int, str] = {}  # the door of each start awaiting its answer
         self._calls: dict[int, RemoteCall] = {}
         self._channel = Channel(conn, f"engine-client:{self.name}", self._on_batch, self._on_close).start()
 
@@ -197,8 +207,8 @@ class RemotePool:
         if self.alive:
             self.send(msg.MediaLag(float(seconds)))
 
-    async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING, *,
-                      queue: bool = True) -> RemoteCall:
+    async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING,
+                      door: str = DOOR_PAGE, *, queue: bool = True) -> RemoteCall:
         """Start a call: a free slot (state PREFILL) or a place in the queue (state QUEUED).
         Raises what `SlotPool.acquire` raises; with `queue=False`, PoolFullError unless a slot is
         free (the engine decides at once, so two clients cannot both count on one free slot)."""
@@ -212,7 +222,8 @@ class RemotePool:
         rid = next(self._rids)
         fut: asyncio.Future[RemoteCall] = loop.create_future()
         self._pending[rid] = fut
-        self.send(msg.Start(rid, voice, persona, dataclasses.asdict(sampling), may_queue=queue))
+        self._doors[rid] = door
+        self.send(msg.Start(rid, voice, persona, dataclasses.asdict(sampling), may_queue=queue, door=door))
         try:
             return await asyncio.wait_for(fut, START_TIMEOUT)
         except TimeoutError:
@@ -220,6 +231,7 @@ class RemotePool:
             raise PoolClosedError(f"engine {self.name} did not answer within {START_TIMEOUT:.0f} s") from None
         finally:
             self._pending.pop(rid, None)
+            self._doors.pop(rid, None)
 
     def close(self) -> None:
         self.alive = False  # said goodbye: not an error
@@ -266,7 +278,7 @@ class RemotePool:
                     log.warning("engine %s: unexpected %s ignored", self.name, type(message).__name__)
 
     def _started(self, started: msg.Started) -> None:
-        call = RemoteCall(self, started)
+        call = RemoteCall(self, started, self._doors.get(started.rid, DOOR_PAGE))
         fut = self._pending.get(started.rid)
         if fut is None or fut.done():  # the start timed out here meanwhile: nobody waits for this call
             call.release(START_TIMED_OUT)
@@ -342,7 +354,8 @@ class PoolRouter:
         """Per engine, for /api/status: its name, whether it runs, and its pool's figures."""
         return [{"name": e.name, "alive": e.alive, **e.snapshot().as_dict()} for e in self.engines]
 
-    async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING) -> RemoteCall:
+    async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING,
+                      door: str = DOOR_PAGE) -> RemoteCall:
         """The room contract's `acquire`, across the engines that run; raises what `SlotPool.acquire` does."""
         alive = [e for e in self.engines if e.alive]
         if not alive:
@@ -350,13 +363,13 @@ class PoolRouter:
         # A seat anywhere first: each engine takes the call only if it would seat it now, atomically.
         for engine in sorted(alive, key=lambda e: (-e.room.admitting, -e.room.headroom_ms, -e.room.slots_free)):
             try:
-                return await engine.acquire(voice, persona, sampling, queue=False)
+                return await engine.acquire(voice, persona, sampling, door, queue=False)
             except (PoolFullError, PoolClosedError):
                 continue
         full: PoolFullError | None = None
         for engine in sorted((e for e in alive if e.alive), key=lambda e: (e.room.queue_length, -e.room.headroom_ms)):
             try:
-                return await engine.acquire(voice, persona, sampling, queue=True)
+                return await engine.acquire(voice, persona, sampling, door, queue=True)
             except PoolFullError as exc:
                 full = exc
             except PoolClosedError:

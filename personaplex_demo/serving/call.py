@@ -25,7 +25,7 @@ from ..sampling_params import SamplingParams
 from .clock import Clock
 from .config import PoolConfig
 from .counters import CallCounters, PoolCounters
-from .room import CallEnded, CallState, EndReason, SlotOutput
+from .room import DOOR_PAGE, CallEnded, CallState, EndReason, SlotOutput
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,9 @@ class CallView:
     """What a handler reads of a call: the same for a `Call` in this process and for a call on an
     engine in another one (`procs.remote_pool.RemoteCall`)."""
 
-    def __init__(self, call_id: str) -> None:
+    def __init__(self, call_id: str, door: str = DOOR_PAGE) -> None:
         self.id = call_id
+        self.door = door
         self.state = CallState.QUEUED
         self.queue_position: int | None = None
         self.wait_reason: str | None = None  # while QUEUED: why (serving/headroom.py WAIT_*)
@@ -82,8 +83,9 @@ class Call(CallView):
     """One caller; see the module docstring. Every public method outside "the pool's side" is
     thread-safe."""
 
-    def __init__(self, ctx: CallContext, voice: str, persona: str, sampling: SamplingParams) -> None:
-        super().__init__(uuid.uuid4().hex[:12])
+    def __init__(self, ctx: CallContext, voice: str, persona: str, sampling: SamplingParams,
+                 door: str = DOOR_PAGE) -> None:
+        super().__init__(uuid.uuid4().hex[:12], door)
         self.voice = voice
         self.persona = persona
         self.sampling = sampling
@@ -201,6 +203,7 @@ class Call(CallView):
         self.state = CallState.LIVE
         self._live_since = self._last_input = now
         self._ctx.counters.calls_started += 1
+        self._ctx.counters.calls_started_by_door[self.door] += 1
         self._wake()
         return True
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -30,6 +31,11 @@ class PoolCounters(FrameCounters):
     calls_refused: int = 0  # PoolFullError raised
     calls_held_back: int = 0  # calls that waited with a slot free, for lack of headroom in the tick
     calls_ended: collections.Counter[str] = field(default_factory=collections.Counter)  # by `EndReason.kind`
+    calls_started_by_door: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def copy(self) -> PoolCounters:
+        return dataclasses.replace(self, calls_ended=collections.Counter(self.calls_ended),
+                                   calls_started_by_door=collections.Counter(self.calls_started_by_door))
 
 
 @dataclass(frozen=True)
@@ -39,3 +45,4 @@ class SlotCounts:
     prefill: int
     free: int
     queued: int
+    by_door: dict[str, int]  # calls in the room (waiting, preparing or live) by the door they came through

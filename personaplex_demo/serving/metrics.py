@@ -50,6 +50,9 @@ class PoolMetrics:
     media_lag_ms: float = 0.0  # the worst event-loop lag a door reported lately
     # Calls ended, by reason: hangup, idle, time_limit, queue_timeout, shutdown, error (any "error: ...").
     calls_ended: dict[str, int] = dataclasses.field(default_factory=dict)
+    # By the door a call came through (serving/room.py DOORS): calls in the room now, calls gone live.
+    calls_by_door: dict[str, int] = dataclasses.field(default_factory=dict)
+    calls_started_by_door: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float | int]:
         return dataclasses.asdict(self)
@@ -126,10 +129,11 @@ class WindowSample:
 
         fields = dataclasses.asdict(counters)
         fields["calls_ended"] = dict(counters.calls_ended)
+        fields["calls_started_by_door"] = dict(counters.calls_started_by_door)
         ticks, lat, added = self.ticks, self.latencies, self.added
         return PoolMetrics(
             slots_total=slots.total, slots_live=slots.live, slots_prefill=slots.prefill, slots_free=slots.free,
-            queue_length=slots.queued, ticks=tick_count,
+            queue_length=slots.queued, calls_by_door=dict(slots.by_door), ticks=tick_count,
             tick_p50_ms=ms(ticks, 50), tick_p99_ms=ms(ticks, 99),
             realtime_factor=float(ticks.mean() / tick_seconds) if ticks.size else 0.0,
             latency_p50_ms=ms(lat, 50), latency_p99_ms=ms(lat, 99),

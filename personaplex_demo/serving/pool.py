@@ -16,8 +16,6 @@ holds the old session.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import logging
 import threading
 from typing import TYPE_CHECKING
@@ -34,7 +32,7 @@ from .counters import PoolCounters
 from .metrics import PoolMetrics, PoolWindows, TickListener
 from .pacing import TickPacer
 from .prefill import gap_prefills
-from .room import CallState, EndReason, PoolClosedError, SlotOutput
+from .room import DOOR_PAGE, CallState, EndReason, PoolClosedError, SlotOutput
 from .slot_table import SlotTable
 
 if TYPE_CHECKING:
@@ -120,12 +118,13 @@ class SlotPool:
 
     # ---- admission -----------------------------------------------------------------------------
 
-    async def acquire(self, voice: str, persona: str, sampling: SamplingParams = _DEFAULT_SAMPLING) -> Call:
+    async def acquire(self, voice: str, persona: str, sampling: SamplingParams = _DEFAULT_SAMPLING,
+                      door: str = DOOR_PAGE) -> Call:
         """The room contract's `acquire` (room.py): `admit`, which never blocks."""
-        return self.admit(voice, persona, sampling)
+        return self.admit(voice, persona, sampling, door=door)
 
     def admit(self, voice: str, persona: str, sampling: SamplingParams = _DEFAULT_SAMPLING,
-              queue: bool = True) -> Call:
+              queue: bool = True, door: str = DOOR_PAGE) -> Call:
         """Take a free slot (state PREFILL) or a place in the queue (state QUEUED).
 
         Non-blocking, for any thread. Raises a CallerError for a bad request, PoolFullError when the
@@ -133,14 +132,14 @@ class SlotPool:
         if self.closed:
             raise PoolClosedError("the pool has been shut down; no new calls are taken")
         self.engine.validate_request(voice, persona, sampling)
-        call = Call(self._ctx, voice, persona, sampling)
+        call = Call(self._ctx, voice, persona, sampling, door)
         with self._lock:
             if self.closed:
                 raise PoolClosedError("the pool has been shut down; no new calls are taken")
             self._admission.place(call, queue)  # or PoolFullError
             where = (f"slot {call.slot}" if call.slot is not None
                      else f"queued at position {call.queue_position} ({call.wait_reason})")
-        logger.info("call %s: %s, voice %s", call.id, where, voice)
+        logger.info("call %s (%s): %s, voice %s", call.id, door, where, voice)
         return call
 
     def report_media_lag(self, seconds: float, source: str = "local") -> None:
@@ -296,7 +295,7 @@ class SlotPool:
     def snapshot(self) -> PoolMetrics:
         with self._lock:
             slots = self._table.counts()
-            counters = dataclasses.replace(self._counters, calls_ended=collections.Counter(self._counters.calls_ended))
+            counters = self._counters.copy()
             sample, ticks = self._windows.sample(), self._tick
             admission = self._admission.figures(slots.free)
         return sample.metrics(slots, counters, ticks, self.config.tick_seconds, admission)

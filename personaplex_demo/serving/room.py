@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 
 TickListener = Callable[[float, list[float]], None]  # (tick seconds, latencies of the frames it stepped)
 
+# The door a call came through, a label the room only counts by (/api/status, /metrics).
+DOOR_PAGE = "page"  # the WebRTC page (web/handler.py)
+DOOR_REALTIME = "realtime"  # the OpenAI-Realtime WebSocket (api/)
+DOORS = (DOOR_PAGE, DOOR_REALTIME)
+
 
 class CallState(enum.StrEnum):
     QUEUED = "queued"  # waiting for a free slot
@@ -84,6 +89,7 @@ class CallHandle(Protocol):
     """One caller's call, as a door holds it. Non-blocking or awaitable: never blocks a loop."""
 
     id: str
+    door: str  # the door it came through (DOORS)
     state: CallState
     queue_position: int | None  # while QUEUED, 1 = next
     wait_reason: str | None  # while QUEUED: why (serving/headroom.py WAIT_SLOTS or WAIT_CAPACITY)
@@ -119,9 +125,11 @@ class Room(Protocol):
     @property
     def slots_total(self) -> int: ...
 
-    async def acquire(self, voice: str, persona: str, sampling: SamplingParams = ...) -> CallHandle:
-        """A call on a free slot (PREFILL) or in the queue (QUEUED). Raises a CallerError for a bad
-        request, PoolFullError when the queue is full, PoolClosedError after shutdown."""
+    async def acquire(self, voice: str, persona: str, sampling: SamplingParams = ...,
+                      door: str = DOOR_PAGE) -> CallHandle:
+        """A call on a free slot (PREFILL) or in the queue (QUEUED), counted under `door`. Raises a
+        CallerError for a bad request, PoolFullError when the queue is full, PoolClosedError after
+        shutdown."""
         ...
 
     def snapshot(self) -> PoolMetrics:

@@ -116,6 +116,7 @@ class SlotTable:
 
     def counts(self) -> SlotCounts:
         states = [c.state for c in self.slots if c is not None]
+        by_door = collections.Counter(c.door for c in self.everyone() if c.state != CallState.ENDED)
         return SlotCounts(total=len(self.slots), live=states.count(CallState.LIVE),
                           prefill=states.count(CallState.PREFILL), free=len(self.slots) - len(states),
-                          queued=len(self.queue))
+                          queued=len(self.queue), by_door=dict(by_door))

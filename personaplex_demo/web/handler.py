@@ -34,8 +34,8 @@ from ..frame import FRAME_SAMPLES, SAMPLE_RATE
 from ..rtc.audio import output_frame_samples
 from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
 from ..serving.headroom import WAIT_CAPACITY
+from ..serving.loop_lag import ensure_probe
 from ..serving.room import CallEnded, CallHandle, CallState, EndReason, PoolClosedError, PoolFullError, Room
-from .loop_lag import ensure_probe
 from .page_inputs import CallRequest
 from .recording import CallRecording, RecordingFiles, RecordingStore
 from .status import STATUS_SECONDS, PageThrottle, RoomMetrics, room_line, status_line

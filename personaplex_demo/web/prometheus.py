@@ -8,7 +8,7 @@ so nothing is counted twice. The tick and latency histograms are fed by the pool
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..serving.room import EndReason, Room
+from ..serving.room import DOORS, EndReason, Room
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +79,24 @@ class PoolCollector(Collector):
         for reason, count in sorted({**dict.fromkeys(END_REASONS, 0), **m.calls_ended}.items()):
             ended.add_metric([reason], count)
         yield ended
+        in_room = GaugeMetricFamily(f"{PREFIX}_calls", "Calls in the room (waiting, preparing or live), by the "
+                                    "door they came through: page (WebRTC) or realtime (the WebSocket API).",
+                                    labels=["door"])
+        started = CounterMetricFamily(f"{PREFIX}_calls_started_by_door", "Calls that went live, by door.",
+                                      labels=["door"])
+        for family, counts in ((in_room, m.calls_by_door), (started, m.calls_started_by_door)):
+            for door, count in sorted({**dict.fromkeys(DOORS, 0), **counts}.items()):
+                family.add_metric([door], count)
+            yield family
 
 
-def build_registry(room: Room) -> CollectorRegistry:
+def build_registry(room: Room, collectors: Sequence[Collector] = ()) -> CollectorRegistry:
     """A registry of this pool's metrics plus the process's (memory, CPU, GC). Its own registry, not
     prometheus_client's global one, so several pools (tests) never clash."""
     registry = CollectorRegistry()
     registry.register(PoolCollector(room))
+    for collector in collectors:  # the other doors' own figures
+        registry.register(collector)
     tick = Histogram(f"{PREFIX}_tick_seconds", "Wall time of one tick: the batched engine step and its bookkeeping.",
                      buckets=TICK_BUCKETS, registry=registry)
     latency = Histogram(f"{PREFIX}_frame_latency_seconds",
@@ -104,8 +115,8 @@ def build_registry(room: Room) -> CollectorRegistry:
     return registry
 
 
-def metrics_routes(room: Room) -> list[Route]:
-    registry = build_registry(room)
+def metrics_routes(room: Room, collectors: Sequence[Collector] = ()) -> list[Route]:
+    registry = build_registry(room, collectors)
 
     async def metrics(_: Request) -> Response:
         # A snapshot sorts thousands of samples under the ticker's lock: not on the event loop.

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from ..serving.headroom import WAIT_CAPACITY, WAIT_SLOTS
 from ..serving.metrics import PoolMetrics
-from ..serving.room import CallHandle, CallState, Room
+from ..serving.room import DOOR_REALTIME, CallHandle, CallState, Room
 
 # Each page update costs the server a data-channel message and a Gradio event step, per caller:
 # new text is batched to at most one update per TEXT_SECONDS, and the status line (time left,
@@ -51,6 +51,8 @@ def room_line(m: PoolMetrics) -> str:
     room = f"slots {m.slots_live + m.slots_prefill}/{m.slots_total} in use"
     if m.queue_length:
         room += f", {m.queue_length} waiting"
+    if api := m.calls_by_door.get(DOOR_REALTIME, 0):
+        room += f" ({api} via the Realtime API)"
     return room
 
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import weakref
 
-from ..serving.room import Room
+from .room import Room
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,75 @@
+"""Client events as the door reads them: JSON text in, a checked `ClientEvent` out, or a
+RealtimeError with the code of the rule it broke (api/errors.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from . import errors as e
+from .errors import RealtimeError
+
+# Events of the Realtime API that a full-duplex speech model has no counterpart for: the model
+# takes no text turns, calls no tools and keeps no editable conversation (docs/realtime.md).
+UNSUPPORTED = {
+    "conversation.item.create": "text and function-call items cannot be added: this model only hears audio",
+    "conversation.item.delete": "the conversation lives in the model's state and cannot be edited",
+    "conversation.item.truncate": "the conversation lives in the model's state and cannot be edited",
+    "conversation.item.retrieve": "items are not stored: the audio went out as it was spoken",
+    "output_audio_buffer.clear": "the agent's audio is streamed as it is made; use response.cancel",
+    "transcription_session.update": "this server runs a conversation model, not a transcription session",
+}
+# Events the door takes. session.update and input_audio_buffer.append carry data; the rest are
+# acknowledged (docs/realtime.md § Client events).
+KNOWN = ("session.update", "input_audio_buffer.append", "input_audio_buffer.clear", "input_audio_buffer.commit",
+         "response.create", "response.cancel")
+
+
+@dataclass(frozen=True)
+class ClientEvent:
+    type: str
+    event_id: str | None
+    body: dict[str, Any]
+
+
+def parse(text: str | bytes | None, max_bytes: int) -> ClientEvent:
+    """One WebSocket message as a client event; RealtimeError for anything the door cannot take."""
+    if text is None or isinstance(text, bytes):
+        raise RealtimeError(e.BINARY_MESSAGE, "send each event as a JSON text message, not binary")
+    if len(text) > max_bytes:
+        raise RealtimeError(e.MESSAGE_TOO_LARGE, f"an event may be at most {max_bytes} bytes, this one has "
+                            f"{len(text)}; send audio in smaller appends (any length is fine)")
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
+        raise RealtimeError(e.INVALID_JSON, f"the event is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RealtimeError(e.INVALID_JSON, f"an event must be a JSON object, got {type(body).__name__}")
+    event_id = body.get("event_id") if isinstance(body.get("event_id"), str) else None
+    kind = body.get("type")
+    if not isinstance(kind, str) or not kind:
+        raise RealtimeError(e.MISSING_FIELD, "the event has no \"type\"", param="type", event_id=event_id)
+    if kind in UNSUPPORTED:
+        raise RealtimeError(e.UNSUPPORTED_EVENT, f"{kind} is not supported: {UNSUPPORTED[kind]}",
+                            param="type", event_id=event_id)
+    if kind not in KNOWN:
+        raise RealtimeError(e.UNKNOWN_EVENT, f"unknown event type {kind!r}; this server takes {', '.join(KNOWN)}",
+                            param="type", event_id=event_id)
+    return ClientEvent(kind, event_id, body)
+
+
+def field(event: ClientEvent, name: str, kind: type | tuple[type, ...], required: bool = True) -> Any:
+    """`event.body[name]`, checked to be of `kind`; None when absent and not required."""
+    if name not in event.body or event.body[name] is None:
+        if required:
+            raise RealtimeError(e.MISSING_FIELD, f"{event.type} needs \"{name}\"", param=name,
+                                event_id=event.event_id)
+        return None
+    value = event.body[name]
+    if not isinstance(value, kind) or isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple)
+                                                                                  else (kind,)):
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise RealtimeError(e.INVALID_FIELD, f"\"{name}\" of {event.type} must be {names}, got "
+                            f"{type(value).__name__}", param=name, event_id=event.event_id)
+    return value

@@ -1,0 +1,32 @@
+"""The Realtime door's settings (docs/realtime.md): one dataclass, mapped from the app's flags in
+cli/app.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
+
+
+@dataclass(frozen=True)
+class RealtimeConfig:
+    api_key: str | None = None  # when set, a socket must present it before it may take a slot
+    max_sockets_per_client: int = 4  # open sockets per client address: one script cannot take the room
+    # Audio a client may send ahead of real time; the door hands it to the room at the room's pace.
+    input_buffer_seconds: float = 5.0
+    # Frames handed to the room beyond the outputs read back: enough to cover one tick's jitter,
+    # few enough that a client sending faster than real time does not add latency in the room.
+    feed_lead_frames: int = 2
+    # A client that pauses its audio: after `fill_after_seconds` without any the door plays
+    # silence into the call (the model keeps listening and answering) for up to
+    # `fill_silence_seconds`; then the room's idle release ends the call.
+    fill_after_seconds: float = 0.5
+    fill_silence_seconds: float = 30.0
+    max_message_bytes: int = 1 << 20  # one client event (a 1 MiB append holds about 16 s of audio)
+    # Agent audio a client has not read yet; beyond it the socket is closed and the slot freed.
+    send_backlog_seconds: float = 5.0
+    # An agent turn (one response) ends after this long without text or audible agent speech.
+    turn_end_seconds: float = 0.8
+    speech_dbfs: float = -40.0  # agent audio louder than this (RMS) counts as speech
+    max_wait_seconds: float | None = DEFAULT_MAX_WAIT_SECONDS  # in the queue, as on the page
+    model_name: str = "personaplex"

@@ -1,0 +1,43 @@
+"""The Realtime door's errors: each becomes one `error` event with a specific code, and the socket
+stays open unless the code says otherwise. The codes and their meaning: docs/realtime.md § Errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RealtimeError(Exception):
+    """A client event the door cannot take: `code` says which rule, `message` what to do."""
+
+    def __init__(self, code: str, message: str, *, param: str | None = None, event_id: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message, self.param, self.event_id, self.kind = code, message, param, event_id, kind
+
+    def as_error(self) -> dict[str, Any]:
+        """The `error` field of the event, as OpenAI's servers shape it."""
+        return {"type": self.kind, "code": self.code, "message": self.message, "param": self.param,
+                "event_id": self.event_id}
+
+
+# The codes, one per rule, so that a client can match on them.
+INVALID_JSON = "invalid_json"  # not JSON, or not a JSON object
+BINARY_MESSAGE = "binary_message_unsupported"  # events are JSON text frames
+MESSAGE_TOO_LARGE = "message_too_large"
+MISSING_FIELD = "missing_field"
+INVALID_FIELD = "invalid_field"  # a field of the wrong type or out of range
+UNKNOWN_EVENT = "unknown_event"
+UNSUPPORTED_EVENT = "unsupported_event"  # a Realtime event this model has no counterpart for
+INVALID_BASE64 = "invalid_base64"
+ODD_BYTE_COUNT = "odd_byte_count"  # PCM16 is two bytes a sample
+UNSUPPORTED_AUDIO_FORMAT = "unsupported_audio_format"
+UNSUPPORTED_MODALITIES = "unsupported_modalities"
+UNKNOWN_VOICE = "unknown_voice"
+PERSONA_TOO_LONG = "persona_too_long"
+INVALID_SAMPLING = "invalid_sampling"
+SESSION_LOCKED = "session_locked"  # voice, persona and sampling are prefilled when the call starts
+INPUT_BUFFER_FULL = "input_audio_buffer_full"  # audio ahead of real time beyond the bound
+CALL_NOT_STARTED = "call_not_started"  # nothing to cancel or clear yet
+ROOM_FULL = "room_full"
+ROOM_CLOSED = "room_closed"
+CALL_ENDED = "call_ended"

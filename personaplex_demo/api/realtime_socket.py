@@ -1,0 +1,318 @@
+"""One Realtime WebSocket: client events in, a call in the room, server events out
+(docs/realtime.md). Three tasks share the socket, all on the server's event loop, none blocking it:
+
+- the reader takes client events one at a time and answers each (or sends an `error`);
+- the call's runner waits for a slot (telling the client its place when it asked for room
+  events), then reads the agent's frames, turns them into responses (api/turns.py) and hands the
+  room the client's audio at the room's own pace (`_feed`);
+- the writer sends what the other two queued, and a client that stops reading is disconnected
+  once `send_backlog_seconds` of audio wait for it.
+
+The call is released when the socket closes for any reason, so a slot never outlives its socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+import numpy as np
+from starlette.websockets import WebSocket
+
+from ..errors import CallerError, PersonaTooLongError, UnknownVoiceError
+from ..frame import FRAME_SAMPLES, FRAME_SECONDS
+from ..serving.room import DOOR_REALTIME, CallEnded, CallHandle, CallState, EndReason, PoolClosedError, PoolFullError, Room
+from . import errors as e
+from .audio_in import InputAudio, decode_pcm16
+from .client_events import ClientEvent, field, parse
+from .config import RealtimeConfig
+from .errors import RealtimeError
+from .server_events import error_event, event
+from .session import Dialect, PromptRules, SessionSettings, apply_update, new_id, session_object
+from .stats import DoorStats
+from .turns import TurnTracker
+
+log = logging.getLogger(__name__)
+
+SILENCE = np.zeros(FRAME_SAMPLES, np.int16)
+AUDIO_EVENTS = {"response.output_audio.delta", "response.audio.delta"}
+CLOSE_SECONDS = 2.0  # for the last events to leave and the close handshake, before giving up on a client
+
+# How a call's end reads to a client, and the WebSocket close code it comes with.
+END_MESSAGES = {
+    EndReason.TIME_LIMIT: (1000, "the call reached its time limit"),
+    EndReason.IDLE: (1000, "no audio arrived for a while; the slot was freed"),
+    EndReason.QUEUE_TIMEOUT: (1013, "no slot came free in time; try again in a few minutes"),
+    EndReason.OVERLOADED: (1013, "the room could no longer keep every call in real time, so the newest call "
+                                 "was ended; try again in a few minutes"),
+    EndReason.SHUTDOWN: (1001, "the server is restarting; try again in a minute"),
+}
+
+
+class Outbox:
+    """Events waiting for the writer, as JSON text; counts the audio deltas among them."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[tuple[str, bool]] = collections.deque()
+        self._ready = asyncio.Event()
+        self._empty = asyncio.Event()
+        self._empty.set()
+        self.audio_frames = 0
+
+    def put(self, ev: dict[str, Any]) -> None:
+        audio = ev["type"] in AUDIO_EVENTS
+        self._items.append((json.dumps(ev, separators=(",", ":")), audio))
+        self.audio_frames += audio
+        self._ready.set()
+        self._empty.clear()
+
+    async def get(self) -> tuple[str, bool]:
+        while not self._items:
+            self._ready.clear()
+            self._empty.set()
+            await self._ready.wait()
+        return self._items.popleft()
+
+    def sent(self, audio: bool) -> None:
+        self.audio_frames -= audio
+
+    async def drained(self) -> None:
+        await self._empty.wait()
+
+
+class RealtimeSocket:
+    """The door's side of one accepted socket; `run` returns when it has closed."""
+
+    def __init__(self, ws: WebSocket, room: Room, rules: PromptRules, config: RealtimeConfig, dialect: Dialect,
+                 stats: DoorStats) -> None:
+        self.ws, self.room, self.rules, self.config, self.dialect, self.stats = ws, room, rules, config, dialect, stats
+        self.session_id = new_id("sess")
+        self.settings = SessionSettings()
+        self.call: CallHandle | None = None
+        self.audio = InputAudio(config.input_buffer_seconds)
+        self.turns = TurnTracker(dialect, config.turn_end_seconds, config.speech_dbfs)
+        self.outbox = Outbox()
+        self.in_flight = 0  # frames handed to the room and not yet answered by an output
+        self.frames_in = self.frames_out = 0
+        self.dropped_before_live = 0  # samples appended while the call was not live (not heard)
+        self.last_audio_at = time.monotonic()
+        self.connected_at = time.monotonic()
+        self._tasks: set[asyncio.Task] = set()
+        self._reader: asyncio.Task | None = None
+        self._closing = False
+
+    # ---- the socket's life ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.stats.opened()
+        self.send(event("session.created", session=self._session()))
+        self._spawn(self._write())
+        self._reader = asyncio.create_task(self._read())
+        try:
+            await asyncio.wait({self._reader})
+        finally:
+            if self.call is not None:
+                self.call.release(EndReason.HANGUP)  # idempotent: a call that ended keeps its reason
+            for task in list(self._tasks):
+                task.cancel()
+            self.stats.closed()
+            log.info("realtime %s closed: %d frames in, %d out, %d responses", self.session_id, self.frames_in,
+                     self.frames_out, self.turns.responses)
+
+    async def _read(self) -> None:
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            try:
+                await self._handle(parse(message.get("text", message.get("bytes")), self.config.max_message_bytes))
+            except RealtimeError as err:
+                self.error(err)
+
+    async def _write(self) -> None:
+        while True:
+            text, audio = await self.outbox.get()
+            await self.ws.send_text(text)
+            self.outbox.sent(audio)
+
+    async def close(self, code: int, reason: str) -> None:
+        """Send what is queued (briefly), close the socket, stop reading."""
+        if self._closing:
+            return
+        self._closing = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.outbox.drained(), CLOSE_SECONDS)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.ws.close(code, reason[:120]), CLOSE_SECONDS)
+        if self._reader is not None:
+            self._reader.cancel()
+
+    def send(self, ev: dict[str, Any]) -> None:
+        if not self._closing:
+            self.outbox.put(ev)
+
+    def error(self, err: RealtimeError) -> None:
+        self.stats.error(err.code)
+        log.info("realtime %s: %s", self.session_id, err)
+        self.send(error_event(err))
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _session(self) -> dict[str, Any]:
+        return session_object(self.settings, self.dialect, self.session_id, self.config.model_name)
+
+    # ---- client events -------------------------------------------------------------------------
+
+    async def _handle(self, ev: ClientEvent) -> None:
+        match ev.type:
+            case "session.update":
+                self.settings = apply_update(self.settings, field(ev, "session", dict), self.rules,
+                                             started=self.call is not None, event_id=ev.event_id)
+                self.send(event("session.updated", session=self._session()))
+                if self.call is None:
+                    await self._start_call(ev.event_id)
+            case "input_audio_buffer.append":
+                samples = decode_pcm16(field(ev, "audio", str), ev.event_id)
+                if self.call is None:
+                    await self._start_call(ev.event_id)  # no session.update: the default voice and persona
+                if self.call is None or self.call.state != CallState.LIVE:
+                    self.dropped_before_live += samples.size  # the model is not listening yet
+                    return
+                self.audio.append(samples, ev.event_id)
+                self.last_audio_at = time.monotonic()
+                self._feed()
+            case "input_audio_buffer.clear":
+                self.audio.clear()
+                self.send(event("input_audio_buffer.cleared"))
+            case "input_audio_buffer.commit":
+                # Nothing to commit: the model hears the audio as it comes. Acknowledged for clients
+                # that commit at the end of the user's turn.
+                self.send(event("input_audio_buffer.committed", previous_item_id=None, item_id=new_id("item")))
+            case "response.create":
+                if self.call is None:
+                    await self._start_call(ev.event_id)
+                response = ev.body.get("response") if isinstance(ev.body.get("response"), dict) else {}
+                opened = self.turns.request(response.get("metadata"))
+                if opened is None:
+                    raise RealtimeError("conversation_already_has_active_response", "a response is already in "
+                                        "progress: the model answers in its own time", event_id=ev.event_id)
+                self._send_all(opened)
+            case "response.cancel":
+                closed = self.turns.cancel()
+                if closed is None:
+                    raise RealtimeError("response_cancel_not_active", "no response is in progress",
+                                        event_id=ev.event_id)
+                self._send_all(closed)
+
+    def _send_all(self, events: list[dict[str, Any]]) -> None:
+        for ev in events:
+            self.send(ev)
+
+    # ---- the call ------------------------------------------------------------------------------
+
+    async def _start_call(self, event_id: str | None) -> None:
+        voice, persona, sampling = self.settings.call_fields()
+        try:
+            self.call = await self.room.acquire(voice, persona, sampling, door=DOOR_REALTIME)
+        except CallerError as exc:
+            code = (e.UNKNOWN_VOICE if isinstance(exc, UnknownVoiceError) else
+                    e.PERSONA_TOO_LONG if isinstance(exc, PersonaTooLongError) else e.INVALID_FIELD)
+            raise RealtimeError(code, str(exc), param="session", event_id=event_id) from None
+        except PoolFullError as exc:
+            self.error(RealtimeError(e.ROOM_FULL, f"the room is full and its queue too ({exc}); try again in a "
+                                     "minute", event_id=event_id, kind="server_error"))
+            await self.close(1013, "the room is full")
+            return
+        except PoolClosedError as exc:
+            self.error(RealtimeError(e.ROOM_CLOSED, f"the room is not taking calls: {exc}", event_id=event_id,
+                                     kind="server_error"))
+            await self.close(1001, "the room is closed")
+            return
+        log.info("realtime %s: call %s (%s), voice %s", self.session_id, self.call.id, self.call.state, voice)
+        self._spawn(self._run_call(self.call))
+
+    def room_event(self, kind: str, **fields: Any) -> None:
+        if self.settings.room_events:
+            self.send(event(f"personaplex.{kind}", **fields))
+
+    async def _run_call(self, call: CallHandle) -> None:
+        try:
+            await self._wait_for_live(call)
+            self.room_event("live", call_id=call.id, time_left=call.time_left())
+            self.last_audio_at = time.monotonic()
+            self._feed()
+            backlog_limit = self.config.send_backlog_seconds / FRAME_SECONDS
+            while True:
+                out = await call.next_output(timeout=0.25)
+                if out is not None:
+                    self.in_flight = max(0, self.in_flight - 1)
+                    self.frames_out += 1
+                    self._send_all(self.turns.frame(out.pcm, out.text))
+                self._feed()
+                if self.outbox.audio_frames > backlog_limit:
+                    log.warning("realtime %s: the client stopped reading; closing", self.session_id)
+                    call.release(EndReason.error("the client stopped reading"))
+                    self.stats.error("client_not_reading")
+                    await self.close(1008, "the client stopped reading its audio")
+                    return
+        except CallEnded as ended:
+            await self._ended(ended.reason)
+
+    async def _wait_for_live(self, call: CallHandle) -> None:
+        told: tuple | None = None
+        while call.state.waiting:
+            if call.state == CallState.QUEUED:
+                waited = time.monotonic() - self.connected_at
+                if self.config.max_wait_seconds is not None and waited > self.config.max_wait_seconds:
+                    call.release(EndReason.QUEUE_TIMEOUT)
+                now = ("queue", call.queue_position, call.wait_reason)
+                if now != told:
+                    self.room_event("queue", position=call.queue_position, reason=call.wait_reason)
+            else:
+                now = ("preparing",)
+                if now != told:
+                    self.room_event("preparing")
+            told = now
+            with contextlib.suppress(TimeoutError):
+                await call.wait_live(timeout=1.0)
+
+    def _feed(self) -> None:
+        """Hand the room the client's next frames: at most `feed_lead_frames` ahead of the outputs
+        read back, so audio sent faster than real time waits here (bounded) rather than in the
+        room. After `fill_after_seconds` without audio the door plays silence, so the model keeps
+        listening and answering through a client's pause."""
+        call = self.call
+        if call is None or call.state != CallState.LIVE:
+            return
+        while self.in_flight < self.config.feed_lead_frames:
+            frame = self.audio.pop()
+            if frame is None:
+                quiet = time.monotonic() - self.last_audio_at
+                filling = self.config.fill_after_seconds <= quiet < self.config.fill_silence_seconds
+                if self.in_flight or not filling:
+                    return
+                frame = SILENCE
+            call.push_frame(frame)
+            self.in_flight += 1
+            self.frames_in += 1
+
+    async def _ended(self, reason: str) -> None:
+        self._send_all(self.turns.finish(reason))
+        if reason == EndReason.HANGUP:
+            await self.close(1000, "hang-up")
+            return
+        code, message = END_MESSAGES.get(reason, (1011, f"the call ended: {reason}"))
+        if self.settings.room_events:
+            self.room_event("call_ended", reason=reason, message=message)
+        else:
+            self.error(RealtimeError(e.CALL_ENDED, f"the call ended ({reason}): {message}", kind="server_error"))
+        await self.close(code, message)

@@ -1,0 +1,201 @@
+"""The session a socket configures with `session.update`, in either shape of the Realtime API:
+the current one (`session.type = "realtime"`, `audio.input.format`, `audio.output.voice`) and the
+beta one (`voice`, `input_audio_format: "pcm16"`). Every field, and what becomes of it, is listed
+in docs/realtime.md (§ Session).
+
+The voice, the persona (`instructions`) and the sampling settings are prefilled into a slot
+when the call starts, so they are fixed from then on; the fields this model has no use for are
+ignored and named in the session object the door sends back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..errors import CallerError, PersonaTooLongError
+from ..frame import SAMPLE_RATE
+from ..runtime.voice_names import DEFAULT_VOICE
+from ..sampling_params import SamplingParams
+from . import errors as e
+from .errors import RealtimeError
+
+# Sampling settings a session may set under "personaplex" (the same as the page's).
+SAMPLING_FIELDS = {"text_temperature": float, "text_top_k": int, "audio_temperature": float, "audio_top_k": int,
+                   "seed": int, "greedy": bool}
+# Fields of the Realtime API this model has no counterpart for: accepted, ignored, named back.
+IGNORED = ("turn_detection", "input_audio_transcription", "input_audio_noise_reduction", "tools", "tool_choice",
+           "max_response_output_tokens", "max_output_tokens", "tracing", "truncation", "include", "prompt",
+           "speed", "client_secret", "expires_at")
+
+
+class Dialect(enum.Enum):
+    """The event names a client reads: the current API's, or the beta's (`OpenAI-Beta: realtime=v1`)."""
+
+    CURRENT = "current"
+    BETA = "beta"
+
+
+class PromptRules(Protocol):
+    """What the door checks a request against before it asks the room (the engine's facts)."""
+
+    voice_names: list[str]
+    max_persona_tokens: int
+
+    def persona_tokens(self, persona: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    voice: str = DEFAULT_VOICE
+    persona: str = ""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    room_events: bool = False  # personaplex.* events (queue, live, ended): clients that know them opt in
+    ignored: tuple[str, ...] = ()  # fields the last update set that this model does not use
+
+    def call_fields(self) -> tuple[str, str, SamplingParams]:
+        return self.voice, self.persona, self.sampling
+
+
+def _typed(value: Any, kind: type, name: str, event_id: str | None) -> Any:
+    ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if not ok:
+        raise RealtimeError(e.INVALID_FIELD, f"session.{name} must be {kind.__name__}, got {type(value).__name__}",
+                            param=f"session.{name}", event_id=event_id)
+    return value
+
+
+def _check_format(fmt: Any, where: str, event_id: str | None) -> None:
+    """Only 16-bit PCM at 24 kHz: the model's own rate, so nothing is resampled on the way."""
+    if fmt is None:
+        return
+    if isinstance(fmt, str):  # the beta shape
+        ok = fmt == "pcm16"
+    elif isinstance(fmt, dict):  # the current shape: {"type": "audio/pcm", "rate": 24000}
+        ok = fmt.get("type", "audio/pcm") == "audio/pcm" and fmt.get("rate", SAMPLE_RATE) == SAMPLE_RATE
+    else:
+        ok = False
+    if not ok:
+        raise RealtimeError(e.UNSUPPORTED_AUDIO_FORMAT, f"{where} {fmt!r} is not supported: this server takes and "
+                            f"sends 16-bit PCM, 24 kHz mono only (\"pcm16\", or {{\"type\": \"audio/pcm\", \"rate\": "
+                            f"{SAMPLE_RATE}}}); G.711 and other rates are refused", param=f"session.{where}",
+                            event_id=event_id)
+
+
+def _check_modalities(value: Any, where: str, event_id: str | None) -> None:
+    if value is None:
+        return
+    if not isinstance(value, list) or "audio" not in value:
+        raise RealtimeError(e.UNSUPPORTED_MODALITIES, f"session.{where} {value!r}: this model always speaks, so "
+                            "\"audio\" must be among them (its transcript comes with the audio)",
+                            param=f"session.{where}", event_id=event_id)
+
+
+def apply_update(current: SessionSettings, session: Any, rules: PromptRules, *, started: bool,
+                 event_id: str | None = None) -> SessionSettings:
+    """The settings after one `session.update`, or RealtimeError (nothing applied). `started`: the
+    call holds its slot, so voice, persona and sampling can no longer change."""
+    if not isinstance(session, dict):
+        raise RealtimeError(e.INVALID_FIELD, "session.update needs a \"session\" object", param="session",
+                            event_id=event_id)
+    audio = session.get("audio") if isinstance(session.get("audio"), dict) else {}
+    audio_in = audio.get("input") if isinstance(audio.get("input"), dict) else {}
+    audio_out = audio.get("output") if isinstance(audio.get("output"), dict) else {}
+    _check_format(session.get("input_audio_format"), "input_audio_format", event_id)
+    _check_format(session.get("output_audio_format"), "output_audio_format", event_id)
+    _check_format(audio_in.get("format"), "audio.input.format", event_id)
+    _check_format(audio_out.get("format"), "audio.output.format", event_id)
+    _check_modalities(session.get("modalities"), "modalities", event_id)
+    _check_modalities(session.get("output_modalities"), "output_modalities", event_id)
+
+    voice, persona, _ = current.call_fields()
+    given_voice = audio_out.get("voice", session.get("voice"))
+    if given_voice is not None:
+        voice = _typed(given_voice, str, "voice", event_id)
+        if voice not in rules.voice_names:
+            raise RealtimeError(e.UNKNOWN_VOICE, f"unknown voice {voice!r}; choose one of "
+                                f"{', '.join(rules.voice_names)}", param="session.voice", event_id=event_id)
+    if session.get("instructions") is not None:
+        persona = _typed(session["instructions"], str, "instructions", event_id)
+        try:
+            rules.persona_tokens(persona)
+        except PersonaTooLongError as exc:
+            raise RealtimeError(e.PERSONA_TOO_LONG, f"the instructions (the persona) are too long: {exc}",
+                                param="session.instructions", event_id=event_id) from None
+        except CallerError as exc:
+            raise RealtimeError(e.INVALID_FIELD, f"the instructions (the persona) cannot be used: {exc}",
+                                param="session.instructions", event_id=event_id) from None
+    sampling, room_events = _our_fields(current, session, event_id)
+    if started and (voice, persona, sampling) != current.call_fields():
+        raise RealtimeError(e.SESSION_LOCKED, "the voice, the instructions and the sampling settings are played "
+                            "into the model when the call starts and cannot change during it; open a new session "
+                            "to change them", param="session", event_id=event_id)
+    ignored = tuple(name for name in IGNORED if session.get(name) not in (None, [], "")
+                    or audio_in.get(name.removeprefix("input_audio_")) not in (None, [], "")
+                    or audio_out.get(name) not in (None, [], ""))
+    return SessionSettings(voice, persona, sampling, room_events, ignored)
+
+
+def _our_fields(current: SessionSettings, session: dict[str, Any],
+                event_id: str | None) -> tuple[SamplingParams, bool]:
+    """The sampling settings and `room_events` after an update: the beta `temperature` and the
+    "personaplex" extension object."""
+    sampling = current.sampling
+    knobs: dict[str, Any] = {}
+    if session.get("temperature") is not None:  # the beta session's one temperature: the voice's
+        knobs["audio_temperature"] = _typed(session["temperature"], float, "temperature", event_id)
+    ours = session.get("personaplex") or {}
+    if not isinstance(ours, dict):
+        raise RealtimeError(e.INVALID_FIELD, "session.personaplex must be an object", param="session.personaplex",
+                            event_id=event_id)
+    room_events = current.room_events
+    for name, value in ours.items():
+        if name == "room_events":
+            room_events = _typed(value, bool, "personaplex.room_events", event_id)
+        elif name in SAMPLING_FIELDS:
+            knobs[name] = None if value is None and name == "seed" else _typed(
+                value, SAMPLING_FIELDS[name], f"personaplex.{name}", event_id)
+        else:
+            raise RealtimeError(e.INVALID_FIELD, f"unknown field session.personaplex.{name}; known: room_events, "
+                                f"{', '.join(SAMPLING_FIELDS)}", param=f"session.personaplex.{name}",
+                                event_id=event_id)
+    if knobs:
+        sampling = dataclasses.replace(sampling, **knobs)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in knobs.values()):
+            raise RealtimeError(e.INVALID_SAMPLING, "sampling settings must be finite numbers",
+                                param="session.personaplex", event_id=event_id)
+        try:
+            sampling.validate()
+        except ValueError as exc:
+            raise RealtimeError(e.INVALID_SAMPLING, str(exc), param="session.personaplex",
+                                event_id=event_id) from None
+    return sampling, room_events
+
+
+def session_object(settings: SessionSettings, dialect: Dialect, session_id: str, model: str) -> dict[str, Any]:
+    """The session as `session.created` and `session.updated` show it, in the client's dialect."""
+    ours = {"room_events": settings.room_events, **dataclasses.asdict(settings.sampling),
+            "ignored": list(settings.ignored)}
+    pcm = {"type": "audio/pcm", "rate": SAMPLE_RATE}
+    if dialect is Dialect.BETA:
+        return {"id": session_id, "object": "realtime.session", "model": model, "modalities": ["audio", "text"],
+                "instructions": settings.persona, "voice": settings.voice, "input_audio_format": "pcm16",
+                "output_audio_format": "pcm16", "input_audio_transcription": None, "turn_detection": None,
+                "tools": [], "tool_choice": "none", "temperature": settings.sampling.audio_temperature,
+                "max_response_output_tokens": "inf", "personaplex": ours}
+    return {"type": "realtime", "object": "realtime.session", "id": session_id, "model": model,
+            "output_modalities": ["audio"], "instructions": settings.persona,
+            "audio": {"input": {"format": pcm, "transcription": None, "turn_detection": None,
+                                "noise_reduction": None},
+                      "output": {"format": pcm, "voice": settings.voice, "speed": 1.0}},
+            "tools": [], "tool_choice": "none", "max_output_tokens": "inf", "personaplex": ours}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"

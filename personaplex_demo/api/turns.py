@@ -1,0 +1,110 @@
+"""How a continuous full-duplex stream becomes the Realtime API's responses
+(docs/realtime.md § Turns and responses).
+
+The model speaks or stays silent every 80 ms; an agent framework waits for responses. One
+response is one agent turn: it opens at the first frame in which the agent speaks (a text piece,
+or audio louder than `speech_dbfs`) and closes after `turn_end_seconds` without either. The
+frames of a turn, its short pauses included, go out as audio deltas; the silence between turns
+is not sent (a client that plays deltas as they come hears the same). `response.create` opens a
+response at once (a framework that asked for a reply sees it begin), and it waits up to
+`REQUESTED_WAIT_SECONDS` for the agent to speak. `response.cancel` ends the open response and
+mutes the rest of that turn.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from ..frame import FRAME_SECONDS
+from .server_events import ResponseEvents
+from .session import Dialect, new_id
+
+log = logging.getLogger(__name__)
+
+REQUESTED_WAIT_SECONDS = 5.0  # a response opened by response.create, before the agent speaks
+
+
+def is_speech(pcm: np.ndarray, text: str, speech_dbfs: float) -> bool:
+    if text.strip():
+        return True
+    rms = float(np.sqrt(np.mean(np.square(pcm, dtype=np.float64)))) if pcm.size else 0.0
+    return rms > 0 and 20 * np.log10(rms) > speech_dbfs
+
+
+class TurnTracker:
+    """Agent frames in, Realtime events out; one per socket."""
+
+    def __init__(self, dialect: Dialect, turn_end_seconds: float, speech_dbfs: float) -> None:
+        self.dialect = dialect
+        self.end_frames = max(1, round(turn_end_seconds / FRAME_SECONDS))
+        self.speech_dbfs = speech_dbfs
+        self.current: ResponseEvents | None = None
+        self.responses = 0
+        self._last_item: str | None = None
+        self._transcript: list[str] = []
+        self._frames = 0
+        self._quiet = 0  # frames since the agent last spoke
+        self._spoke = False  # in the open response
+        self._muted = False  # after response.cancel, until the agent's turn is over
+
+    def frame(self, pcm: np.ndarray, text: str) -> list[dict[str, Any]]:
+        """The events of one agent frame."""
+        speech = is_speech(pcm, text, self.speech_dbfs)
+        self._quiet = 0 if speech else self._quiet + 1
+        if self._muted:
+            if self._quiet >= self.end_frames:
+                self._muted = False
+            return []
+        events: list[dict[str, Any]] = []
+        if self.current is None:
+            if not speech:
+                return events
+            events += self._open(None)
+        current = self.current
+        assert current is not None
+        self._spoke |= speech
+        self._frames += 1
+        events.append(current.audio(pcm))
+        if text:
+            self._transcript.append(text)
+            events.append(current.transcript(text))
+        waited = self._frames * FRAME_SECONDS
+        if (self._spoke and self._quiet >= self.end_frames) or (not self._spoke and waited >= REQUESTED_WAIT_SECONDS):
+            events += self._close("completed", None)
+        return events
+
+    def request(self, metadata: Any) -> list[dict[str, Any]] | None:
+        """`response.create`: a response opened now (its events), or None when one is open already."""
+        if self.current is not None:
+            return None
+        return self._open(metadata)
+
+    def cancel(self) -> list[dict[str, Any]] | None:
+        """`response.cancel`: the open response ends as cancelled, and the rest of the turn is not
+        sent; None when no response is open."""
+        if self.current is None:
+            return None
+        self._muted = self._quiet < self.end_frames
+        return self._close("cancelled", {"type": "cancelled", "reason": "client_cancelled"})
+
+    def finish(self, reason: str) -> list[dict[str, Any]]:
+        """The call ended: an open response ends as incomplete."""
+        if self.current is None:
+            return []
+        return self._close("incomplete", {"type": "incomplete", "reason": reason})
+
+    def _open(self, metadata: Any) -> list[dict[str, Any]]:
+        self.current = ResponseEvents(self.dialect, new_id("resp"), new_id("item"), metadata)
+        self.responses += 1
+        self._transcript, self._frames, self._spoke = [], 0, False
+        events = self.current.opening(self._last_item)
+        self._last_item = self.current.item_id
+        return events
+
+    def _close(self, status: str, details: dict[str, Any] | None) -> list[dict[str, Any]]:
+        current, self.current = self.current, None
+        assert current is not None
+        return current.closing(status, "".join(self._transcript), self._frames, details)

@@ -1,0 +1,249 @@
+"""The Realtime door's pieces, without a socket: session updates in both shapes, client events,
+appended audio, turns into responses, and the checks at the door (docs/realtime.md)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from personaplex_demo.api import errors as codes
+from personaplex_demo.api.access import SocketLimiter, client_address, key_accepted, presented_key
+from personaplex_demo.api.audio_in import InputAudio, decode_pcm16
+from personaplex_demo.api.client_events import parse
+from personaplex_demo.api.errors import RealtimeError
+from personaplex_demo.api.session import Dialect, SessionSettings, apply_update, session_object
+from personaplex_demo.api.turns import TurnTracker
+from personaplex_demo.errors import PersonaTooLongError
+from personaplex_demo.frame import FRAME_SAMPLES
+from personaplex_demo.runtime.voice_names import VOICE_NAMES
+
+
+class Rules:
+    voice_names = list(VOICE_NAMES)
+    max_persona_tokens = 10
+
+    def persona_tokens(self, persona: str) -> list[int]:
+        words = persona.split()
+        if len(words) > self.max_persona_tokens:
+            raise PersonaTooLongError(f"the persona is {len(words)} tokens long; the limit is 10 tokens")
+        return list(range(len(words)))
+
+
+def update(session: dict, current: SessionSettings | None = None, started: bool = False) -> SessionSettings:
+    return apply_update(current or SessionSettings(), session, Rules(), started=started, event_id="evt_1")
+
+
+def refused(session: dict, **kw) -> RealtimeError:
+    with pytest.raises(RealtimeError) as info:
+        update(session, **kw)
+    assert info.value.event_id == "evt_1"
+    return info.value
+
+
+# ---- session.update --------------------------------------------------------------------------
+
+
+def test_both_shapes_of_session_update_set_voice_persona_and_sampling():
+    current = update({"type": "realtime", "instructions": "You teach.", "audio": {
+        "input": {"format": {"type": "audio/pcm", "rate": 24000}}, "output": {"voice": "VARM1"}},
+        "personaplex": {"seed": 5, "text_top_k": 10, "room_events": True}})
+    assert (current.voice, current.persona, current.sampling.seed, current.sampling.text_top_k) == (
+        "VARM1", "You teach.", 5, 10)
+    assert current.room_events
+    beta = update({"voice": "NATM0", "instructions": "Hi.", "input_audio_format": "pcm16", "temperature": 0.6,
+                   "modalities": ["text", "audio"]})
+    assert (beta.voice, beta.persona, beta.sampling.audio_temperature) == ("NATM0", "Hi.", 0.6)
+    assert update({}).voice == "NATF2"  # an empty update: the defaults
+
+
+def test_fields_this_model_has_no_use_for_are_ignored_and_named_back():
+    current = update({"type": "realtime", "tools": [{"type": "function", "name": "f"}],
+                      "audio": {"input": {"turn_detection": {"type": "server_vad"}}, "output": {"speed": 1.0}}})
+    assert set(current.ignored) == {"tools", "turn_detection", "speed"}
+    for dialect in Dialect:
+        obj = session_object(current, dialect, "sess_1", "personaplex")
+        assert obj["personaplex"]["ignored"] == list(current.ignored)
+        assert obj["tools"] == [] and json.dumps(obj)
+    assert session_object(current, Dialect.BETA, "s", "m")["input_audio_format"] == "pcm16"
+    assert session_object(current, Dialect.CURRENT, "s", "m")["audio"]["input"]["format"]["rate"] == 24000
+
+
+@pytest.mark.parametrize(("session", "code"), [
+    ({"voice": "alloy"}, codes.UNKNOWN_VOICE),
+    ({"audio": {"output": {"voice": 3}}}, codes.INVALID_FIELD),
+    ({"instructions": " ".join(["word"] * 11)}, codes.PERSONA_TOO_LONG),
+    ({"instructions": ["a list"]}, codes.INVALID_FIELD),
+    ({"input_audio_format": "g711_ulaw"}, codes.UNSUPPORTED_AUDIO_FORMAT),
+    ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}, codes.UNSUPPORTED_AUDIO_FORMAT),
+    ({"audio": {"output": {"format": {"type": "audio/pcmu"}}}}, codes.UNSUPPORTED_AUDIO_FORMAT),
+    ({"output_modalities": ["text"]}, codes.UNSUPPORTED_MODALITIES),
+    ({"personaplex": {"text_temperature": 9.0}}, codes.INVALID_SAMPLING),
+    ({"personaplex": {"audio_top_k": 0}}, codes.INVALID_SAMPLING),
+    ({"personaplex": {"top_p": 0.5}}, codes.INVALID_FIELD),
+    ({"personaplex": "loud"}, codes.INVALID_FIELD),
+])
+def test_a_bad_session_update_is_refused_with_its_code_and_changes_nothing(session, code):
+    err = refused(session)
+    assert err.code == code, err
+    assert err.as_error()["code"] == code and err.message
+
+
+def test_unknown_voice_lists_the_valid_ones():
+    message = refused({"voice": "alloy"}).message
+    assert all(name in message for name in VOICE_NAMES)
+
+
+def test_voice_persona_and_sampling_are_locked_once_the_call_started():
+    current = update({"voice": "NATF1", "instructions": "A."})
+    assert refused({"voice": "NATF0"}, current=current, started=True).code == codes.SESSION_LOCKED
+    assert refused({"personaplex": {"seed": 1}}, current=current, started=True).code == codes.SESSION_LOCKED
+    # The same values again, or room events alone, are fine.
+    again = update({"voice": "NATF1", "instructions": "A.", "personaplex": {"room_events": True}},
+                   current=current, started=True)
+    assert again.room_events and again.voice == "NATF1"
+
+
+# ---- client events ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "code"), [
+    ("{not json", codes.INVALID_JSON),
+    ("[1, 2]", codes.INVALID_JSON),
+    (b"\x00\x01", codes.BINARY_MESSAGE),
+    ('{"event_id": "e"}', codes.MISSING_FIELD),
+    ('{"type": "input_audio_buffer.flush"}', codes.UNKNOWN_EVENT),
+    ('{"type": "conversation.item.create", "item": {}}', codes.UNSUPPORTED_EVENT),
+    (json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 2000}), codes.MESSAGE_TOO_LARGE),
+])
+def test_client_events_that_cannot_be_taken_get_their_code(text, code):
+    with pytest.raises(RealtimeError) as info:
+        parse(text, max_bytes=1000)
+    assert info.value.code == code
+
+
+def test_a_known_event_keeps_its_id_and_body():
+    event = parse('{"type": "response.create", "event_id": "e7", "response": {"metadata": {"k": "v"}}}', 1000)
+    assert (event.type, event.event_id, event.body["response"]) == ("response.create", "e7", {"metadata": {"k": "v"}})
+
+
+# ---- appended audio --------------------------------------------------------------------------
+
+
+def b64(samples: np.ndarray) -> str:
+    return base64.b64encode(samples.astype("<i2").tobytes()).decode()
+
+
+def test_appended_audio_is_cut_into_frames_across_chunks_of_any_length():
+    audio = InputAudio(limit_seconds=1.0)
+    samples = np.arange(2 * FRAME_SAMPLES + 7, dtype=np.int16)
+    for start in range(0, samples.size, 333):
+        audio.append(decode_pcm16(b64(samples[start:start + 333])))
+    first, second = audio.pop(), audio.pop()
+    assert np.array_equal(np.concatenate([first, second]), samples[:2 * FRAME_SAMPLES])
+    assert audio.pop() is None and audio.samples == 7
+    assert audio.clear() == 7 and audio.samples == 0
+
+
+def test_audio_beyond_the_bound_is_refused_whole():
+    audio = InputAudio(limit_seconds=0.2)  # 4800 samples
+    audio.append(np.zeros(4000, np.int16))
+    with pytest.raises(RealtimeError) as info:
+        audio.append(np.zeros(1000, np.int16))
+    assert info.value.code == codes.INPUT_BUFFER_FULL
+    assert audio.samples == 4000  # nothing of the refused chunk was kept
+
+
+@pytest.mark.parametrize(("payload", "code"), [("not base64!", codes.INVALID_BASE64),
+                                               (base64.b64encode(b"abc").decode(), codes.ODD_BYTE_COUNT)])
+def test_bad_audio_payloads(payload, code):
+    with pytest.raises(RealtimeError) as info:
+        decode_pcm16(payload)
+    assert info.value.code == code
+
+
+# ---- turns -----------------------------------------------------------------------------------
+
+LOUD = 0.3 * np.sin(np.linspace(0, 200, FRAME_SAMPLES)).astype(np.float32)
+QUIET = np.zeros(FRAME_SAMPLES, np.float32)
+
+
+def types(events: list[dict]) -> list[str]:
+    return [e["type"] for e in events]
+
+
+def test_a_turn_is_one_response_in_the_order_clients_wait_for():
+    turns = TurnTracker(Dialect.CURRENT, turn_end_seconds=0.24, speech_dbfs=-40)
+    assert turns.frame(QUIET, "") == []  # silence between turns is not sent
+    opening = turns.frame(LOUD, "Hel")
+    assert types(opening) == ["response.created", "response.output_item.added", "conversation.item.added",
+                              "response.content_part.added", "response.output_audio.delta",
+                              "response.output_audio_transcript.delta"]
+    rid, item = opening[0]["response"]["id"], opening[1]["item"]["id"]
+    assert all(e.get("response_id", rid) == rid for e in opening)
+    assert all(e.get("item_id", item) == item for e in opening[3:])
+    delta = base64.b64decode(opening[4]["delta"])
+    assert len(delta) == 2 * FRAME_SAMPLES
+    events = turns.frame(LOUD, "lo") + turns.frame(QUIET, "") + turns.frame(QUIET, "")
+    assert "response.done" not in types(events)  # a short pause stays inside the turn
+    closing = turns.frame(QUIET, "")
+    assert types(closing) == ["response.output_audio.delta", "response.output_audio.done",
+                              "response.output_audio_transcript.done", "response.content_part.done",
+                              "response.output_item.done", "conversation.item.done", "response.done"]
+    done = closing[-1]["response"]
+    assert closing[-1]["type"] == "response.done" and done["status"] == "completed"
+    assert done["output"][0]["content"][0]["transcript"] == "Hello"
+    assert done["usage"]["output_token_details"]["audio_tokens"] == 8 * 5  # five frames in the turn
+    assert turns.current is None and turns.frame(QUIET, "") == []
+
+
+def test_beta_clients_get_the_beta_names():
+    turns = TurnTracker(Dialect.BETA, turn_end_seconds=0.08, speech_dbfs=-40)
+    names = types(turns.frame(LOUD, "a") + turns.frame(QUIET, ""))
+    assert "conversation.item.created" in names and "response.audio.delta" in names
+    assert "response.audio_transcript.delta" in names and "response.audio.done" in names
+    assert not any("output_audio" in n for n in names)
+
+
+def test_response_create_opens_at_once_with_its_metadata_and_cancel_mutes_the_turn():
+    turns = TurnTracker(Dialect.CURRENT, turn_end_seconds=0.16, speech_dbfs=-40)
+    opened = turns.request({"client_event_id": "abc"})
+    assert opened[0]["response"]["metadata"] == {"client_event_id": "abc"}
+    assert turns.request(None) is None  # one at a time
+    assert types(turns.frame(LOUD, "x"))[0] == "response.output_audio.delta"
+    cancelled = turns.cancel()
+    assert cancelled[-1]["response"]["status"] == "cancelled"
+    assert turns.cancel() is None
+    assert turns.frame(LOUD, "y") == []  # the rest of the cancelled turn is not sent
+    turns.frame(QUIET, "")
+    turns.frame(QUIET, "")
+    assert types(turns.frame(LOUD, "z"))[0] == "response.created"  # the next turn is
+
+
+def test_an_open_response_ends_incomplete_with_the_call():
+    turns = TurnTracker(Dialect.CURRENT, turn_end_seconds=0.8, speech_dbfs=-40)
+    turns.frame(LOUD, "a")
+    assert turns.finish("time_limit")[-1]["response"]["status"] == "incomplete"
+    assert turns.finish("time_limit") == []
+
+
+# ---- at the door -----------------------------------------------------------------------------
+
+
+def test_the_key_comes_as_a_bearer_header_or_a_browser_subprotocol():
+    assert presented_key({"authorization": "Bearer s3cret"}, []) == "s3cret"
+    assert presented_key({}, ["realtime", "openai-insecure-api-key.s3cret"]) == "s3cret"
+    assert presented_key({"authorization": "Basic xyz"}, []) is None
+    assert key_accepted(None, None)
+    assert key_accepted("s3cret", "s3cret") and not key_accepted("s3cret", "guess") and not key_accepted("s3cret", None)
+
+
+def test_sockets_are_limited_per_client_address():
+    assert client_address({"x-forwarded-for": "6.6.6.6, 10.0.0.7"}, "127.0.0.1") == "10.0.0.7"
+    assert client_address({}, "127.0.0.1") == "127.0.0.1"
+    limiter = SocketLimiter(2)
+    assert limiter.take("a") and limiter.take("a") and not limiter.take("a") and limiter.take("b")
+    limiter.give_back("a")
+    assert limiter.take("a") and limiter.total == 3
