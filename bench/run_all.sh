@@ -58,6 +58,9 @@ fi
 echo "== bench/input_delay.py (a caller's sound through WebRTC into the server, loopback)"
 if [[ ${#quick[@]} -gt 0 ]]; then delay_args=(--seconds 5 --rounds 1); else delay_args=(); fi
 "$py" bench/input_delay.py "${delay_args[@]}" --write
+echo "== bench/realtime.py (the Realtime API beside the page: first audio, audio per second, frame latency)"
+if [[ ${#quick[@]} -gt 0 ]]; then realtime_args=(--rounds 2 --seconds 5); else realtime_args=(); fi
+"$py" bench/realtime.py "${realtime_args[@]}" --write
 echo "== bench/gradio_events.py"
 "$py" bench/gradio_events.py --write
 echo "== bench/gpu.py --dry-run (the GPU benchmark's code path on the tiny configs)"

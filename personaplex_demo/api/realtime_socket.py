@@ -32,6 +32,7 @@ from .audio_in import InputAudio, decode_pcm16
 from .client_events import ClientEvent, field, parse
 from .config import RealtimeConfig
 from .errors import RealtimeError
+from .send_queue import kernel_send_queue
 from .server_events import error_event, event
 from .session import Dialect, PromptRules, SessionSettings, apply_update, new_id, session_object
 from .stats import DoorStats
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 
 SILENCE = np.zeros(FRAME_SAMPLES, np.int16)
 AUDIO_EVENTS = {"response.output_audio.delta", "response.audio.delta"}
+BACKLOG_CHECK_FRAMES = 12  # about once a second
+AUDIO_EVENT_BYTES = 5300  # one audio delta as JSON: 80 ms of PCM16 in base64, with its ids
 CLOSE_SECONDS = 2.0  # for the last events to leave and the close handshake, before giving up on a client
 
 # How a call's end reads to a client, and the WebSocket close code it comes with.
@@ -250,7 +253,6 @@ class RealtimeSocket:
             self.room_event("live", call_id=call.id, time_left=call.time_left())
             self.last_audio_at = time.monotonic()
             self._feed()
-            backlog_limit = self.config.send_backlog_seconds / FRAME_SECONDS
             while True:
                 out = await call.next_output(timeout=0.25)
                 if out is not None:
@@ -258,7 +260,8 @@ class RealtimeSocket:
                     self.frames_out += 1
                     self._send_all(self.turns.frame(out.pcm, out.text))
                 self._feed()
-                if self.outbox.audio_frames > backlog_limit:
+                if self.frames_out % BACKLOG_CHECK_FRAMES == 0 and self.backlog_seconds() > \
+                        self.config.send_backlog_seconds:
                     log.warning("realtime %s: the client stopped reading; closing", self.session_id)
                     call.release(EndReason.error("the client stopped reading"))
                     self.stats.error("client_not_reading")
@@ -284,6 +287,12 @@ class RealtimeSocket:
             told = now
             with contextlib.suppress(TimeoutError):
                 await call.wait_live(timeout=1.0)
+
+    def backlog_seconds(self) -> float:
+        """Agent audio sent or queued that the client has not read: the door's queue, and what
+        the kernel holds for the connection (api/send_queue.py)."""
+        kernel = kernel_send_queue(self.ws.scope.get("server"), self.ws.scope.get("client")) or 0
+        return (self.outbox.audio_frames + kernel / AUDIO_EVENT_BYTES) * FRAME_SECONDS
 
     def _feed(self) -> None:
         """Hand the room the client's next frames: at most `feed_lead_frames` ahead of the outputs

@@ -1,0 +1,289 @@
+"""The Realtime API door with real clients: the official `openai` SDK (and, for what the SDK will
+not send, a plain `websockets` client) against the app launched as a user starts it, beside an
+aiortc caller that drives the page's own Gradio events (docs/realtime.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import socket
+import time
+
+import httpx
+import numpy as np
+import pytest
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import InvalidStatus
+
+from .browser_support import LaunchedApp, launched_app, missing_tools, require
+from .callers import PageCaller, PageConfig
+from .sdk_callers import SdkCaller, speech_pcm
+
+pytestmark = pytest.mark.usefixtures("loopback_ice")
+
+KEY = "realtime-test-key"
+SILENCE = np.zeros(24000, np.int16)
+
+
+@pytest.fixture(scope="module")
+def app(tiny_cache_dir, tmp_path_factory) -> LaunchedApp:
+    # Admission by slot count: these tests follow calls and sockets, on any host; admission by
+    # headroom has tests of its own (test_headroom.py).
+    args = ["--slots", "4", "--admission", "slots", "--api-key", KEY, "--realtime-max-sockets", "3"]
+    with launched_app(tmp_path_factory.mktemp("app"), tiny_cache_dir, args=args) as launched:
+        yield launched
+
+
+@pytest.fixture(scope="module")
+def speech(tmp_path_factory) -> np.ndarray:
+    require([t for t in missing_tools() if t in ("espeak-ng", "sox")], "apt-get install -y espeak-ng sox")
+    return speech_pcm(tmp_path_factory.mktemp("speech"))
+
+
+def ws_url(app: LaunchedApp) -> str:
+    return app.base_url.replace("http", "ws", 1) + "/v1/realtime"
+
+
+async def until(check, seconds: float, what: str, step: float = 0.1):
+    deadline = time.monotonic() + seconds
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"waited {seconds:.0f} s for {what}"
+        await asyncio.sleep(step)
+    return result
+
+
+def room_is_empty(app: LaunchedApp) -> bool:
+    status = app.status()
+    return status["slots_free"] == status["slots_total"] and not any(status["calls_by_door"].values())
+
+
+def real_time_share(app: LaunchedApp) -> float:
+    """How much of real time a call's audio must cover here: 0.9 on a host that ticks in real
+    time, less on one that cannot (the call still holds and audio keeps coming)."""
+    status = app.status()
+    return 0.9 if status["realtime_factor"] < 0.9 and status["resyncs"] == 0 else 0.5
+
+
+async def test_an_sdk_session_streams_speech_and_hears_the_agent(app, speech):
+    async with SdkCaller(app.base_url, KEY) as caller:
+        created = await caller.wait_event("session.created")
+        assert created.session.audio.output.format.rate == 24000
+        sent_update = time.monotonic()
+        await caller.configure("VARM1", "You are a wise and friendly teacher.", seed=11)
+        updated = await caller.wait_event("session.updated")
+        assert updated.session.audio.output.voice == "VARM1"
+        await caller.wait_live()
+        live = app.status()
+        assert live["calls_by_door"] == {"realtime": 1} and live["slots_live"] == 1
+        assert live["realtime"]["sockets_open"] == 1
+
+        await caller.stream(speech)
+        await caller.stream(SILENCE)
+        window_end = time.monotonic()
+        window_start = caller.live_at + 1.0
+        heard = caller.audio_seconds(window_start, window_end)
+        assert heard >= real_time_share(app) * (window_end - window_start), (heard, window_end - window_start)
+        assert caller.transcript.strip() and not caller.errors
+        first_audio = caller.audio[0][0] - sent_update
+        assert first_audio < 10.0, first_audio
+
+        # The response lifecycle in the order agent frameworks wait for it, ids matching throughout.
+        kinds = caller.types()
+        start = kinds.index("response.created")
+        assert kinds[start:start + 4] == ["response.created", "response.output_item.added",
+                                          "conversation.item.added", "response.content_part.added"]
+        events = [e for _, e in caller.events]
+        response_id, item_id = events[start].response.id, events[start + 1].item.id
+        deltas = [e for e in events if e.type == "response.output_audio.delta"]
+        assert deltas and all(d.response_id == response_id and d.item_id == item_id for d in deltas[:5])
+        assert len(base64.b64decode(deltas[0].delta)) == 2 * 1920  # one 80 ms frame of PCM16
+
+    # Hanging up frees the slot within 3 s.
+    closed = time.monotonic()
+    await until(lambda: room_is_empty(app), 3.0, "the socket's slot")
+    assert time.monotonic() - closed < 3.0
+    status = app.status()
+    assert status["calls_started_by_door"].get("realtime", 0) >= 1
+    assert status["realtime"]["sockets_open"] == 0
+
+
+async def test_a_beta_sdk_session_gets_the_beta_event_names(app):
+    async with SdkCaller(app.base_url, KEY, beta=True) as caller:
+        await caller.configure("NATM1", "You enjoy having a good conversation.")
+        updated = await caller.wait_event("session.updated")
+        assert updated.session.voice == "NATM1" and updated.session.input_audio_format == "pcm16"
+        await caller.wait_live()
+        streaming = asyncio.create_task(caller.stream(np.tile(SILENCE, 3)))
+        await caller.wait_event("response.audio.delta", timeout=10)
+        await caller.wait_event("conversation.item.created", timeout=1)
+        streaming.cancel()
+        assert not any("output_audio" in kind for kind in caller.types())
+    await until(lambda: room_is_empty(app), 3.0, "the socket's slot")
+
+
+async def test_two_sdk_sessions_and_a_page_caller_share_the_room(app, speech):
+    async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http, \
+            SdkCaller(app.base_url, KEY) as first, SdkCaller(app.base_url, KEY) as second:
+        page = PageCaller(http, await PageConfig.fetch(http), "NATF2", "You work for a bank.", seed=3)
+        await page.offer(300.0)
+        await page.wait_connected()
+        await first.configure("VARF1", "You are an astronaut on Mars.", seed=1)
+        await second.configure("NATM3", "You are a chef who loves pasta.", seed=2)
+        await first.wait_live()
+        await second.wait_live()
+        both = asyncio.gather(first.stream(np.concatenate([speech, SILENCE])),
+                              second.stream(np.concatenate([SILENCE, speech])))
+        await until(lambda: page.status.startswith("Live") and page.transcript, 30, "the page caller live")
+        status = app.status()
+        assert status["calls_by_door"] == {"realtime": 2, "page": 1}, status["calls_by_door"]
+        assert "(2 via the Realtime API)" in page.status or "(2 via the Realtime API)" in \
+            await until(lambda: next((s for _, s in reversed(page.updates) if "Realtime" in s), None), 5,
+                        "the room line on the page")
+        await both
+        # Each has its own transcript.
+        assert first.transcript and second.transcript and page.transcript
+        assert len({first.transcript, second.transcript, page.transcript}) == 3
+        metrics = app.metrics()
+        assert 'personaplex_calls{door="realtime"} 2.0' in metrics and 'personaplex_calls{door="page"} 1.0' in metrics
+
+        # Hanging up either kind frees its slot within 3 s.
+        await page.hang_up()
+        await until(lambda: app.status()["calls_by_door"].get("page", 0) == 0, 3.0, "the page caller's slot")
+        await first.conn.close()
+        await until(lambda: app.status()["calls_by_door"].get("realtime") == 1, 3.0, "the first socket's slot")
+    await until(lambda: room_is_empty(app), 3.0, "every slot")
+
+
+async def test_a_socket_without_the_key_is_refused_before_it_takes_a_slot(app):
+    before = app.status()["calls_started_by_door"].get("realtime", 0)
+    for key in (None, "wrong-key"):
+        with pytest.raises(InvalidStatus) as info:
+            async with SdkCaller(app.base_url, key):
+                pass
+        assert info.value.response.status_code == 401
+        assert b"invalid_api_key" in info.value.response.body
+    status = app.status()
+    assert status["realtime"]["refused"]["api_key"] >= 2
+    assert not any(status["calls_by_door"].values())
+    assert status["calls_started_by_door"].get("realtime", 0) == before
+    # Browsers pass the key as a subprotocol; the server names "realtime" back.
+    async with ws_connect(ws_url(app), subprotocols=["realtime", f"openai-insecure-api-key.{KEY}"]) as ws:
+        assert ws.subprotocol == "realtime"
+        assert json.loads(await ws.recv())["type"] == "session.created"
+
+
+async def test_one_client_address_opens_at_most_its_share_of_sockets(app):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    sockets = [await ws_connect(ws_url(app), additional_headers=headers) for _ in range(3)]
+    try:
+        with pytest.raises(InvalidStatus) as info:
+            await ws_connect(ws_url(app), additional_headers=headers)
+        assert info.value.response.status_code == 429
+    finally:
+        for ws in sockets:
+            await ws.close()
+    await until(lambda: app.status()["realtime"]["sockets_open"] == 0, 3.0, "the sockets to close")
+    async with ws_connect(ws_url(app), additional_headers=headers):
+        pass  # room again once they closed
+
+
+BAD_BEFORE_THE_CALL = [  # (raw message, the error code it must get)
+    ("{this is not json", "invalid_json"),
+    (json.dumps({"type": "input_audio_buffer.rewind"}), "unknown_event"),
+    (json.dumps({"type": "conversation.item.create", "item": {"type": "message"}}), "unsupported_event"),
+    (json.dumps({"type": "session.update"}), "missing_field"),
+    (json.dumps({"type": "input_audio_buffer.append"}), "missing_field"),
+    (json.dumps({"type": "input_audio_buffer.append", "audio": "@@not base64@@"}), "invalid_base64"),
+    (json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}),
+     "odd_byte_count"),
+    (json.dumps({"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}}),
+     "unsupported_audio_format"),
+    (json.dumps({"type": "session.update", "session": {
+        "type": "realtime", "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}}),
+     "unsupported_audio_format"),
+    (json.dumps({"type": "session.update", "session": {"voice": "alloy"}}), "unknown_voice"),
+    (json.dumps({"type": "session.update", "session": {"instructions": "word " * 2000}}), "persona_too_long"),
+    (json.dumps({"type": "session.update", "session": {"personaplex": {"audio_top_k": 0}}}), "invalid_sampling"),
+    (json.dumps({"type": "input_audio_buffer.append", "audio": "A" * (1 << 20)}), "message_too_large"),
+]
+
+
+async def test_every_bad_input_gets_its_error_and_no_other_callers_audio_changes(app, speech):
+    async with SdkCaller(app.base_url, KEY) as talker, SdkCaller(app.base_url, KEY) as rogue:
+        await talker.configure("NATF2", "You enjoy having a good conversation.", seed=5)
+        await talker.wait_live()
+        talking = asyncio.create_task(talker.stream(np.concatenate([speech, speech, SILENCE, SILENCE])))
+        await asyncio.sleep(2.0)
+        calm = (talker.live_at + 0.5, time.monotonic())
+
+        barrage_start = time.monotonic()
+        for raw, code in BAD_BEFORE_THE_CALL:
+            seen = len(rogue.events)
+            await rogue.conn.send_raw(raw)
+            error = await rogue.wait_event("error", timeout=5, after=seen)
+            assert error.error.code == code, (raw[:80], error.error)
+            assert error.error.message
+            if code == "unknown_voice":
+                assert "NATF0" in error.error.message and "VARM4" in error.error.message
+        seen = len(rogue.events)
+        await rogue.conn.send_raw(b"\x00\x01")
+        assert (await rogue.wait_event("error", timeout=5, after=seen)).error.code == "binary_message_unsupported"
+
+        # Still usable: a good session.update starts its call; then flooding is refused past the bound.
+        await rogue.configure("VARF2", "You are a pirate.")
+        await rogue.wait_live()
+        four_seconds = np.zeros(4 * 24000, np.int16)
+        seen = len(rogue.events)
+        for _ in range(2):
+            await rogue.conn.input_audio_buffer.append(audio=base64.b64encode(four_seconds.tobytes()).decode())
+        assert (await rogue.wait_event("error", timeout=5, after=seen)).error.code == "input_audio_buffer_full"
+        seen = len(rogue.events)
+        await rogue.conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "NATM0"}}})
+        assert (await rogue.wait_event("error", timeout=5, after=seen)).error.code == "session_locked"
+        seen = len(rogue.events)
+        await rogue.conn.input_audio_buffer.commit()
+        await rogue.wait_event("input_audio_buffer.committed", timeout=5, after=seen)
+        await talking  # the rogue's call stays live meanwhile, its flooded audio fed at real time
+        barrage = (barrage_start, time.monotonic())
+
+        # The other caller heard nothing of it: no error, and its audio kept coming as before.
+        assert not talker.errors and not talker.ended.is_set()
+        calm_rate = talker.audio_seconds(*calm) / (calm[1] - calm[0])
+        barrage_rate = talker.audio_seconds(*barrage) / (barrage[1] - barrage[0])
+        assert barrage_rate >= min(real_time_share(app), calm_rate - 0.1), (calm_rate, barrage_rate)
+        arrivals = [at for at, _ in talker.audio if barrage[0] <= at <= barrage[1]]
+        assert max(np.diff(arrivals)) < 1.0, "the talker's audio stalled during the barrage"
+    status = app.status()
+    for _, code in BAD_BEFORE_THE_CALL:
+        assert status["realtime"]["errors"].get(code, 0) >= 1, code
+    await until(lambda: room_is_empty(app), 3.0, "every slot")
+
+
+async def test_a_client_that_stops_reading_is_disconnected_and_its_slot_freed(app):
+    # A small receive buffer, so that the server's sends back up within seconds, as over a slow link.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    host, port = app.base_url.removeprefix("http://").split(":")
+    sock.connect((host, int(port)))
+    async with ws_connect(ws_url(app), sock=sock, additional_headers={"Authorization": f"Bearer {KEY}"},
+                          max_queue=1) as ws:
+        await ws.send(json.dumps({"type": "session.update", "session": {"personaplex": {"room_events": True}}}))
+        await until(lambda: app.status()["slots_live"] == 1, 30, "the call to go live")
+        frames = np.zeros(1920, np.int16)
+        started = time.monotonic()
+
+        async def keep_talking():  # it keeps sending, it just never reads
+            while True:
+                await ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                          "audio": base64.b64encode(frames.tobytes()).decode()}))
+                await asyncio.sleep(0.08)
+
+        talking = asyncio.create_task(keep_talking())
+        try:
+            await until(lambda: app.status()["realtime"]["errors"].get("client_not_reading"), 60,
+                        "the server to give up on the client")
+        finally:
+            talking.cancel()
+        assert time.monotonic() - started < 60
+    await until(lambda: room_is_empty(app), 3.0, "its slot")
