@@ -89,6 +89,28 @@ def app_with_workers(tiny_cache_dir, tmp_path_factory) -> LaunchedApp:
         yield app
 
 
+async def test_a_realtime_socket_and_a_page_caller_share_the_room_across_processes(app_with_workers):
+    """The Realtime door runs in the app's process and reaches the engine through its PoolRouter,
+    while the page's call runs in a media worker: one room, one set of slots."""
+    app = app_with_workers
+    await until(lambda: sum(w["alive"] for w in app.status()["media_workers"]) == 2, 90, "both workers")
+    async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http, SdkCaller(app.base_url, None) as sdk:
+        (page,) = await call_all(http, 1, first=2)
+        await sdk.configure("VARF4", "You are a wise and friendly teacher.", seed=9)
+        await sdk.wait_live()
+        streaming = asyncio.create_task(sdk.stream(np.zeros(6 * 24000, np.int16)))
+        await until(lambda: is_live(page), 30, "the page caller live")
+        await until(lambda: app.status()["calls_by_door"] == {"realtime": 1, "page": 1}, 3, "both doors counted")
+        await until(lambda: len(sdk.transcript) > 5 and sdk.audio_seconds(sdk.live_at) > 1.0, 10, "the agent's words")
+        assert sdk.transcript != page.transcript and not sdk.errors
+        # Hanging up either frees its slot within 3 s.
+        await sdk.conn.close()
+        streaming.cancel()
+        await until(lambda: app.status()["calls_by_door"] == {"page": 1}, 3, "the socket's slot")
+        await page.hang_up()
+        await until(lambda: app.status()["slots_free"] == 4, 3, "the page caller's slot")
+
+
 async def test_four_callers_on_two_media_workers_and_a_killed_worker_ends_only_its_calls(app_with_workers):
     app = app_with_workers
     workers = app.status()["media_workers"]
@@ -151,28 +173,6 @@ async def test_four_callers_on_two_media_workers_and_a_killed_worker_ends_only_i
         assert await stopping < 10 and app.proc.returncode == 0
         await until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in worker_pids), 5, "the workers' exit")
         await newcomer.hang_up()
-
-
-async def test_a_realtime_socket_and_a_page_caller_share_the_room_across_processes(app_with_workers):
-    """The Realtime door runs in the app's process and reaches the engine through its PoolRouter,
-    while the page's call runs in a media worker: one room, one set of slots."""
-    app = app_with_workers
-    await until(lambda: sum(w["alive"] for w in app.status()["media_workers"]) == 2, 90, "both workers")
-    async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http, SdkCaller(app.base_url, None) as sdk:
-        (page,) = await call_all(http, 1, first=2)
-        await sdk.configure("VARF4", "You are a wise and friendly teacher.", seed=9)
-        await sdk.wait_live()
-        streaming = asyncio.create_task(sdk.stream(np.zeros(6 * 24000, np.int16)))
-        await until(lambda: is_live(page), 30, "the page caller live")
-        await until(lambda: app.status()["calls_by_door"] == {"realtime": 1, "page": 1}, 3, "both doors counted")
-        await until(lambda: len(sdk.transcript) > 5 and sdk.audio_seconds(sdk.live_at) > 1.0, 10, "the agent's words")
-        assert sdk.transcript != page.transcript and not sdk.errors
-        # Hanging up either frees its slot within 3 s.
-        await sdk.conn.close()
-        streaming.cancel()
-        await until(lambda: app.status()["calls_by_door"] == {"page": 1}, 3, "the socket's slot")
-        await page.hang_up()
-        await until(lambda: app.status()["slots_free"] == 4, 3, "the page caller's slot")
 
 
 async def test_two_cpu_engines_each_take_a_call(tiny_cache_dir, tmp_path):

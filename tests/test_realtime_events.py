@@ -247,3 +247,24 @@ def test_sockets_are_limited_per_client_address():
     assert limiter.take("a") and limiter.take("a") and not limiter.take("a") and limiter.take("b")
     limiter.give_back("a")
     assert limiter.take("a") and limiter.total == 3
+
+
+# ---- the flags -------------------------------------------------------------------------------
+
+
+def test_the_door_follows_its_flags_and_help_never_shows_the_key(capsys):
+    from types import SimpleNamespace
+
+    from personaplex_demo.cli.app import realtime_door
+    from personaplex_demo.cli.config import parse_config
+
+    topology = SimpleNamespace(pool=object(), runtime=SimpleNamespace(engine=Rules(), model_name="tiny"))
+    assert realtime_door(parse_config(["--no-realtime"], environ={}), topology) is None
+    door = realtime_door(parse_config(["--api-key", "k1", "--realtime-max-sockets", "2"], environ={}), topology)
+    assert door.status()["api_key_required"] and door.status()["max_sockets_per_client"] == 2
+    assert door.config.api_key == "k1" and door.routes()[0].path == "/v1/realtime"
+    assert parse_config([], environ={"PERSONAPLEX_API_KEY": "from-env"}).api_key == "from-env"
+    with pytest.raises(SystemExit):
+        parse_config(["--help"], environ={"PERSONAPLEX_API_KEY": "s3cret-value"})
+    shown = capsys.readouterr().out
+    assert "--api-key" in shown and "s3cret-value" not in shown and "set, from PERSONAPLEX_API_KEY" in shown
