@@ -129,6 +129,8 @@ def test_bad_requests_are_specific_errors(tiny_cache_dir):
         engine.validate_request("NATF2", "x" * 100_000, GREEDY)
     with pytest.raises(CallerError, match="control characters"):
         engine.validate_request("NATF2", "hello\x00world\x1b[31m", GREEDY)
+    with pytest.raises(CallerError, match="not valid Unicode"):  # JSON's "\ud800", which the tokenizer cannot take
+        engine.validate_request("NATF2", "hello \ud800", GREEDY)
     with pytest.raises(CallerError, match="text_temperature"):
         engine.validate_request("NATF2", PERSONA, SamplingParams(text_temperature=float("nan")))
     engine.validate_request("NATF2", "", GREEDY)  # an empty persona is allowed

@@ -202,10 +202,13 @@ BAD_BEFORE_THE_CALL = [  # (raw message, the error code it must get)
     (json.dumps({"type": "session.update", "session": {
         "type": "realtime", "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}}),
      "unsupported_audio_format"),
-    (json.dumps({"type": "session.update", "session": {"voice": "alloy"}}), "unknown_voice"),
+    (json.dumps({"type": "session.update", "session": {"voice": "robot"}}), "unknown_voice"),
     (json.dumps({"type": "session.update", "session": {"instructions": "word " * 2000}}), "persona_too_long"),
     (json.dumps({"type": "session.update", "session": {"personaplex": {"audio_top_k": 0}}}), "invalid_sampling"),
     (json.dumps({"type": "input_audio_buffer.append", "audio": "A" * (1 << 20)}), "message_too_large"),
+    ("[" * 100_000, "invalid_json"),  # nested deeper than the parser goes
+    ('{"type": "session.update", "session": {"instructions": "\\ud800 a lone surrogate"}}', "invalid_field"),
+    ('{"type": "session.update", "session": {"temperature": 1' + "0" * 400 + "}}", "invalid_field"),
 ]
 
 

@@ -72,7 +72,7 @@ def test_fields_this_model_has_no_use_for_are_ignored_and_named_back():
 
 
 @pytest.mark.parametrize(("session", "code"), [
-    ({"voice": "alloy"}, codes.UNKNOWN_VOICE),
+    ({"voice": "robot"}, codes.UNKNOWN_VOICE),
     ({"audio": {"output": {"voice": 3}}}, codes.INVALID_FIELD),
     ({"instructions": " ".join(["word"] * 11)}, codes.PERSONA_TOO_LONG),
     ({"instructions": ["a list"]}, codes.INVALID_FIELD),
@@ -84,6 +84,12 @@ def test_fields_this_model_has_no_use_for_are_ignored_and_named_back():
     ({"personaplex": {"audio_top_k": 0}}, codes.INVALID_SAMPLING),
     ({"personaplex": {"top_p": 0.5}}, codes.INVALID_FIELD),
     ({"personaplex": "loud"}, codes.INVALID_FIELD),
+    ({"personaplex": []}, codes.INVALID_FIELD),
+    ({"audio": ["not", "an", "object"]}, codes.INVALID_FIELD),
+    ({"audio": {"output": "NATF1"}}, codes.INVALID_FIELD),
+    ({"temperature": 10**400}, codes.INVALID_FIELD),
+    ({"personaplex": {"audio_temperature": float("nan")}}, codes.INVALID_SAMPLING),
+    ({"voice": ["NATF1"]}, codes.INVALID_FIELD),
 ])
 def test_a_bad_session_update_is_refused_with_its_code_and_changes_nothing(session, code):
     err = refused(session)
@@ -91,9 +97,13 @@ def test_a_bad_session_update_is_refused_with_its_code_and_changes_nothing(sessi
     assert err.as_error()["code"] == code and err.message
 
 
-def test_unknown_voice_lists_the_valid_ones():
-    message = refused({"voice": "alloy"}).message
+def test_unknown_voice_lists_the_valid_ones_and_openai_voices_are_ignored():
+    message = refused({"voice": "Alloy2"}).message
     assert all(name in message for name in VOICE_NAMES)
+    # What agent frameworks send by default starts the session with its own voice, named as ignored.
+    for session in ({"voice": "alloy"}, {"type": "realtime", "audio": {"output": {"voice": "marin"}}}):
+        settings = update(session, current=SessionSettings(voice="VARF0"))
+        assert settings.voice == "VARF0" and "voice" in settings.ignored
 
 
 def test_voice_persona_and_sampling_are_locked_once_the_call_started():
@@ -117,10 +127,16 @@ def test_voice_persona_and_sampling_are_locked_once_the_call_started():
     ('{"type": "input_audio_buffer.flush"}', codes.UNKNOWN_EVENT),
     ('{"type": "conversation.item.create", "item": {}}', codes.UNSUPPORTED_EVENT),
     (json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 2000}), codes.MESSAGE_TOO_LARGE),
+    (json.dumps({"type": "session.update", "session": {"instructions": "é" * 300}}, ensure_ascii=False), None),
+    ('{"type": "session.update", "session": {"instructions": "' + "é" * 600 + '"}}', codes.MESSAGE_TOO_LARGE),
+    ("[" * 100_000, codes.INVALID_JSON),  # deeper than the parser recurses
 ])
 def test_client_events_that_cannot_be_taken_get_their_code(text, code):
+    if code is None:
+        assert parse(text, max_bytes=1000).type == "session.update"
+        return
     with pytest.raises(RealtimeError) as info:
-        parse(text, max_bytes=1000)
+        parse(text, max_bytes=10**6 if isinstance(text, str) and text.startswith("[[") else 1000)
     assert info.value.code == code
 
 
@@ -241,8 +257,10 @@ def test_the_key_comes_as_a_bearer_header_or_a_browser_subprotocol():
 
 
 def test_sockets_are_limited_per_client_address():
-    assert client_address({"x-forwarded-for": "6.6.6.6, 10.0.0.7"}, "127.0.0.1") == "10.0.0.7"
-    assert client_address({}, "127.0.0.1") == "127.0.0.1"
+    forged = {"x-forwarded-for": "6.6.6.6, 10.0.0.7"}
+    assert client_address(forged, "127.0.0.1") == "127.0.0.1"  # no proxy: the header is the client's word
+    assert client_address(forged, "127.0.0.1", trust_forwarded_for=True) == "10.0.0.7"  # the proxy's own hop
+    assert client_address({}, "127.0.0.1", trust_forwarded_for=True) == "127.0.0.1"
     limiter = SocketLimiter(2)
     assert limiter.take("a") and limiter.take("a") and not limiter.take("a") and limiter.take("b")
     limiter.give_back("a")

@@ -32,11 +32,15 @@ def key_accepted(expected: str | None, presented: str | None) -> bool:
     return presented is not None and hmac.compare_digest(expected.encode(), presented.encode())
 
 
-def client_address(headers: Mapping[str, str], peer: str | None) -> str:
-    """The client's address: behind a proxy (a Space), the last hop the proxy added to
-    X-Forwarded-For (a client can forge the earlier ones), else the peer's."""
-    forwarded = [part.strip() for part in headers.get("x-forwarded-for", "").split(",") if part.strip()]
-    return forwarded[-1] if forwarded else (peer or "unknown")
+def client_address(headers: Mapping[str, str], peer: str | None, trust_forwarded_for: bool = False) -> str:
+    """The client's address: behind a proxy that sets X-Forwarded-For (a Space), the last hop it
+    added (a client can forge the earlier ones); otherwise the peer's, since without such a proxy
+    the header is whatever the client wrote."""
+    if trust_forwarded_for:
+        forwarded = [part.strip() for part in headers.get("x-forwarded-for", "").split(",") if part.strip()]
+        if forwarded:
+            return forwarded[-1]
+    return peer or "unknown"
 
 
 class SocketLimiter:

@@ -37,13 +37,15 @@ def parse(text: str | bytes | None, max_bytes: int) -> ClientEvent:
     """One WebSocket message as a client event; RealtimeError for anything the door cannot take."""
     if text is None or isinstance(text, bytes):
         raise RealtimeError(e.BINARY_MESSAGE, "send each event as a JSON text message, not binary")
-    if len(text) > max_bytes:
+    size = len(text) if len(text) > max_bytes or len(text) * 4 <= max_bytes else len(text.encode("utf-8", "replace"))
+    if size > max_bytes:
         raise RealtimeError(e.MESSAGE_TOO_LARGE, f"an event may be at most {max_bytes} bytes, this one has "
-                            f"{len(text)}; send audio in smaller appends (any length is fine)")
+                            f"{size}; send audio in smaller appends")
     try:
         body = json.loads(text)
-    except ValueError as exc:
-        raise RealtimeError(e.INVALID_JSON, f"the event is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
+        raise RealtimeError(e.INVALID_JSON, f"the event is not valid JSON: {type(exc).__name__}: "
+                            f"{str(exc)[:200]}") from None
     if not isinstance(body, dict):
         raise RealtimeError(e.INVALID_JSON, f"an event must be a JSON object, got {type(body).__name__}")
     event_id = body.get("event_id") if isinstance(body.get("event_id"), str) else None

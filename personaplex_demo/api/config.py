@@ -29,4 +29,8 @@ class RealtimeConfig:
     turn_end_seconds: float = 0.8
     speech_dbfs: float = -40.0  # agent audio louder than this (RMS) counts as speech
     max_wait_seconds: float | None = DEFAULT_MAX_WAIT_SECONDS  # in the queue, as on the page
+    start_timeout_seconds: float = 60.0  # a socket that starts no call by then is closed
+    # Take the client's address from X-Forwarded-For (its last hop): only behind a proxy that sets
+    # it, such as a Hugging Face Space's; elsewhere a client could name any address it likes.
+    trust_forwarded_for: bool = False
     model_name: str = "personaplex"

@@ -53,7 +53,7 @@ class RealtimeDoor:
             await self._deny(ws, 401, "invalid_api_key", "this server needs an API key: send it as "
                              "\"Authorization: Bearer <key>\" (or the openai-insecure-api-key.<key> subprotocol)")
             return
-        address = client_address(ws.headers, ws.client.host if ws.client else None)
+        address = client_address(ws.headers, ws.client.host if ws.client else None, self.config.trust_forwarded_for)
         if not self.limiter.take(address):
             self.stats.refuse("too_many_sockets")
             await self._deny(ws, 429, "too_many_sockets", f"at most {self.limiter.limit} sockets may be open from "

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 SILENCE = np.zeros(FRAME_SAMPLES, np.int16)
 AUDIO_EVENTS = {"response.output_audio.delta", "response.audio.delta"}
-BACKLOG_CHECK_FRAMES = 12  # about once a second
+BACKLOG_CHECK_SECONDS = 1.0
 AUDIO_EVENT_BYTES = 5300  # one audio delta as JSON: 80 ms of PCM16 in base64, with its ids
 CLOSE_SECONDS = 2.0  # for the last events to leave and the close handshake, before giving up on a client
 
@@ -54,6 +54,7 @@ END_MESSAGES = {
     EndReason.OVERLOADED: (1013, "the room could no longer keep every call in real time, so the newest call "
                                  "was ended; try again in a few minutes"),
     EndReason.SHUTDOWN: (1001, "the server is restarting; try again in a minute"),
+    EndReason.NOT_READING: (1008, "the client stopped reading its audio"),
 }
 
 
@@ -104,7 +105,9 @@ class RealtimeSocket:
         self.frames_in = self.frames_out = 0
         self.dropped_before_live = 0  # samples appended while the call was not live (not heard)
         self.last_audio_at = time.monotonic()
-        self.connected_at = time.monotonic()
+        self.queued_at = time.monotonic()  # when the call was placed (the queue wait counts from here)
+        self.update_refused = False  # a session.update was refused and none taken since
+        self._last_backlog_check = time.monotonic()
         self._tasks: set[asyncio.Task] = set()
         self._reader: asyncio.Task | None = None
         self._closing = False
@@ -115,13 +118,14 @@ class RealtimeSocket:
         self.stats.opened()
         self.send(event("session.created", session=self._session()))
         self._spawn(self._write())
+        self._spawn(self._expect_a_call())
         self._reader = asyncio.create_task(self._read())
         try:
             await asyncio.wait({self._reader})
         finally:
             if self.call is not None:
                 self.call.release(EndReason.HANGUP)  # idempotent: a call that ended keeps its reason
-            for task in list(self._tasks):
+            for task in [self._reader, *self._tasks]:
                 task.cancel()
             self.stats.closed()
             log.info("realtime %s closed: %d frames in, %d out, %d responses", self.session_id, self.frames_in,
@@ -136,12 +140,30 @@ class RealtimeSocket:
                 await self._handle(parse(message.get("text", message.get("bytes")), self.config.max_message_bytes))
             except RealtimeError as err:
                 self.error(err)
+            except Exception:  # a bug here must not cost the caller the call: say so and go on
+                log.exception("realtime %s: handling an event failed", self.session_id)
+                self.error(RealtimeError("internal_error", "the server failed on this event; it was dropped",
+                                         kind="server_error"))
 
     async def _write(self) -> None:
-        while True:
-            text, audio = await self.outbox.get()
-            await self.ws.send_text(text)
-            self.outbox.sent(audio)
+        try:
+            while True:
+                text, audio = await self.outbox.get()
+                await self.ws.send_text(text)
+                self.outbox.sent(audio)
+        except Exception as exc:  # the client is gone: stop reading too
+            log.info("realtime %s: sending failed (%s); closing", self.session_id, type(exc).__name__)
+            if self._reader is not None:
+                self._reader.cancel()
+
+    async def _expect_a_call(self) -> None:
+        """A socket that has not started a call within `start_timeout_seconds` is closed: an open
+        socket holds a place in its client's socket limit."""
+        await asyncio.sleep(self.config.start_timeout_seconds)
+        if self.call is None:
+            self.error(RealtimeError(e.NO_SESSION, f"no call was started within {self.config.start_timeout_seconds:g}"
+                                     " s of connecting; send session.update to start one", kind="server_error"))
+            await self.close(1000, "no call was started")
 
     async def close(self, code: int, reason: str) -> None:
         """Send what is queued (briefly), close the socket, stop reading."""
@@ -178,15 +200,22 @@ class RealtimeSocket:
     async def _handle(self, ev: ClientEvent) -> None:
         match ev.type:
             case "session.update":
-                self.settings = apply_update(self.settings, field(ev, "session", dict), self.rules,
-                                             started=self.call is not None, event_id=ev.event_id)
+                try:
+                    self.settings = apply_update(self.settings, field(ev, "session", dict), self.rules,
+                                                 started=self.call is not None, event_id=ev.event_id)
+                except RealtimeError:
+                    self.update_refused = self.call is None
+                    raise
+                self.update_refused = False
                 self.send(event("session.updated", session=self._session()))
                 if self.call is None:
                     await self._start_call(ev.event_id)
             case "input_audio_buffer.append":
                 samples = decode_pcm16(field(ev, "audio", str), ev.event_id)
-                if self.call is None:
-                    await self._start_call(ev.event_id)  # no session.update: the default voice and persona
+                if self.call is None and not self.update_refused:
+                    # No session.update at all: the default voice and persona. (After a refused one
+                    # the client is still choosing; its audio is not heard yet.)
+                    await self._start_call(ev.event_id)
                 if self.call is None or self.call.state != CallState.LIVE:
                     self.dropped_before_live += samples.size  # the model is not listening yet
                     return
@@ -201,7 +230,7 @@ class RealtimeSocket:
                 # that commit at the end of the user's turn.
                 self.send(event("input_audio_buffer.committed", previous_item_id=None, item_id=new_id("item")))
             case "response.create":
-                if self.call is None:
+                if self.call is None and not self.update_refused:
                     await self._start_call(ev.event_id)
                 response = ev.body.get("response") if isinstance(ev.body.get("response"), dict) else {}
                 opened = self.turns.request(response.get("metadata"))
@@ -240,6 +269,10 @@ class RealtimeSocket:
                                      kind="server_error"))
             await self.close(1001, "the room is closed")
             return
+        if self._closing:  # the socket went while the room placed the call
+            self.call.release(EndReason.HANGUP)
+            return
+        self.queued_at = time.monotonic()
         log.info("realtime %s: call %s (%s), voice %s", self.session_id, self.call.id, self.call.state, voice)
         self._spawn(self._run_call(self.call))
 
@@ -260,21 +293,24 @@ class RealtimeSocket:
                     self.frames_out += 1
                     self._send_all(self.turns.frame(out.pcm, out.text))
                 self._feed()
-                if self.frames_out % BACKLOG_CHECK_FRAMES == 0 and self.backlog_seconds() > \
-                        self.config.send_backlog_seconds:
+                if self._reading_stopped():
                     log.warning("realtime %s: the client stopped reading; closing", self.session_id)
-                    call.release(EndReason.error("the client stopped reading"))
+                    call.release(EndReason.NOT_READING)
                     self.stats.error("client_not_reading")
                     await self.close(1008, "the client stopped reading its audio")
                     return
         except CallEnded as ended:
             await self._ended(ended.reason)
+        except Exception as exc:
+            log.exception("realtime %s: the call's runner failed", self.session_id)
+            call.release(EndReason.error(f"realtime door: {type(exc).__name__}"))
+            await self.close(1011, "the server failed on this call")
 
     async def _wait_for_live(self, call: CallHandle) -> None:
         told: tuple | None = None
         while call.state.waiting:
             if call.state == CallState.QUEUED:
-                waited = time.monotonic() - self.connected_at
+                waited = time.monotonic() - self.queued_at
                 if self.config.max_wait_seconds is not None and waited > self.config.max_wait_seconds:
                     call.release(EndReason.QUEUE_TIMEOUT)
                 now = ("queue", call.queue_position, call.wait_reason)
@@ -287,6 +323,14 @@ class RealtimeSocket:
             told = now
             with contextlib.suppress(TimeoutError):
                 await call.wait_live(timeout=1.0)
+
+    def _reading_stopped(self) -> bool:
+        """Once a second: more than `send_backlog_seconds` of agent audio wait for the client."""
+        now = time.monotonic()
+        if now - self._last_backlog_check < BACKLOG_CHECK_SECONDS:
+            return False
+        self._last_backlog_check = now
+        return self.backlog_seconds() > self.config.send_backlog_seconds
 
     def backlog_seconds(self) -> float:
         """Agent audio sent or queued that the client has not read: the door's queue, and what

@@ -31,6 +31,10 @@ SAMPLING_FIELDS = {"text_temperature": float, "text_top_k": int, "audio_temperat
 IGNORED = ("turn_detection", "input_audio_transcription", "input_audio_noise_reduction", "tools", "tool_choice",
            "max_response_output_tokens", "max_output_tokens", "tracing", "truncation", "include", "prompt",
            "speed", "client_secret", "expires_at")
+# OpenAI's own voices, which agent frameworks send by default (LiveKit "marin", pipecat "alloy"):
+# ignored (the session keeps its PersonaPlex voice) rather than refused, so such a session starts.
+OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer",
+                           "verse", "marin", "cedar"})
 
 
 class Dialect(enum.Enum):
@@ -64,7 +68,10 @@ class SessionSettings:
 def _typed(value: Any, kind: type, name: str, event_id: str | None) -> Any:
     ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok, value = True, float(value)
+        try:
+            ok, value = True, float(value)
+        except OverflowError:
+            ok = False
     if not ok:
         raise RealtimeError(e.INVALID_FIELD, f"session.{name} must be {kind.__name__}, got {type(value).__name__}",
                             param=f"session.{name}", event_id=event_id)
@@ -104,9 +111,9 @@ def apply_update(current: SessionSettings, session: Any, rules: PromptRules, *, 
     if not isinstance(session, dict):
         raise RealtimeError(e.INVALID_FIELD, "session.update needs a \"session\" object", param="session",
                             event_id=event_id)
-    audio = session.get("audio") if isinstance(session.get("audio"), dict) else {}
-    audio_in = audio.get("input") if isinstance(audio.get("input"), dict) else {}
-    audio_out = audio.get("output") if isinstance(audio.get("output"), dict) else {}
+    audio = _object(session, "audio", "session.audio", event_id)
+    audio_in = _object(audio, "input", "session.audio.input", event_id)
+    audio_out = _object(audio, "output", "session.audio.output", event_id)
     _check_format(session.get("input_audio_format"), "input_audio_format", event_id)
     _check_format(session.get("output_audio_format"), "output_audio_format", event_id)
     _check_format(audio_in.get("format"), "audio.input.format", event_id)
@@ -116,7 +123,8 @@ def apply_update(current: SessionSettings, session: Any, rules: PromptRules, *, 
 
     voice, persona, _ = current.call_fields()
     given_voice = audio_out.get("voice", session.get("voice"))
-    if given_voice is not None:
+    ignored_voice = isinstance(given_voice, str) and given_voice in OPENAI_VOICES
+    if given_voice is not None and not ignored_voice:
         voice = _typed(given_voice, str, "voice", event_id)
         if voice not in rules.voice_names:
             raise RealtimeError(e.UNKNOWN_VOICE, f"unknown voice {voice!r}; choose one of "
@@ -128,7 +136,7 @@ def apply_update(current: SessionSettings, session: Any, rules: PromptRules, *, 
         except PersonaTooLongError as exc:
             raise RealtimeError(e.PERSONA_TOO_LONG, f"the instructions (the persona) are too long: {exc}",
                                 param="session.instructions", event_id=event_id) from None
-        except CallerError as exc:
+        except (CallerError, ValueError, UnicodeError) as exc:  # e.g. a lone surrogate the tokenizer refuses
             raise RealtimeError(e.INVALID_FIELD, f"the instructions (the persona) cannot be used: {exc}",
                                 param="session.instructions", event_id=event_id) from None
     sampling, room_events = _our_fields(current, session, event_id)
@@ -139,7 +147,18 @@ def apply_update(current: SessionSettings, session: Any, rules: PromptRules, *, 
     ignored = tuple(name for name in IGNORED if session.get(name) not in (None, [], "")
                     or audio_in.get(name.removeprefix("input_audio_")) not in (None, [], "")
                     or audio_out.get(name) not in (None, [], ""))
-    return SessionSettings(voice, persona, sampling, room_events, ignored)
+    return SessionSettings(voice, persona, sampling, room_events, ignored + (("voice",) if ignored_voice else ()))
+
+
+def _object(parent: dict[str, Any], name: str, where: str, event_id: str | None) -> dict[str, Any]:
+    """`parent[name]` when it is an object, {} when absent; invalid_field otherwise."""
+    value = parent.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RealtimeError(e.INVALID_FIELD, f"{where} must be an object, got {type(value).__name__}",
+                            param=where, event_id=event_id)
+    return value
 
 
 def _our_fields(current: SessionSettings, session: dict[str, Any],
@@ -150,10 +169,7 @@ def _our_fields(current: SessionSettings, session: dict[str, Any],
     knobs: dict[str, Any] = {}
     if session.get("temperature") is not None:  # the beta session's one temperature: the voice's
         knobs["audio_temperature"] = _typed(session["temperature"], float, "temperature", event_id)
-    ours = session.get("personaplex") or {}
-    if not isinstance(ours, dict):
-        raise RealtimeError(e.INVALID_FIELD, "session.personaplex must be an object", param="session.personaplex",
-                            event_id=event_id)
+    ours = _object(session, "personaplex", "session.personaplex", event_id)
     room_events = current.room_events
     for name, value in ours.items():
         if name == "room_events":

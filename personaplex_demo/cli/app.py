@@ -181,7 +181,7 @@ def realtime_door(cfg: AppConfig, topology: Topology):
                     "(PERSONAPLEX_API_KEY) to require a key, or --no-realtime to turn it off")
     return RealtimeDoor(topology.pool, topology.runtime.engine, RealtimeConfig(
         api_key=cfg.api_key, max_sockets_per_client=cfg.realtime_max_sockets, max_wait_seconds=cfg.max_wait_seconds,
-        model_name=topology.runtime.model_name))
+        model_name=topology.runtime.model_name, trust_forwarded_for=bool(os.environ.get("SPACE_ID"))))
 
 
 def status_extra(topology: Topology, door) -> dict[str, Any]:

@@ -48,6 +48,10 @@ def persona_token_ids(tokenizer, persona: str, max_tokens: int = MAX_PERSONA_TOK
     if len(persona) > MAX_PERSONA_CHARS:
         raise PersonaTooLongError(f"the persona is {len(persona)} characters long; the limit is "
                                   f"{MAX_PERSONA_CHARS} characters ({max_tokens} tokens)")
+    try:
+        persona.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate from JSON's \ud800: the tokenizer cannot take it
+        raise CallerError(f"the persona is not valid Unicode text ({exc.reason} at character {exc.start})") from None
     persona = persona.replace("\r\n", "\n").replace("\r", "\n")
     bad = sorted({f"U+{ord(c):04X}" for c in persona if ord(c) in _CONTROL})
     if bad:

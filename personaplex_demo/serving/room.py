@@ -50,6 +50,7 @@ class EndReason(enum.StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"
     OVERLOADED = "overloaded"  # shed so that the calls before it keep real time (serving/headroom.py)
     SHUTDOWN = "shutdown"
+    NOT_READING = "not_reading"  # the client stopped reading its audio (the Realtime door, api/)
     ERROR = "error"
 
     @staticmethod
