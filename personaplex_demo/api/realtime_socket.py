@@ -14,25 +14,22 @@ The call is released when the socket closes for any reason, so a slot never outl
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import json
 import logging
 import time
 from typing import Any
 
-import numpy as np
 from starlette.websockets import WebSocket
 
 from ..errors import CallerError, PersonaTooLongError, UnknownVoiceError
-from ..frame import FRAME_SAMPLES, FRAME_SECONDS
 from ..serving.room import DOOR_REALTIME, CallEnded, CallHandle, CallState, EndReason, PoolClosedError, PoolFullError, Room
 from . import errors as e
-from .audio_in import InputAudio, decode_pcm16
+from .audio_in import decode_pcm16
 from .client_events import ClientEvent, field, parse
 from .config import RealtimeConfig
 from .errors import RealtimeError
-from .send_queue import kernel_send_queue
+from .feeder import Feeder
+from .outbox import Outbox
 from .server_events import error_event, event
 from .session import Dialect, PromptRules, SessionSettings, apply_update, new_id, session_object
 from .stats import DoorStats
@@ -40,10 +37,6 @@ from .turns import TurnTracker
 
 log = logging.getLogger(__name__)
 
-SILENCE = np.zeros(FRAME_SAMPLES, np.int16)
-AUDIO_EVENTS = {"response.output_audio.delta", "response.audio.delta"}
-BACKLOG_CHECK_SECONDS = 1.0
-AUDIO_EVENT_BYTES = 5300  # one audio delta as JSON: 80 ms of PCM16 in base64, with its ids
 CLOSE_SECONDS = 2.0  # for the last events to leave and the close handshake, before giving up on a client
 
 # How a call's end reads to a client, and the WebSocket close code it comes with.
@@ -58,37 +51,6 @@ END_MESSAGES = {
 }
 
 
-class Outbox:
-    """Events waiting for the writer, as JSON text; counts the audio deltas among them."""
-
-    def __init__(self) -> None:
-        self._items: collections.deque[tuple[str, bool]] = collections.deque()
-        self._ready = asyncio.Event()
-        self._empty = asyncio.Event()
-        self._empty.set()
-        self.audio_frames = 0
-
-    def put(self, ev: dict[str, Any]) -> None:
-        audio = ev["type"] in AUDIO_EVENTS
-        self._items.append((json.dumps(ev, separators=(",", ":")), audio))
-        self.audio_frames += audio
-        self._ready.set()
-        self._empty.clear()
-
-    async def get(self) -> tuple[str, bool]:
-        while not self._items:
-            self._ready.clear()
-            self._empty.set()
-            await self._ready.wait()
-        return self._items.popleft()
-
-    def sent(self, audio: bool) -> None:
-        self.audio_frames -= audio
-
-    async def drained(self) -> None:
-        await self._empty.wait()
-
-
 class RealtimeSocket:
     """The door's side of one accepted socket; `run` returns when it has closed."""
 
@@ -98,16 +60,13 @@ class RealtimeSocket:
         self.session_id = new_id("sess")
         self.settings = SessionSettings()
         self.call: CallHandle | None = None
-        self.audio = InputAudio(config.input_buffer_seconds)
+        self.feeder = Feeder(config)
         self.turns = TurnTracker(dialect, config.turn_end_seconds, config.speech_dbfs)
         self.outbox = Outbox()
-        self.in_flight = 0  # frames handed to the room and not yet answered by an output
-        self.frames_in = self.frames_out = 0
+        self.frames_out = 0
         self.dropped_before_live = 0  # samples appended while the call was not live (not heard)
-        self.last_audio_at = time.monotonic()
         self.queued_at = time.monotonic()  # when the call was placed (the queue wait counts from here)
         self.update_refused = False  # a session.update was refused and none taken since
-        self._last_backlog_check = time.monotonic()
         self._tasks: set[asyncio.Task] = set()
         self._reader: asyncio.Task | None = None
         self._closing = False
@@ -128,7 +87,7 @@ class RealtimeSocket:
             for task in [self._reader, *self._tasks]:
                 task.cancel()
             self.stats.closed()
-            log.info("realtime %s closed: %d frames in, %d out, %d responses", self.session_id, self.frames_in,
+            log.info("realtime %s closed: %d frames in, %d out, %d responses", self.session_id, self.feeder.frames_in,
                      self.frames_out, self.turns.responses)
 
     async def _read(self) -> None:
@@ -219,11 +178,10 @@ class RealtimeSocket:
                 if self.call is None or self.call.state != CallState.LIVE:
                     self.dropped_before_live += samples.size  # the model is not listening yet
                     return
-                self.audio.append(samples, ev.event_id)
-                self.last_audio_at = time.monotonic()
-                self._feed()
+                self.feeder.append(samples, ev.event_id)
+                self.feeder.feed(self.call)
             case "input_audio_buffer.clear":
-                self.audio.clear()
+                self.feeder.audio.clear()
                 self.send(event("input_audio_buffer.cleared"))
             case "input_audio_buffer.commit":
                 # Nothing to commit: the model hears the audio as it comes. Acknowledged for clients
@@ -284,16 +242,16 @@ class RealtimeSocket:
         try:
             await self._wait_for_live(call)
             self.room_event("live", call_id=call.id, time_left=call.time_left())
-            self.last_audio_at = time.monotonic()
-            self._feed()
+            self.feeder.live()
+            self.feeder.feed(call)
             while True:
                 out = await call.next_output(timeout=0.25)
                 if out is not None:
-                    self.in_flight = max(0, self.in_flight - 1)
+                    self.feeder.answered()
                     self.frames_out += 1
                     self._send_all(self.turns.frame(out.pcm, out.text))
-                self._feed()
-                if self._reading_stopped():
+                self.feeder.feed(call)
+                if self.outbox.client_stopped_reading(self.ws.scope, self.config.send_backlog_seconds):
                     log.warning("realtime %s: the client stopped reading; closing", self.session_id)
                     call.release(EndReason.NOT_READING)
                     self.stats.error("client_not_reading")
@@ -323,40 +281,6 @@ class RealtimeSocket:
             told = now
             with contextlib.suppress(TimeoutError):
                 await call.wait_live(timeout=1.0)
-
-    def _reading_stopped(self) -> bool:
-        """Once a second: more than `send_backlog_seconds` of agent audio wait for the client."""
-        now = time.monotonic()
-        if now - self._last_backlog_check < BACKLOG_CHECK_SECONDS:
-            return False
-        self._last_backlog_check = now
-        return self.backlog_seconds() > self.config.send_backlog_seconds
-
-    def backlog_seconds(self) -> float:
-        """Agent audio sent or queued that the client has not read: the door's queue, and what
-        the kernel holds for the connection (api/send_queue.py)."""
-        kernel = kernel_send_queue(self.ws.scope.get("server"), self.ws.scope.get("client")) or 0
-        return (self.outbox.audio_frames + kernel / AUDIO_EVENT_BYTES) * FRAME_SECONDS
-
-    def _feed(self) -> None:
-        """Hand the room the client's next frames: at most `feed_lead_frames` ahead of the outputs
-        read back, so audio sent faster than real time waits here (bounded) rather than in the
-        room. After `fill_after_seconds` without audio the door plays silence, so the model keeps
-        listening and answering through a client's pause."""
-        call = self.call
-        if call is None or call.state != CallState.LIVE:
-            return
-        while self.in_flight < self.config.feed_lead_frames:
-            frame = self.audio.pop()
-            if frame is None:
-                quiet = time.monotonic() - self.last_audio_at
-                filling = self.config.fill_after_seconds <= quiet < self.config.fill_silence_seconds
-                if self.in_flight or not filling:
-                    return
-                frame = SILENCE
-            call.push_frame(frame)
-            self.in_flight += 1
-            self.frames_in += 1
 
     async def _ended(self, reason: str) -> None:
         self._send_all(self.turns.finish(reason))

@@ -1,0 +1,58 @@
+"""The client's audio into its call at the room's own pace (docs/realtime.md § Audio in).
+
+The door holds what a client appended (`InputAudio`, bounded) and hands the call at most
+`feed_lead_frames` frames beyond the agent frames read back, so audio sent faster than real time
+waits here rather than in the room, and a client sending in real time adds no delay. After
+`fill_after_seconds` without audio it plays silence, for up to `fill_silence_seconds`, so the
+model keeps listening and answering through a client's pause.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..frame import FRAME_SAMPLES
+from ..serving.room import CallHandle, CallState
+from .audio_in import InputAudio
+from .config import RealtimeConfig
+
+SILENCE = np.zeros(FRAME_SAMPLES, np.int16)
+
+
+class Feeder:
+    def __init__(self, config: RealtimeConfig) -> None:
+        self.config = config
+        self.audio = InputAudio(config.input_buffer_seconds)
+        self.in_flight = 0  # frames handed to the room and not yet answered by an output
+        self.frames_in = 0
+        self.last_audio_at = time.monotonic()
+
+    def append(self, samples: np.ndarray, event_id: str | None) -> None:
+        """Hold appended audio (RealtimeError past the bound)."""
+        self.audio.append(samples, event_id)
+        self.last_audio_at = time.monotonic()
+
+    def live(self) -> None:
+        """The call went live: a pause is counted from now."""
+        self.last_audio_at = time.monotonic()
+
+    def answered(self) -> None:
+        """One agent frame was read back: the room took one frame (or stepped silence)."""
+        self.in_flight = max(0, self.in_flight - 1)
+
+    def feed(self, call: CallHandle | None) -> None:
+        if call is None or call.state != CallState.LIVE:
+            return
+        while self.in_flight < self.config.feed_lead_frames:
+            frame = self.audio.pop()
+            if frame is None:
+                quiet = time.monotonic() - self.last_audio_at
+                filling = self.config.fill_after_seconds <= quiet < self.config.fill_silence_seconds
+                if self.in_flight or not filling:
+                    return
+                frame = SILENCE
+            call.push_frame(frame)
+            self.in_flight += 1
+            self.frames_in += 1
