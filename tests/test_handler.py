@@ -270,7 +270,7 @@ async def test_queued_callers_are_told_when_the_wait_is_over_or_dropped_when_gon
         patient_outs, gone_outs = await asyncio.gather(emit_until_closed(patient, 3.0), emit_until_closed(gone, 3.0))
         feeder.cancel()
         assert "number 1 in the queue" in page_updates(patient_outs)[0][1]
-        assert isinstance(patient_outs[-1], CloseStream) and "no free slot" in patient_outs[-1].msg
+        assert isinstance(patient_outs[-1], CloseStream) and "no place in the room" in patient_outs[-1].msg
         assert isinstance(gone_outs[-1], CloseStream) and "no microphone audio" in gone_outs[-1].msg
         assert gone.call.end_reason == "idle" and pool.snapshot().queue_length == 0
         for h in holders:

@@ -16,6 +16,8 @@ from starlette.applications import Starlette
 
 from personaplex_demo.engine.pcm import TickOutput
 from personaplex_demo.procs.remote_pool import PoolRouter
+from personaplex_demo.sampling_params import SamplingParams
+from personaplex_demo.serving.call import Call
 from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.headroom import WAIT_CAPACITY, WAIT_SLOTS, HeadroomConfig, HeadroomPolicy
 from personaplex_demo.serving.loop_lag import ensure_probe, probe
@@ -141,6 +143,15 @@ def test_no_more_calls_are_shed_while_the_last_shed_left_the_ticks_as_long():
     assert policy.shed_due(now, 3)
 
 
+def test_one_short_tick_right_after_a_shed_does_not_end_the_overload():
+    policy = HeadroomPolicy(HeadroomConfig(shed_after_seconds=3.0))
+    now = measured(policy, 4, 100 * MS, 0.0, ticks=40)
+    assert policy.shed_due(now, 4)
+    now = measured(policy, 3, 40 * MS, now, ticks=1)  # the first tick of the smaller batch, alone, is short
+    now = measured(policy, 3, 98 * MS, now, ticks=60)  # then the ticks are as long as before the shed
+    assert not policy.shed_due(now, 3)  # the host's doing: no second shed
+
+
 def test_a_short_spike_is_not_an_overload_and_shedding_can_be_turned_off():
     policy = HeadroomPolicy(HeadroomConfig())
     now = measured(policy, 4, 40 * MS, 0.0, ticks=40)
@@ -231,6 +242,29 @@ def test_with_admission_by_slots_every_free_slot_is_taken():
         join(pool, calls)
     assert [c.state for c in calls] == ["live"] * 5
     assert pool.snapshot().calls_held_back == 0
+
+
+def test_a_slot_freed_a_moment_ago_is_not_a_lack_of_capacity():
+    for admission in ("slots", "headroom"):
+        pool, _ = costly_pool(batch=1, admission=admission)
+        calls: list = []
+        first = join(pool, calls)
+        join(pool, calls)  # waits for the one slot
+        with pool._lock:
+            pool._table.vacate(first.slot)  # between a slot's release and the ticker seating the head
+            newcomer = Call(pool._ctx, "NATF0", "p", SamplingParams())
+            pool._admission.place(newcomer, True)
+        assert (newcomer.state, newcomer.queue_position, newcomer.wait_reason) == ("queued", 2, WAIT_SLOTS)
+        assert pool.snapshot().calls_held_back == 0, admission
+
+
+def test_a_full_queue_with_slots_free_says_the_room_is_at_capacity():
+    pool, _ = costly_pool(batch=6, headroom_prior_rows=1, max_queue=1)
+    calls: list = []
+    for _ in range(4):
+        join(pool, calls)  # three live, the fourth waits for headroom
+    with pytest.raises(PoolFullError, match=f"^{WAIT_CAPACITY} and the queue of 1 is full"):
+        pool.admit("NATF0", "p")
 
 
 def test_a_full_room_says_its_slots_are_busy():

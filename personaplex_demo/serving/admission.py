@@ -37,9 +37,10 @@ class Admission:
             return
         slots, free = len(self._table), self._table.counts().free
         if not may_queue:
-            raise PoolFullError(WAIT_CAPACITY if free else f"all {slots} slots busy")
+            raise PoolFullError(WAIT_CAPACITY if free and not self.fits(self._table.rows_held)
+                                else f"all {slots} slots busy")
         self._counters.calls_refused += 1
-        why = WAIT_CAPACITY if free and not self._table.queue else f"all {slots} slots busy"
+        why = WAIT_CAPACITY if free and not self.fits(self._table.rows_held) else f"all {slots} slots busy"
         raise PoolFullError(f"{why} and the queue of {self.config.max_queue} is full; try again in a minute")
 
     def seat_waiting(self) -> list[Call]:

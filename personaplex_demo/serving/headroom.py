@@ -118,7 +118,11 @@ class HeadroomPolicy:
             if self._over_since is None:
                 self._over_since = now
         else:
-            self._over_since = self._shed_at = None
+            self._over_since = None
+            # The overload is over only once the ticks since the last shed are enough to trust:
+            # right after a shed one short tick is all there is, and it would reset the guard.
+            if len(self._recent) >= self.config.min_samples:
+                self._shed_at = None
 
     def record_media_lag(self, now: float, source: str, seconds: float) -> None:
         """A door's event loop ran `seconds` late lately (its worst in its last report period)."""

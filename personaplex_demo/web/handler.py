@@ -50,7 +50,7 @@ END_MESSAGES = {
     EndReason.TIME_LIMIT: "Time is up for this call. Thanks for talking! Press Record to start a new one.",
     EndReason.IDLE: "The call ended: no microphone audio arrived for a few seconds.",
     EndReason.SHUTDOWN: "The server is restarting. Please try again in a minute.",
-    EndReason.QUEUE_TIMEOUT: "Still no free slot after a long wait, sorry. Please try again in a few minutes.",
+    EndReason.QUEUE_TIMEOUT: "Still no place in the room after a long wait, sorry. Please try again in a few minutes.",
     EndReason.OVERLOADED: ("The room is overloaded: this machine could no longer keep every call in real time, "
                            "so the newest call was ended. Please try again in a few minutes."),
 }

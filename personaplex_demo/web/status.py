@@ -44,7 +44,7 @@ def queue_reason(m: PoolMetrics) -> str | None:
     has no room for one more (serving/headroom.py)."""
     if not m.queue_length:
         return None
-    return WAIT_CAPACITY if m.slots_free else WAIT_SLOTS
+    return WAIT_CAPACITY if m.slots_free and not m.admitting else WAIT_SLOTS
 
 
 def room_line(m: PoolMetrics) -> str:
