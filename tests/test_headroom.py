@@ -26,7 +26,7 @@ from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.serving.room import PoolClosedError, PoolFullError
 from personaplex_demo.web.page import status_payload
 from personaplex_demo.web.prometheus import metrics_routes
-from personaplex_demo.web.status import status_line
+from personaplex_demo.web.status import RoomMetrics, status_line
 
 from .support.fake_clock import FakeClock
 from .test_metrics import scrape
@@ -233,6 +233,15 @@ def test_the_page_and_the_status_say_why_a_caller_waits():
     line = status_line(calls[3], pool)
     assert line.startswith("The room is at capacity on this machine: you are number 1 in the queue"), line
     assert status_line(calls[0], pool).startswith("Live")
+
+
+def test_a_live_callers_status_line_counts_its_own_slot_before_the_shared_figures_do():
+    pool, _ = costly_pool(batch=1)
+    RoomMetrics.get(pool)  # the page's shared figures, taken before the call (kept half a second)
+    call = join(pool, [])
+    assert call.state == "live"
+    line = status_line(call, pool)
+    assert line.startswith("Live") and line.endswith("slots 1/1 in use"), line
 
 
 def test_with_admission_by_slots_every_free_slot_is_taken():

@@ -172,7 +172,7 @@ class Page:
     def build_call(self) -> None:
         """The call itself: the WebRTC component, the status line, the transcript and the downloads."""
         options = self.options
-        gr.Markdown("🎧 **Use headphones.** The model listens while it talks; through speakers it hears "
+        gr.Markdown("**Use headphones.** The model listens while it talks; through speakers it hears "
                     "itself and answers its own voice.", elem_id="headphones")
         self.rtc = rtc = WebRTC(modality="audio", mode="send-receive", label="Call", full_screen=False,
                                 rtc_configuration=options.rtc_configuration,

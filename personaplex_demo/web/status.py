@@ -47,8 +47,10 @@ def queue_reason(m: PoolMetrics) -> str | None:
     return WAIT_CAPACITY if m.slots_free and not m.admitting else WAIT_SLOTS
 
 
-def room_line(m: PoolMetrics) -> str:
-    room = f"slots {m.slots_live + m.slots_prefill}/{m.slots_total} in use"
+def room_line(m: PoolMetrics, holding: int = 0) -> str:
+    """The room's figures in a few words. `holding`: slots the reader's own call holds, which the
+    figures (shared, up to half a second old) may not count yet."""
+    room = f"slots {max(m.slots_live + m.slots_prefill, holding)}/{m.slots_total} in use"
     if m.queue_length:
         room += f", {m.queue_length} waiting"
     if api := m.calls_by_door.get(DOOR_REALTIME, 0):
@@ -58,7 +60,8 @@ def room_line(m: PoolMetrics) -> str:
 
 def status_line(call: CallHandle | None, room: Room) -> str:
     """One line for the page: the call's state (preparing / live with time left / queued) and the room."""
-    figures = room_line(RoomMetrics.get(room))
+    holds = call is not None and call.state in (CallState.PREFILL, CallState.LIVE)
+    figures = room_line(RoomMetrics.get(room), holding=int(holds))
     if call is None:
         return f"Connecting… · {figures}"
     if call.state == CallState.QUEUED:
