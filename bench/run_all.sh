@@ -61,6 +61,8 @@ if [[ ${#quick[@]} -gt 0 ]]; then delay_args=(--seconds 5 --rounds 1); else dela
 echo "== bench/realtime.py (the Realtime API beside the page: first audio, audio per second, frame latency)"
 if [[ ${#quick[@]} -gt 0 ]]; then realtime_args=(--rounds 2 --seconds 5); else realtime_args=(); fi
 "$py" bench/realtime.py "${realtime_args[@]}" --write
+echo "== bench/echo.py (the speaker-echo check's cost per call)"
+"$py" bench/echo.py --write
 echo "== bench/gradio_events.py"
 "$py" bench/gradio_events.py --write
 echo "== bench/gpu.py --dry-run (the GPU benchmark's code path on the tiny configs)"

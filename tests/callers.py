@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import fractions
 import json
@@ -39,16 +40,49 @@ class ToneTrack(MediaStreamTrack):
 
     kind = "audio"
 
-    def __init__(self, freq: float):
+    def __init__(self, freq: float, amplitude: float = 0.3):
         super().__init__()
-        self.freq, self.n, self.t0 = freq, 0, None
+        self.freq, self.amplitude, self.n, self.t0 = freq, amplitude, 0, None
 
     async def recv(self) -> AudioFrame:
         if self.t0 is None:
             self.t0 = time.monotonic()
         await asyncio.sleep(max(0.0, self.t0 + self.n * 0.02 - time.monotonic()))
         t = (np.arange(960) + self.n * 960) / 48000
-        pcm = (0.3 * 32767 * np.sin(2 * np.pi * self.freq * t)).astype(np.int16)
+        pcm = (self.amplitude * 32767 * np.sin(2 * np.pi * self.freq * t)).astype(np.int16)
+        frame = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate, frame.pts, frame.time_base = 48000, self.n * 960, fractions.Fraction(1, 48000)
+        self.n += 1
+        return frame
+
+
+class FeedbackTrack(MediaStreamTrack):
+    """A microphone beside a loudspeaker: it plays back what the caller hears, `gain` times as
+    loud and `delay` seconds later (48 kHz, 20 ms a frame, in real time); silence before that."""
+
+    kind = "audio"
+
+    def __init__(self, delay: float = 0.15, gain: float = 0.3):
+        super().__init__()
+        self.gain, self.n, self.t0 = gain, 0, None
+        self.heard: collections.deque[np.ndarray] = collections.deque()
+        self.buffered = np.zeros(int(delay * 48000), np.float32)
+
+    def hear(self, frame: AudioFrame) -> None:
+        pcm = frame.to_ndarray().reshape(-1).astype(np.float32)
+        if len(frame.layout.channels) == 2:
+            pcm = pcm[::2]  # interleaved stereo: the left channel
+        self.heard.append(pcm)
+
+    async def recv(self) -> AudioFrame:
+        if self.t0 is None:
+            self.t0 = time.monotonic()
+        await asyncio.sleep(max(0.0, self.t0 + self.n * 0.02 - time.monotonic()))
+        while self.heard:
+            self.buffered = np.concatenate([self.buffered, self.heard.popleft()])
+        out, self.buffered = self.buffered[:960], self.buffered[960:]
+        out = np.pad(out, (0, 960 - out.size))
+        pcm = np.clip(out * self.gain, -32768, 32767).astype(np.int16)
         frame = AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
         frame.sample_rate, frame.pts, frame.time_base = 48000, self.n * 960, fractions.Fraction(1, 48000)
         self.n += 1
@@ -72,7 +106,9 @@ class Caller:
     def on_message(self, message: str) -> None:
         """A data channel message from the server (the page reacts to some of them)."""
 
-    async def offer(self, freq: float) -> dict:
+    async def offer(self, freq: float, mic: MediaStreamTrack | None = None) -> dict:
+        """Call with a tone of `freq` Hz as the microphone, or with `mic` (a FeedbackTrack hears
+        the agent's audio as this caller receives it)."""
         channel = self.pc.createDataChannel("text")
 
         @channel.on("message")
@@ -89,12 +125,14 @@ class Caller:
                     except Exception:
                         return
                     a = frame.to_ndarray().astype(np.float64)
+                    if isinstance(mic, FeedbackTrack):
+                        mic.hear(frame)
                     self.samples += frame.samples
                     self.energy += float((a**2).sum())
                     self.last_audio_at = time.monotonic()
             asyncio.ensure_future(drain())
 
-        self.pc.addTrack(ToneTrack(freq))
+        self.pc.addTrack(mic if mic is not None else ToneTrack(freq))
         await self.pc.setLocalDescription(await self.pc.createOffer())
         answer = await self.send_offer({"sdp": self.pc.localDescription.sdp, "type": "offer", "webrtc_id": self.id})
         if "sdp" in answer:

@@ -17,15 +17,18 @@ import pytest
 from fastapi import FastAPI
 from fastrtc import AdditionalOutputs, CloseStream, Stream
 
+from personaplex_demo.engine.pcm import TickOutput
 from personaplex_demo.rtc.patches import BoundedEventLog
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.pool import SlotPool
+from personaplex_demo.web.echo import WARNING as ECHO_WARNING
 from personaplex_demo.web.handler import CallHandler, FinalUpdates
 from personaplex_demo.web.page_inputs import PageInputs
 from personaplex_demo.web.recording import RecordingStore
 
-from .callers import Caller, wait_all_free
+from .callers import Caller, FeedbackTrack, ToneTrack, wait_all_free
+from .test_pool import FakeEngine
 
 NO_ICE_SERVERS = {"iceServers": []}  # loopback peers need no STUN (see Client)
 pytestmark = pytest.mark.usefixtures("loopback_ice")
@@ -45,8 +48,8 @@ class Client(Caller):
     async def send_offer(self, body: dict) -> dict:
         return (await self.http.post("/webrtc/offer", json=body)).json()
 
-    async def connect(self, freq: float) -> dict:
-        return await self.offer(freq)
+    async def connect(self, freq: float, mic=None) -> dict:
+        return await self.offer(freq, mic)
 
 
 async def collect_outputs(stream: Stream, webrtc_id: str, into: list, seconds: float) -> None:
@@ -145,6 +148,65 @@ async def test_third_caller_on_two_slots_waits_in_the_queue_then_gets_in(runtime
         assert any(o[1].startswith("Live") for o in later if len(o) > 1)
         for c in clients[1:]:
             await c.pc.close()
+
+
+class SpeakingEngine(FakeEngine):
+    """The pool's engine API, speaking in syllables: noise whose loudness changes every 240 ms, as
+    speech comes and goes. (The tiny model babbles at one steady level, which no loudness check can
+    follow through two Opus codecs; real speech swings tens of dB.)"""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__(batch_size)
+        self.rng = np.random.default_rng(3)
+        self.levels = np.zeros(batch_size, np.float32)
+
+    def step(self, pcm: np.ndarray) -> TickOutput:
+        out = super().step(pcm)
+        if self.steps % 3 == 0:
+            self.levels = (0.3 * self.rng.uniform(0.0, 1.0, self.batch_size) ** 2).astype(np.float32)
+        speech = self.levels[:, None] * self.rng.standard_normal(pcm.shape).astype(np.float32)
+        return TickOutput(pcm=speech, text=out.text)
+
+
+async def test_a_caller_whose_microphone_hears_the_agent_is_told_to_use_headphones():
+    recordings = RecordingStore()
+    pool = SlotPool(SpeakingEngine(3), PoolConfig(time_limit_seconds=60, admission="slots"))
+    pool.start()
+    stream = Stream(CallHandler(pool, recordings), modality="audio", mode="send-receive", concurrency_limit=4,
+                    server_rtc_configuration=NO_ICE_SERVERS)
+    app = FastAPI()
+    stream.mount(app)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            # A laptop on speakers (the agent comes back 150 ms later at a third of its level), a
+            # caller with a microphone of its own (a tone) and a silent one: only the first is warned.
+            echoing = Client(http, stream, "speakers", "", "NATF0")
+            singing = Client(http, stream, "tone", "", "NATM1")
+            silent = Client(http, stream, "quiet", "", "NATF0")
+            await echoing.connect(0.0, mic=FeedbackTrack(delay=0.15, gain=0.3))
+            await singing.connect(330.0)
+            await silent.connect(0.0, mic=ToneTrack(220.0, amplitude=0.0))
+            outs: list = []
+            await asyncio.gather(collect_outputs(stream, "speakers", outs, 12.0),
+                                 collect_outputs(stream, "tone", [], 12.0), collect_outputs(stream, "quiet", [], 12.0))
+            warned, clean, quiet = (stream.handlers[k] for k in ("speakers", "tone", "quiet"))
+            assert warned.echo.detected, warned.echo.summary()
+            assert 0.1 <= warned.echo.delay_seconds <= 0.8, warned.echo.summary()
+            assert any(o[1].startswith(ECHO_WARNING) for o in outs if len(o) > 1 and o[1]), outs[-3:]
+            assert not clean.echo.detected and not quiet.echo.detected, (clean.echo.summary(), quiet.echo.summary())
+            assert clean.frames_out > 100 and quiet.frames_out > 100
+            recording = warned.recording
+            for client in (echoing, singing, silent):
+                await client.pc.close()
+            deadline = time.monotonic() + 10
+            while not recording.finished and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            saved = json.loads(recording.files.transcript.read_text())
+            assert saved["speaker_echo"]["detected"] and saved["speaker_echo"]["detected_at"]
+            await wait_all_free(pool, 5.0)
+    finally:
+        pool.shutdown()
+        recordings.close()
 
 
 # ---- one handler driven directly, as fastrtc drives it -------------------------------------------

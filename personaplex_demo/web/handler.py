@@ -36,6 +36,8 @@ from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
 from ..serving.headroom import WAIT_CAPACITY
 from ..serving.loop_lag import ensure_probe
 from ..serving.room import CallEnded, CallHandle, CallState, EndReason, PoolClosedError, PoolFullError, Room
+from .echo import WARNING as ECHO_WARNING
+from .echo import EchoDetector
 from .page_inputs import CallRequest
 from .recording import CallRecording, RecordingFiles, RecordingStore
 from .status import STATUS_SECONDS, PageThrottle, RoomMetrics, room_line, status_line
@@ -119,6 +121,7 @@ class CallHandler(AsyncStreamHandler):
         self._throttle = PageThrottle()
         self._connected_at = time.monotonic()
         self._last_receive: float | None = None
+        self.echo = EchoDetector()
 
     def copy(self) -> CallHandler:
         return CallHandler(self.room, self.recordings, max_wait_seconds=self.max_wait_seconds,
@@ -184,6 +187,7 @@ class CallHandler(AsyncStreamHandler):
             # buffered: played late it would only add delay to the conversation).
             self._pending = np.zeros(0, np.int16)
             return
+        self.echo.caller(audio.reshape(-1), self._last_receive)
         self._pending = np.concatenate([self._pending, audio.reshape(-1)])
         while self._pending.size >= FRAME_SAMPLES:
             chunk, self._pending = self._pending[:FRAME_SAMPLES], self._pending[FRAME_SAMPLES:]
@@ -223,12 +227,18 @@ class CallHandler(AsyncStreamHandler):
         if out is None:
             return None
         self.frames_out += 1
+        now = time.monotonic()
+        self.echo.agent(out.pcm, now)
+        warned = self.echo.detected
+        if self.echo.check(now) and not warned:
+            log.info("call %s: the agent comes back through the microphone (correlation %.2f at %.0f ms)",
+                     self.call_id, self.echo.score, 1e3 * (self.echo.delay_seconds or 0.0))
         if self.recording is not None:
             self.recording.add_agent(out.pcm, out.text)
         audio = (SAMPLE_RATE, out.pcm)
         if out.text:
             self.transcript += out.text
-        update = self._update(text_changed=bool(out.text))
+        update = self._update(text_changed=bool(out.text), status_due=self.echo.detected and not warned)
         return (audio, update) if update is not None else audio
 
     async def _wait_for_slot(self, call: CallHandle):
@@ -251,8 +261,12 @@ class CallHandler(AsyncStreamHandler):
 
     def _update(self, text_changed: bool = False, status_due: bool = False) -> AdditionalOutputs | None:
         """The page update, or None (PageThrottle)."""
-        status = self._throttle.take(text_changed, status_due, lambda: status_line(self.call, self.room))
+        status = self._throttle.take(text_changed, status_due, self._status)
         return None if status is None else AdditionalOutputs(self.transcript, status, self.call_id, None)
+
+    def _status(self) -> str:
+        line = status_line(self.call, self.room)
+        return f"{ECHO_WARNING} · {line}" if self.echo.detected else line
 
     async def _ended_with(self, reason: str):
         if reason == EndReason.HANGUP:
@@ -299,6 +313,7 @@ class CallHandler(AsyncStreamHandler):
         rec = self.recording
         if rec is None or rec.finished:
             return
+        rec.meta["speaker_echo"] = self.echo.summary()
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -313,4 +328,5 @@ class CallHandler(AsyncStreamHandler):
             return None
         if rec.finished:
             return rec.files
+        rec.meta["speaker_echo"] = self.echo.summary()
         return await asyncio.get_running_loop().run_in_executor(None, rec.finish, reason)
