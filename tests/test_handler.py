@@ -190,11 +190,11 @@ async def test_a_caller_whose_microphone_hears_the_agent_is_told_to_use_headphon
             await asyncio.gather(collect_outputs(stream, "speakers", outs, 12.0),
                                  collect_outputs(stream, "tone", [], 12.0), collect_outputs(stream, "quiet", [], 12.0))
             warned, clean, quiet = (stream.handlers[k] for k in ("speakers", "tone", "quiet"))
+            assert not clean.echo.detected and not quiet.echo.detected, (clean.echo.summary(), quiet.echo.summary())
+            assert clean.frames_out > 100 and quiet.frames_out > 100
             assert warned.echo.detected, warned.echo.summary()
             assert 0.1 <= warned.echo.delay_seconds <= 0.8, warned.echo.summary()
             assert any(o[1].startswith(ECHO_WARNING) for o in outs if len(o) > 1 and o[1]), outs[-3:]
-            assert not clean.echo.detected and not quiet.echo.detected, (clean.echo.summary(), quiet.echo.summary())
-            assert clean.frames_out > 100 and quiet.frames_out > 100
             recording = warned.recording
             for client in (echoing, singing, silent):
                 await client.pc.close()
