@@ -62,8 +62,8 @@ DEFAULT_SAMPLING = SamplingParams()
 class RemoteCall(CallView):
     """One call on a `RemotePool` (a `CallHandle`), driven by the engine's messages; see `serving.call.Call`."""
 
-    def __init__(self, engine: RemotePool, started: msg.Started, door: str = DOOR_PAGE) -> None:
-        super().__init__(started.call_id, door)
+    def __init__(self, engine: RemotePool, started: msg.Started) -> None:
+        super().__init__(started.call_id)
         self.engine = engine
         self.rid = started.rid
         self.frames_pushed = 0
@@ -184,7 +184,6 @@ class RemotePool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
-        self._doors: dict[int, str] = {}  # the door of each start awaiting its answer
         self._calls: dict[int, RemoteCall] = {}
         self._channel = Channel(conn, f"engine-client:{self.name}", self._on_batch, self._on_close).start()
 
@@ -222,16 +221,16 @@ class RemotePool:
         rid = next(self._rids)
         fut: asyncio.Future[RemoteCall] = loop.create_future()
         self._pending[rid] = fut
-        self._doors[rid] = door
         self.send(msg.Start(rid, voice, persona, dataclasses.asdict(sampling), may_queue=queue, door=door))
         try:
-            return await asyncio.wait_for(fut, START_TIMEOUT)
+            call = await asyncio.wait_for(fut, START_TIMEOUT)
         except TimeoutError:
             self.send(msg.Release(rid, START_TIMED_OUT))  # in case it was placed after all
             raise PoolClosedError(f"engine {self.name} did not answer within {START_TIMEOUT:.0f} s") from None
         finally:
             self._pending.pop(rid, None)
-            self._doors.pop(rid, None)
+        call.door = door  # the engine counts it under its door; the handle says so too
+        return call
 
     def close(self) -> None:
         self.alive = False  # said goodbye: not an error
@@ -278,7 +277,7 @@ class RemotePool:
                     log.warning("engine %s: unexpected %s ignored", self.name, type(message).__name__)
 
     def _started(self, started: msg.Started) -> None:
-        call = RemoteCall(self, started, self._doors.get(started.rid, DOOR_PAGE))
+        call = RemoteCall(self, started)
         fut = self._pending.get(started.rid)
         if fut is None or fut.done():  # the start timed out here meanwhile: nobody waits for this call
             call.release(START_TIMED_OUT)

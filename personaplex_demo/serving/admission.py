@@ -35,12 +35,12 @@ class Admission:
         if self._table.admit(call, may_queue, self.config.max_queue, self.fits):
             self._count_held_back()
             return
-        slots, free = len(self._table), self._table.counts().free
+        why = self._table.wait_reason(self.fits)
+        if why != WAIT_CAPACITY:
+            why = f"all {len(self._table)} slots busy"
         if not may_queue:
-            raise PoolFullError(WAIT_CAPACITY if free and not self.fits(self._table.rows_held)
-                                else f"all {slots} slots busy")
+            raise PoolFullError(why)
         self._counters.calls_refused += 1
-        why = WAIT_CAPACITY if free and not self.fits(self._table.rows_held) else f"all {slots} slots busy"
         raise PoolFullError(f"{why} and the queue of {self.config.max_queue} is full; try again in a minute")
 
     def seat_waiting(self) -> list[Call]:

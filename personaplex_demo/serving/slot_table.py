@@ -53,7 +53,7 @@ class SlotTable:
         if not may_queue or (max_queue is not None and len(self.queue) >= max_queue):
             return False
         self.queue.append(call)
-        call.set_queue_position(len(self.queue), self._reason(fits))
+        call.set_queue_position(len(self.queue), self.wait_reason(fits))
         return True
 
     def end(self, call: Call, reason: str) -> bool:
@@ -98,7 +98,7 @@ class SlotTable:
             head = self.queue.popleft()
             self._seat(free, head)
             seated.append(head)
-        self._renumber(self._reason(fits))
+        self._renumber(self.wait_reason(fits))
         return seated
 
     def _seat(self, slot: int, call: Call) -> None:
@@ -109,7 +109,7 @@ class SlotTable:
         """Seated calls whose prompt nobody plays yet, in slot order (`Call.claim_prefill` claims one)."""
         return [(s, c) for s, c in enumerate(self.slots) if c is not None and c.prefill_waiting]
 
-    def _reason(self, fits: Fits) -> str:
+    def wait_reason(self, fits: Fits) -> str:
         """Why the queue waits: "the room is at capacity" only when a slot is free and one more
         row does not fit. A slot freed a moment ago, before the ticker seats the head, is not that."""
         return WAIT_CAPACITY if self._free() is not None and not fits(self.rows_held) else WAIT_SLOTS
