@@ -61,17 +61,26 @@ def parse(text: str | bytes | None, max_bytes: int) -> ClientEvent:
     return ClientEvent(kind, event_id, body)
 
 
-def field(event: ClientEvent, name: str, kind: type | tuple[type, ...], required: bool = True) -> Any:
+def field(event: ClientEvent, name: str, kind: type, required: bool = True) -> Any:
     """`event.body[name]`, checked to be of `kind`; None when absent and not required."""
     if name not in event.body or event.body[name] is None:
         if required:
             raise RealtimeError(e.MISSING_FIELD, f"{event.type} needs \"{name}\"", param=name,
                                 event_id=event.event_id)
         return None
-    value = event.body[name]
-    if not isinstance(value, kind) or isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple)
-                                                                                  else (kind,)):
-        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-        raise RealtimeError(e.INVALID_FIELD, f"\"{name}\" of {event.type} must be {names}, got "
-                            f"{type(value).__name__}", param=name, event_id=event.event_id)
+    return typed(event.body[name], kind, name, event.event_id, where=f"\"{name}\" of {event.type}")
+
+
+def typed(value: Any, kind: type, param: str, event_id: str | None, where: str | None = None) -> Any:
+    """`value` checked to be of `kind`, or invalid_field naming `where` (default: `param`). A whole
+    number where a float is wanted becomes one; a bool is never taken for a number."""
+    ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        try:
+            ok, value = True, float(value)
+        except OverflowError:
+            ok = False
+    if not ok:
+        raise RealtimeError(e.INVALID_FIELD, f"{where or param} must be {kind.__name__}, got {type(value).__name__}",
+                            param=param, event_id=event_id)
     return value

@@ -22,6 +22,7 @@ from ..frame import SAMPLE_RATE
 from ..runtime.voice_names import DEFAULT_VOICE
 from ..sampling_params import SamplingParams
 from . import errors as e
+from .client_events import typed
 from .errors import RealtimeError
 
 # Sampling settings a session may set under "personaplex" (the same as the page's).
@@ -63,19 +64,6 @@ class SessionSettings:
 
     def call_fields(self) -> tuple[str, str, SamplingParams]:
         return self.voice, self.persona, self.sampling
-
-
-def _typed(value: Any, kind: type, name: str, event_id: str | None) -> Any:
-    ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        try:
-            ok, value = True, float(value)
-        except OverflowError:
-            ok = False
-    if not ok:
-        raise RealtimeError(e.INVALID_FIELD, f"session.{name} must be {kind.__name__}, got {type(value).__name__}",
-                            param=f"session.{name}", event_id=event_id)
-    return value
 
 
 def _check_format(fmt: Any, where: str, event_id: str | None) -> None:
@@ -125,12 +113,12 @@ def apply_update(current: SessionSettings, session: Any, rules: PromptRules, *, 
     given_voice = audio_out.get("voice", session.get("voice"))
     ignored_voice = isinstance(given_voice, str) and given_voice in OPENAI_VOICES
     if given_voice is not None and not ignored_voice:
-        voice = _typed(given_voice, str, "voice", event_id)
+        voice = typed(given_voice, str, "session.voice", event_id)
         if voice not in rules.voice_names:
             raise RealtimeError(e.UNKNOWN_VOICE, f"unknown voice {voice!r}; choose one of "
                                 f"{', '.join(rules.voice_names)}", param="session.voice", event_id=event_id)
     if session.get("instructions") is not None:
-        persona = _typed(session["instructions"], str, "instructions", event_id)
+        persona = typed(session["instructions"], str, "session.instructions", event_id)
         try:
             rules.persona_tokens(persona)
         except PersonaTooLongError as exc:
@@ -168,15 +156,15 @@ def _our_fields(current: SessionSettings, session: dict[str, Any],
     sampling = current.sampling
     knobs: dict[str, Any] = {}
     if session.get("temperature") is not None:  # the beta session's one temperature: the voice's
-        knobs["audio_temperature"] = _typed(session["temperature"], float, "temperature", event_id)
+        knobs["audio_temperature"] = typed(session["temperature"], float, "session.temperature", event_id)
     ours = _object(session, "personaplex", "session.personaplex", event_id)
     room_events = current.room_events
     for name, value in ours.items():
         if name == "room_events":
-            room_events = _typed(value, bool, "personaplex.room_events", event_id)
+            room_events = typed(value, bool, "session.personaplex.room_events", event_id)
         elif name in SAMPLING_FIELDS:
-            knobs[name] = None if value is None and name == "seed" else _typed(
-                value, SAMPLING_FIELDS[name], f"personaplex.{name}", event_id)
+            knobs[name] = None if value is None and name == "seed" else typed(
+                value, SAMPLING_FIELDS[name], f"session.personaplex.{name}", event_id)
         else:
             raise RealtimeError(e.INVALID_FIELD, f"unknown field session.personaplex.{name}; known: room_events, "
                                 f"{', '.join(SAMPLING_FIELDS)}", param=f"session.personaplex.{name}",
