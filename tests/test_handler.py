@@ -276,8 +276,10 @@ async def test_time_limit_ends_the_call_with_a_message_and_the_downloads(runtime
         assert len(audio) >= 10 and all(a[0] == 24000 and a[1].shape == (1920,) for a in audio)
         updates = page_updates(outs)
         assert any(u[1].startswith("Live") and "left" in u[1] for u in updates)
-        transcript, status, call_id, files = updates[-1]
+        transcript, status, call_id, files, figures = updates[-1]
         assert status.startswith("Call ended: Time is up") and call_id == h.call_id
+        # This call's own figures stay on the page after the end.
+        assert figures.startswith("**This call** first sound after") and "latency" in figures, figures
         assert transcript == h.transcript and transcript  # the tiny model babbles text every few ticks
         wav_path, json_path = files
         with wave.open(wav_path) as w:
@@ -289,6 +291,11 @@ async def test_time_limit_ends_the_call_with_a_message_and_the_downloads(runtime
         meta = json.loads(open(json_path).read())
         assert meta["end_reason"] == "time_limit" and meta["voice"] == "NATF2" and meta["text"] == transcript
         assert meta["channels"] == {"left": "caller", "right": "agent"} and meta["segments"]
+        fig = meta["call_figures"]
+        assert list(fig["first_audio_parts_seconds"]) == ["connect", "inputs", "room", "first_tick", "first_sound"]
+        assert 0 < fig["first_audio_seconds"] == pytest.approx(sum(fig["first_audio_parts_seconds"].values()), abs=0.01)
+        assert fig["latency_ms"]["answers"] >= 10 and 0 < fig["latency_ms"]["p50"] <= fig["latency_ms"]["p95"]
+        assert fig["outputs"] >= len(audio) and fig["queued"] is False and fig["packets"] is None
         await wait_all_free(pool)
 
 
@@ -381,11 +388,12 @@ async def test_the_page_wiring_status_endpoint_and_downloads(runtime, recordings
     relay = by_event["state_change"][0].fn
     got = [u async for u in relay("gone")]
     assert len(got) == 1 and all(isinstance(u, type(gr.skip())) for u in got[0])
-    FinalUpdates.put("gone-2", ("words", "Call ended: Time is up", "cid", ("/x/a.wav", "/x/a.json")))
+    FinalUpdates.put("gone-2", ("words", "Call ended: Time is up", "cid", ("/x/a.wav", "/x/a.json"),
+                                "**This call** first sound after 0.40 s"))
     got = [u async for u in relay("gone-2")]
     # Plain values only (each gr.update or gr.skip makes Gradio rebuild a component); the ended
-    # call's id is what brings up its downloads.
-    assert got == [("words", "Call ended: Time is up", "cid", "cid")]
+    # call's id is what brings up its downloads, and the call's figures stay.
+    assert got == [("words", "Call ended: Time is up", "cid", "cid", "**This call** first sound after 0.40 s")]
     assert FinalUpdates.pop("gone-2") is None
     show_downloads = by_event["change"][[fn.fn.__name__ for fn in by_event["change"]].index("show_downloads")].fn
     wav_update, json_update = await show_downloads("call-1")

@@ -73,6 +73,7 @@ class MediaHost(WebRTCConnectionMixin):
                  send: Callable[[msg.WorkerReport], None]) -> None:
         super().__init__()
         self.event_handler = handler
+        handler.peers = self.pcs.get  # for each call's packet counts
         self.modality = "audio"
         self.mode = "send-receive"
         self.concurrency_limit = UNLIMITED

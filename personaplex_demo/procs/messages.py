@@ -112,6 +112,8 @@ class Out:
     pcm: np.ndarray  # float32 [FRAME_SAMPLES]
     text: str
     tick: int
+    latency: float | None = None  # serving.room.SlotOutput's
+    input_drops: int = 0
 
 
 @dataclass(frozen=True, slots=True)

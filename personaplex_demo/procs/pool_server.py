@@ -119,7 +119,7 @@ class _Client:
                 else:
                     out = await call.next_output(timeout=1.0)
                     if out is not None:
-                        self.send(msg.Out(rid, out.pcm, out.text, out.tick))
+                        self.send(msg.Out(rid, out.pcm, out.text, out.tick, out.latency, out.input_drops))
                 now = (call.state, call.queue_position, call.slot, call.wait_reason)
                 if now != sent and call.state != CallState.ENDED:
                     sent = now

@@ -258,9 +258,10 @@ class RemotePool:
         """The loop: a call's news, or the answer to a start."""
         for message in messages:
             match message:
-                case msg.Out(rid=rid, pcm=pcm, text=text, tick=tick):
+                case msg.Out(rid=rid):
                     if (call := self._calls.get(rid)) is not None:
-                        call.deliver(SlotOutput(pcm, text, tick))
+                        call.deliver(SlotOutput(message.pcm, message.text, message.tick, message.latency,
+                                                message.input_drops))
                 case msg.StateChange(rid=rid):
                     if (call := self._calls.get(rid)) is not None:
                         call.update(message.state, message.queue_position, message.slot, message.time_left,

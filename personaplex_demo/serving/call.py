@@ -226,6 +226,7 @@ class Call(CallView):
             self._outbox.popleft()
             self.counters.output_drops += 1
             self._ctx.counters.output_drops += 1
+        out.input_drops = self.counters.input_drops
         self._outbox.append(out)
         self.counters.frames_out += 1
         self._wake()

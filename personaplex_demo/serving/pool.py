@@ -68,8 +68,7 @@ class SlotPool:
         self._ctx = CallContext(self._lock, self._clock, config, self._counters, self.frame_size, self._end_call)
         n = int(engine.batch_size)
         self._table = SlotTable(n)
-        # True from the moment start_session is attempted until end_session has been called; only
-        # the ticker thread reads or writes it.
+        # From start_session's attempt until end_session; only the ticker thread uses it.
         self._engine_active = [False] * n
         self.closed = False  # after shutdown: no new calls
         self._stop = threading.Event()
@@ -222,8 +221,9 @@ class SlotPool:
             self._tick += 1
             now = clock.monotonic()
             for slot, call, stamp in rows:
-                if call.deliver(SlotOutput(out_pcm[slot].copy(), texts[slot], self._tick)) and stamp is not None:
-                    latencies.append(now - stamp)
+                lag = None if stamp is None else now - stamp  # None: silence stood in for the input
+                if call.deliver(SlotOutput(out_pcm[slot].copy(), texts[slot], self._tick, lag)) and lag is not None:
+                    latencies.append(lag)
             self._windows.add_tick(now - start, latencies, step_seconds)
             self._admission.record_tick(now, len(rows), now - start)
         self._windows.notify(now - start, latencies)

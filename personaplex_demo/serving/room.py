@@ -84,6 +84,10 @@ class SlotOutput:
     pcm: np.ndarray  # float32, one frame of agent audio at 24 kHz
     text: str  # transcript text that became final this tick ("" if none)
     tick: int
+    # Seconds from the caller's input frame reaching the room to this answer to it; None when
+    # no input frame was there and silence stood in for it.
+    latency: float | None = None
+    input_drops: int = 0  # the call's input frames dropped so far (a full buffer, a resync)
 
 
 class CallHandle(Protocol):

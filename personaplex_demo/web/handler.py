@@ -25,6 +25,8 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from fastrtc import AdditionalOutputs, AsyncStreamHandler, CloseStream, get_current_context
@@ -36,6 +38,7 @@ from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
 from ..serving.headroom import WAIT_CAPACITY
 from ..serving.loop_lag import ensure_probe
 from ..serving.room import CallEnded, CallHandle, CallState, EndReason, PoolClosedError, PoolFullError, Room
+from .call_figures import CallFigures
 from .echo import WARNING as ECHO_WARNING
 from .echo import EchoDetector
 from .page_inputs import CallRequest
@@ -95,11 +98,13 @@ class Phase(enum.Enum):
 class CallHandler(AsyncStreamHandler):
     """One call. The instance given to fastrtc is a template; `copy()` makes one per connection.
 
-    Page updates are `AdditionalOutputs(transcript, status, call_id, files)`, where `files` is
-    None or the (WAV, JSON) paths of the finished recording."""
+    Page updates are `AdditionalOutputs(transcript, status, call_id, files, figures)`: `files`,
+    None or the recording's (WAV, JSON) paths; `figures`, this call's own (call_figures.py).
+    `peers`: the fastrtc connection id's aiortc peer (`pcs.get`), for its packet counts."""
 
     def __init__(self, room: Room, recordings: RecordingStore | None = None, *,
-                 max_wait_seconds: float | None = DEFAULT_MAX_WAIT_SECONDS, model_name: str | None = None):
+                 max_wait_seconds: float | None = DEFAULT_MAX_WAIT_SECONDS, model_name: str | None = None,
+                 peers: Callable[[str], Any] | None = None):
         super().__init__(expected_layout="mono", output_sample_rate=SAMPLE_RATE, input_sample_rate=SAMPLE_RATE)
         # fastrtc paces agent audio in frames of this length; one frame makes one Opus packet (rtc/audio.py).
         self.output_frame_size = output_frame_samples(SAMPLE_RATE)
@@ -107,6 +112,7 @@ class CallHandler(AsyncStreamHandler):
         self.recordings = recordings if recordings is not None else RecordingStore()
         self.max_wait_seconds = max_wait_seconds
         self.model_name = model_name
+        self.peers = peers
         self.phase = Phase.STARTING
         self.call: CallHandle | None = None
         self.call_id = uuid.uuid4().hex[:12]
@@ -122,10 +128,12 @@ class CallHandler(AsyncStreamHandler):
         self._connected_at = time.monotonic()
         self._last_receive: float | None = None
         self.echo = EchoDetector()
+        self.figures = CallFigures(self._connected_at)  # fastrtc copies the template as the offer comes
+        self._packets_task: asyncio.Task | None = None  # a reference, so it is not collected mid-read
 
     def copy(self) -> CallHandler:
         return CallHandler(self.room, self.recordings, max_wait_seconds=self.max_wait_seconds,
-                           model_name=self.model_name)
+                           model_name=self.model_name, peers=self.peers)
 
     def _fail(self, message: str) -> None:
         self.phase, self.close_message = Phase.FAILING, message
@@ -134,6 +142,7 @@ class CallHandler(AsyncStreamHandler):
 
     async def start_up(self) -> None:
         self._connected_at = time.monotonic()
+        self.figures.mark("connected", self._connected_at)
         ensure_probe(self.room)
         try:
             self.webrtc_id = get_current_context().webrtc_id
@@ -143,6 +152,7 @@ class CallHandler(AsyncStreamHandler):
             await asyncio.wait_for(self.wait_for_args(), ARGS_TIMEOUT)
         except TimeoutError:
             log.info("call %s: no page inputs within %.0f s, using the defaults", self.call_id, ARGS_TIMEOUT)
+        self.figures.mark("inputs", time.monotonic())
         try:
             req = CallRequest.from_args(list(self.latest_args or []))
             self.call = await self.room.acquire(req.voice, req.persona, req.sampling)
@@ -159,6 +169,7 @@ class CallHandler(AsyncStreamHandler):
             self._fail(END_MESSAGES[EndReason.SHUTDOWN])
         else:
             self.phase = Phase.ACTIVE
+            self.figures.queued = self.call.state == CallState.QUEUED
             self.recording = self.recordings.start(self.call_id, req.recording_meta(self.call_id, self.model_name))
             log.info("call %s: %s, voice %s (room call %s)", self.call_id, self.call.state, req.voice, self.call.id)
         finally:
@@ -221,6 +232,7 @@ class CallHandler(AsyncStreamHandler):
         try:
             if call.state.waiting:
                 return await self._wait_for_slot(call)
+            self.figures.mark("live", time.monotonic())
             out = await call.next_output(timeout=0.1)
         except CallEnded as e:
             return await self._ended_with(e.reason)
@@ -228,6 +240,7 @@ class CallHandler(AsyncStreamHandler):
             return None
         self.frames_out += 1
         now = time.monotonic()
+        self._note_output(out, now)
         self.echo.agent(out.pcm, now)
         warned = self.echo.detected
         if self.echo.check(now) and not warned:
@@ -259,10 +272,22 @@ class CallHandler(AsyncStreamHandler):
             pass
         return self._update(status_due=True)
 
+    def _note_output(self, out, now: float) -> None:
+        """This call's figures: the output itself, and the packet counts when due."""
+        if self.figures.output(out, now):
+            log.info("call %s: first sound %s", self.call_id, self.figures.first_sound_text())
+        if self.peers is not None and self.webrtc_id and self.figures.packets_due(now):
+            if (pc := self.peers(self.webrtc_id)) is not None:
+                self._packets_task = asyncio.create_task(self.figures.refresh_packets(pc))
+
     def _update(self, text_changed: bool = False, status_due: bool = False) -> AdditionalOutputs | None:
-        """The page update, or None (PageThrottle)."""
+        """The page update, or None (PageThrottle; the call's figures at most every FIGURES_SECONDS)."""
         status = self._throttle.take(text_changed, status_due, self._status)
-        return None if status is None else AdditionalOutputs(self.transcript, status, self.call_id, None)
+        figures = self.figures.due(time.monotonic())
+        if status is None and figures is None:
+            return None
+        status = status if status is not None else (self._throttle.last_status or self._status())
+        return AdditionalOutputs(self.transcript, status, self.call_id, None, self.figures.shown)
 
     def _status(self) -> str:
         line = status_line(self.call, self.room)
@@ -286,7 +311,7 @@ class CallHandler(AsyncStreamHandler):
         if self.channel is None:
             return CloseStream(message)  # nobody to show a final update to
         paths = (str(files.wav), str(files.transcript)) if files is not None else None
-        final = (self.transcript, f"Call ended: {message}", self.call_id, paths)
+        final = (self.transcript, f"Call ended: {message}", self.call_id, paths, self.figures.shown)
         if self.webrtc_id is not None:
             FinalUpdates.put(self.webrtc_id, final)
         self.phase, self.close_message = Phase.CLOSING, message
@@ -306,27 +331,17 @@ class CallHandler(AsyncStreamHandler):
                 # last, so a late "Live" status cannot overwrite the end of the call.
                 FinalUpdates.put(self.webrtc_id, (self.transcript,
                                                   f"Call ended · {room_line(RoomMetrics.get(self.room))}",
-                                                  self.call_id, None))
+                                                  self.call_id, None, self.figures.shown))
         self._finish_recording(EndReason.HANGUP)
 
     def _finish_recording(self, reason: str) -> None:
-        rec = self.recording
-        if rec is None or rec.finished:
-            return
-        rec.meta["speaker_echo"] = self.echo.summary()
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            rec.finish(reason)
-            return
-        # Writing the WAV takes a moment for a long call: keep it off the event loop.
-        loop.run_in_executor(None, rec.finish, reason)
+        if self.recording is not None:
+            self.recording.finish_soon(reason, self._final_meta())
 
     async def _finish_recording_async(self, reason: str) -> RecordingFiles | None:
         rec = self.recording
-        if rec is None:
-            return None
-        if rec.finished:
-            return rec.files
-        rec.meta["speaker_echo"] = self.echo.summary()
-        return await asyncio.get_running_loop().run_in_executor(None, rec.finish, reason)
+        return None if rec is None else await rec.finish_async(reason, self._final_meta())
+
+    def _final_meta(self) -> dict:
+        """What the transcript JSON learns of the call only at its end."""
+        return {"speaker_echo": self.echo.summary(), "call_figures": self.figures.as_dict()}

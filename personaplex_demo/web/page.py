@@ -42,7 +42,7 @@ CSS = """
 #banner {background: #fff4d6; border: 1px solid #e8c36a; border-radius: 8px; padding: 8px 12px; color: #4a3b00;}
 #status-line {font-weight: 600; min-height: 1.6em;}
 #headphones {opacity: 0.85;}
-#stats, #recording-note {font-size: 0.85em; opacity: 0.85;}
+#stats, #recording-note, #call-figures {font-size: 0.85em; opacity: 0.85;}
 """
 
 
@@ -91,10 +91,10 @@ def stats_markdown(room: Room) -> str:
             f" · **real-time factor** {m.realtime_factor:.2f}")
 
 
-def page_values(transcript: str, status: str, call_id: str, files=None) -> tuple[str, str, str, str]:
-    """A handler update (`AdditionalOutputs(transcript, status, call_id, files)`) as the relay's
-    outputs: the call's id goes into `ended_call` once its recording is written."""
-    return transcript, status, call_id, call_id if files else ""
+def page_values(transcript: str, status: str, call_id: str, files=None, figures: str = "") -> tuple[str, ...]:
+    """A handler update (`AdditionalOutputs(transcript, status, call_id, files, figures)`) as the
+    relay's outputs: the call's id goes into `ended_call` once its recording is written."""
+    return transcript, status, call_id, call_id if files else "", figures
 
 
 def build_ui(runtime, room: Room, options: PageOptions | None = None,
@@ -182,6 +182,8 @@ class Page:
         # fastrtc's own conversion drops iceTransportPolicy; this one keeps a relay-only setting.
         rtc.server_rtc_configuration = server_configuration(options.server_rtc_configuration)
         self.status = gr.Markdown(f"Ready · {room_line(self.room.snapshot())}", elem_id="status-line")
+        self.call_figures = gr.Markdown("", elem_id="call-figures")  # this call's own (web/call_figures.py)
+        self.handler.peers = rtc.pcs.get  # for each call's packet counts
         self.transcript = gr.Textbox(label="Transcript (the agent's words)", lines=8, max_lines=16,
                                      interactive=False, autoscroll=True, elem_id="transcript-box")
         with gr.Row():
@@ -210,7 +212,8 @@ class Page:
         rtc.state_change(self.relay, inputs=[rtc], outputs=self.page_outputs, concurrency_limit=None,
                          show_progress="hidden", trigger_mode="once")
         downloads = [self.wav, self.txt]
-        rtc.start_recording(self.on_start, None, [self.transcript, self.status, self.ended_call, *downloads],
+        rtc.start_recording(self.on_start, None, [self.transcript, self.status, self.ended_call, self.call_figures,
+                                                  *downloads],
                             show_progress="hidden", concurrency_limit=None)
         self.ended_call.change(self.show_downloads, self.ended_call, downloads, show_progress="hidden",
                                concurrency_limit=None)
@@ -221,7 +224,7 @@ class Page:
 
     @property
     def page_outputs(self) -> list:
-        return [self.transcript, self.status, self.call_id, self.ended_call]
+        return [self.transcript, self.status, self.call_id, self.ended_call, self.call_figures]
 
     # ---- event handlers ---------------------------------------------------------------------------
 
@@ -233,7 +236,7 @@ class Page:
         return f"{n} / {self.engine.max_persona_tokens} tokens"
 
     def on_start(self):
-        return ("", f"Connecting… · {room_line(RoomMetrics.get(self.room))}", "", *file_updates(None))
+        return ("", f"Connecting… · {room_line(RoomMetrics.get(self.room))}", "", "", *file_updates(None))
 
     async def show_downloads(self, call_id: str):
         """The downloads of a call the server ended, once its recording is written."""

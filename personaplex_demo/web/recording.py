@@ -238,6 +238,26 @@ class CallRecording:
                 frame[: b.size, 1] = b
                 out.writeframes(frame.tobytes())
 
+    def finish_soon(self, end_reason: str, meta: dict) -> None:
+        """Add `meta` and `finish`, off the running event loop if there is one: writing the WAV of
+        a long call takes a moment."""
+        if self.finished:
+            return
+        self.meta.update(meta)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.finish(end_reason)
+            return
+        loop.run_in_executor(None, self.finish, end_reason)
+
+    async def finish_async(self, end_reason: str, meta: dict) -> RecordingFiles | None:
+        """Add `meta` and `finish` in an executor thread; the files."""
+        if self.finished:
+            return self.files
+        self.meta.update(meta)
+        return await asyncio.get_running_loop().run_in_executor(None, self.finish, end_reason)
+
     async def wait_finished(self, timeout: float) -> RecordingFiles | None:
         """Wait (without blocking the event loop) until `finish` has run; its files, or None."""
         deadline = time.monotonic() + timeout

@@ -1,0 +1,229 @@
+"""One call's own figures, as its caller meets them: how long the first sound took and where that
+time went, the room's latency for this call, and the audio lost or late on the way.
+
+The handler notes each milestone of the call's start as it passes it (all on the server's
+monotonic clock) and reads every output the room sends; the peer connection's RTP statistics
+add the packets lost each way. The page shows `line()` beside the room's figures, changed at
+most every FIGURES_SECONDS, and the call's transcript JSON keeps `as_dict()`
+(docs/serving.md § Figures per call).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..serving.room import SlotOutput
+
+log = logging.getLogger(__name__)
+
+AUDIBLE_DBFS = -40.0  # an agent frame louder than this is sound; below it, near silence
+FIGURES_SECONDS = 15.0  # the page's line of call figures changes at most this often
+LATENCY_WINDOW = 250  # the latest answers (20 s of them) whose latencies the figures report
+
+# The start of a call, in order; each part of the time to first audio ends at one of them.
+MILESTONES = ("offer", "connected", "inputs", "live", "first_output", "first_sound")
+PARTS = {
+    "connect": "the peer connection (ICE, DTLS and the data channel) after the offer arrived",
+    "inputs": "the page's voice and persona reaching the call",
+    "room": "the room: the queue, then the prefill of the voice and persona",
+    "first_tick": "the first tick after the call went live",
+    "first_sound": "the first outputs that were near silence",
+}
+
+
+def frame_dbfs(pcm: np.ndarray) -> float:
+    """The loudness of one frame of float samples, in dB below full scale."""
+    power = float(np.mean(np.square(pcm, dtype=np.float64))) if pcm.size else 0.0
+    return 10.0 * math.log10(power) if power > 1e-20 else -200.0
+
+
+@dataclass
+class PacketCounts:
+    """RTP packets of the call's audio each way, from the server's peer connection."""
+
+    received: int = 0  # the caller's packets that arrived
+    lost_in: int = 0  # the caller's packets that never arrived
+    sent: int = 0  # the agent's packets sent
+    lost_out: int = 0  # of those, lost on the way, as the caller's RTCP reports say
+
+    @staticmethod
+    def loss(lost: int, total: int) -> float | None:
+        return lost / total if total > 0 else None
+
+    @property
+    def loss_in(self) -> float | None:
+        return self.loss(self.lost_in, self.received + self.lost_in)
+
+    @property
+    def loss_out(self) -> float | None:
+        return self.loss(self.lost_out, self.sent)
+
+
+async def read_packets(pc) -> PacketCounts | None:
+    """The audio packet counts of an aiortc peer connection, or None when it has none yet."""
+    try:
+        report = await pc.getStats()
+    except Exception:  # noqa: BLE001 -- a closing connection has no figures; the call does not care
+        log.debug("getStats failed", exc_info=True)
+        return None
+    counts, seen = PacketCounts(), False
+    for stats in report.values():
+        if getattr(stats, "kind", "audio") != "audio":
+            continue
+        match stats.type:
+            case "inbound-rtp":
+                counts.received += stats.packetsReceived
+                counts.lost_in += max(0, stats.packetsLost)
+                seen = True
+            case "outbound-rtp":
+                counts.sent += stats.packetsSent
+                seen = True
+            case "remote-inbound-rtp":
+                counts.lost_out += max(0, stats.packetsLost)
+    return counts if seen else None
+
+
+class CallFigures:
+    """The figures of one call; see the module docstring. Used from the call's event loop only."""
+
+    def __init__(self, offer_at: float) -> None:
+        self.at: dict[str, float] = {"offer": offer_at}
+        self.queued = False  # whether the call waited in the queue for a slot
+        self.latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
+        self.outputs = 0
+        self.heard = 0  # outputs since the caller's first frame reached the room
+        self.underruns = 0  # outputs answering no input (it came late or not at all): silence stood in
+        self.input_drops = 0  # input frames the room dropped (too many waiting, or a resync)
+        self.packets: PacketCounts | None = None
+        self._packets_at: float | None = None  # when the packet counts were last asked for
+        self._reading = False
+        self._shown_at: float | None = None
+        self._shown = ""
+
+    def mark(self, milestone: str, now: float) -> None:
+        """Note `milestone` (one of MILESTONES) at `now`, the first time only."""
+        self.at.setdefault(milestone, now)
+
+    def output(self, out: SlotOutput, now: float) -> bool:
+        """Read one output the room sent to this call; True when it is the call's first sound."""
+        self.mark("first_output", now)
+        self.outputs += 1
+        self.input_drops = max(self.input_drops, out.input_drops)  # a running count
+        if out.latency is not None:
+            self.latencies.append(out.latency)
+        elif self.heard:  # before the caller's first frame, silence standing in is the start
+            self.underruns += 1
+        if self.heard or out.latency is not None:
+            self.heard += 1
+        if "first_sound" not in self.at and frame_dbfs(out.pcm) > AUDIBLE_DBFS:
+            self.mark("first_sound", now)
+            return True
+        return False
+
+    def packets_due(self, now: float) -> bool:
+        """Whether to read the packet counts now: with the first output, then every FIGURES_SECONDS."""
+        if self._reading or (self._packets_at is not None and now - self._packets_at < FIGURES_SECONDS - 1.0):
+            return False
+        self._packets_at = now
+        return True
+
+    async def refresh_packets(self, pc) -> None:
+        """Read the packet counts of `pc` (aiortc) into `packets`."""
+        self._reading = True
+        try:
+            if (counts := await read_packets(pc)) is not None:
+                self.packets = counts
+        finally:
+            self._reading = False
+
+    # ---- what they add up to -------------------------------------------------------------------
+
+    @property
+    def first_audio_seconds(self) -> float | None:
+        """From the offer reaching the server to the first agent sound it sent."""
+        if "first_sound" not in self.at:
+            return None
+        return self.at["first_sound"] - self.at["offer"]
+
+    def parts(self) -> dict[str, float]:
+        """The time to first audio, part by part (PARTS), as far as the call got."""
+        done = [(m, self.at[m]) for m in MILESTONES if m in self.at]
+        names = dict(zip(MILESTONES[1:], PARTS, strict=True))
+        return {names[m]: round(t - prev, 4) for (_, prev), (m, t) in zip(done, done[1:], strict=False)
+                if m in names}
+
+    def first_sound_text(self) -> str:
+        """For the log: "0.34 s after the offer (connect 0.150, inputs 0.040, ...)"."""
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in self.parts().items())
+        return f"{self.first_audio_seconds:.2f} s after the offer ({parts})"
+
+    def latency_ms(self, q: float) -> float | None:
+        return 1e3 * float(np.quantile(np.fromiter(self.latencies, float), q)) if self.latencies else None
+
+    @property
+    def late_share(self) -> float | None:
+        """Of the outputs since the caller's first frame, the share with no input to answer."""
+        return self.underruns / self.heard if self.heard else None
+
+    def as_dict(self) -> dict:
+        """For the call's transcript JSON."""
+        first = self.first_audio_seconds
+        packets = self.packets
+        return {
+            "first_audio_seconds": None if first is None else round(first, 4),
+            "first_audio_parts_seconds": self.parts(),
+            "queued": self.queued,
+            "latency_ms": {"p50": _round(self.latency_ms(0.5)), "p95": _round(self.latency_ms(0.95)),
+                           "answers": len(self.latencies)},
+            "outputs": self.outputs,
+            "underruns": self.underruns,
+            "input_drops": self.input_drops,
+            "packets": None if packets is None else {
+                "received": packets.received, "lost_in": packets.lost_in,
+                "sent": packets.sent, "lost_out": packets.lost_out},
+        }
+
+    def line(self) -> str:
+        """This call's figures in a few words, for the page ("" until the call is live)."""
+        if "live" not in self.at:
+            return ""
+        first = self.first_audio_seconds
+        bits = [f"first sound after {first:.2f} s" if first is not None else "no sound from the agent yet"]
+        if (p50 := self.latency_ms(0.5)) is not None:
+            bits.append(f"latency {p50:.0f} ms")
+        lost = []
+        if (late := self.late_share) is not None:
+            lost.append(f"{100 * late:.1f} % of your audio late")
+        if self.input_drops:
+            lost.append(f"{self.input_drops} frames dropped")
+        if self.packets is not None:
+            for name, share in (("in", self.packets.loss_in), ("out", self.packets.loss_out)):
+                if share is not None:
+                    lost.append(f"{100 * share:.1f} % packets lost {name}")
+        return "**This call** " + " · ".join(bits + lost)
+
+    def due(self, now: float) -> str | None:
+        """The line for the page when it should change now, else None: at once when it has news
+        (the first sound, a figure shown for the first time), otherwise at most every FIGURES_SECONDS."""
+        line = self.line()
+        if not line or line == self._shown:
+            return None
+        first_news = (self._shown_at is None or self.at.get("first_sound", -1.0) > self._shown_at
+                      or line.count(" · ") > self._shown.count(" · "))
+        if not first_news and now - self._shown_at < FIGURES_SECONDS:
+            return None
+        self._shown, self._shown_at = line, now
+        return line
+
+    @property
+    def shown(self) -> str:
+        return self._shown
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
