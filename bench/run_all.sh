@@ -63,6 +63,9 @@ if [[ ${#quick[@]} -gt 0 ]]; then realtime_args=(--rounds 2 --seconds 5); else r
 "$py" bench/realtime.py "${realtime_args[@]}" --write
 echo "== bench/echo.py (the speaker-echo check's cost per call)"
 "$py" bench/echo.py --write
+echo "== bench/browser_call.py (time to first audio and the round trip, in Chromium)"
+if [[ ${#quick[@]} -gt 0 ]]; then browser_args=(--runs 1 --seconds 8); else browser_args=(); fi
+"$py" bench/browser_call.py "${browser_args[@]}" --write
 echo "== bench/gradio_events.py"
 "$py" bench/gradio_events.py --write
 echo "== bench/gpu.py --dry-run (the GPU benchmark's code path on the tiny configs)"

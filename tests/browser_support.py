@@ -35,6 +35,96 @@ RECORD_PCS = """
 })();
 """
 
+# When each step of starting a call happens in the page (performance.now(), ms), in window.__t:
+# the click on Record, the offer sent and its answer back (fastrtc sends it through Gradio's
+# component server), the peer connection connected, and the first agent sound played (the first
+# 5 ms block of the received audio above -40 dBFS). window.__onsets gets the AudioContext time of
+# each sharp onset in the received audio (for the click round trip); the page's own audio element
+# still plays the call. Goes after RECORD_PCS.
+CALL_TIMING = """
+(() => {
+  window.__t = {};
+  window.__onsets = [];
+  const mark = (name) => { if (window.__t[name] === undefined) window.__t[name] = performance.now(); };
+  document.addEventListener("click", (e) => {
+    if (e.target.closest && e.target.closest('button[aria-label="start stream"]')) mark("click");
+  }, true);
+  const fetch0 = window.fetch;
+  window.fetch = async (url, init) => {
+    const offer = init && typeof init.body === "string" && init.body.includes('"fn_name":"offer"');
+    if (offer) mark("offer_sent");
+    const r = await fetch0(url, init);
+    if (offer) mark("answer");
+    return r;
+  };
+  window.__audioCtx = () => window.__actx || (window.__actx = new AudioContext({latencyHint: "interactive"}));
+  window.__listen = (stream, onsets, first) => {
+    const ctx = window.__audioCtx();
+    const src = ctx.createMediaStreamSource(stream);
+    const proc = ctx.createScriptProcessor(256, 1, 1);
+    let quietUntil = 0;
+    proc.onaudioprocess = (e) => {
+      const x = e.inputBuffer.getChannelData(0);
+      let sum = 0, onset = -1;
+      for (let i = 0; i < x.length; i++) { sum += x[i] * x[i]; if (onset < 0 && Math.abs(x[i]) > 0.1) onset = i; }
+      if (first && 10 * Math.log10(sum / x.length + 1e-20) > -40) mark("first_sound");
+      const t = ctx.currentTime - (x.length - Math.max(onset, 0)) / ctx.sampleRate;
+      if (onset >= 0 && t > quietUntil) { onsets.push(t); quietUntil = t + 0.3; }
+    };
+    src.connect(proc);
+    proc.connect(ctx.destination);  // a ScriptProcessor only runs connected; its output is silence
+  };
+  const O = window.RTCPeerConnection;
+  window.RTCPeerConnection = function (...args) {
+    const pc = new O(...args);
+    pc.addEventListener("connectionstatechange", () => { if (pc.connectionState === "connected") mark("connected"); });
+    pc.addEventListener("track", (e) => window.__listen(e.streams[0] || new MediaStream([e.track]), window.__onsets, true));
+    return pc;
+  };
+  window.RTCPeerConnection.prototype = O.prototype;
+  Object.setPrototypeOf(window.RTCPeerConnection, O);
+})();
+"""
+
+# A microphone of clicks, in place of the fake device: a 10 ms 1 kHz burst every second from
+# half a second after the call asks for the microphone, with each one's AudioContext time in
+# window.__clicks. Goes after CALL_TIMING (same AudioContext as the onsets). The same stream is
+# also listened to in the page (window.__selfOnsets): what the measurement itself adds to a click
+# that never leaves the page.
+CLICK_MICROPHONE = """
+(() => {
+  window.__clicks = [];
+  window.__selfOnsets = [];
+  navigator.mediaDevices.getUserMedia = async () => {
+    const ctx = window.__audioCtx();
+    const dest = ctx.createMediaStreamDestination();
+    const n = Math.round(0.01 * ctx.sampleRate), buf = ctx.createBuffer(1, n, ctx.sampleRate), x = buf.getChannelData(0);
+    for (let i = 0; i < n; i++) x[i] = 0.6 * Math.sin(2 * Math.PI * 1000 * i / ctx.sampleRate) * Math.sin(Math.PI * i / n);
+    const t0 = ctx.currentTime + 0.5;
+    for (let k = 0; k < 600; k++) {
+      const s = ctx.createBufferSource();
+      s.buffer = buf;
+      s.connect(dest);
+      s.start(t0 + k);
+      window.__clicks.push(t0 + k);
+    }
+    window.__listen(dest.stream, window.__selfOnsets, false);
+    return dest.stream;
+  };
+})();
+"""
+
+
+def round_trips(clicks: Sequence[float], onsets: Sequence[float], longest: float = 0.9) -> list[float]:
+    """Seconds from each click sent to its return: the first onset within `longest` after it."""
+    trips = []
+    for click in clicks:
+        back = [t - click for t in onsets if 0.0 < t - click < longest]
+        if back:
+            trips.append(min(back))
+    return trips
+
+
 INBOUND_BYTES = """
 async () => {
   const pc = window.__pcs.at(-1);
@@ -154,9 +244,10 @@ class LaunchedApp:
 @contextlib.contextmanager
 def launched_app(tmp: Path, cache_dir: Path, *, args: Sequence[str] = (), env: dict | None = None,
                  host: str = "127.0.0.1", prefix: Sequence[str] = (), call: Callable | None = None,
-                 loopback: bool = True) -> Iterator[LaunchedApp]:
-    """The tiny-model app on `host`, run under `prefix` (e.g. `ip netns exec NS`). On exit it gets
-    SIGTERM, and the test fails if it left its recordings folder behind."""
+                 loopback: bool = True, entry: str = "app.py") -> Iterator[LaunchedApp]:
+    """The tiny-model app on `host`, run under `prefix` (e.g. `ip netns exec NS`) from `entry` (a
+    script that runs the app's main). On exit it gets SIGTERM, and the test fails if it left its
+    recordings folder behind."""
     port = free_port()
     tmpdir = tmp / "tmp"
     tmpdir.mkdir(parents=True, exist_ok=True)
@@ -166,7 +257,7 @@ def launched_app(tmp: Path, cache_dir: Path, *, args: Sequence[str] = (), env: d
     if loopback:
         full_env["PERSONAPLEX_LOOPBACK_ICE"] = "1"
     full_env.update(env or {})
-    cmd = [*prefix, sys.executable, "app.py", "--model", "tiny", "--host", host, "--port", str(port),
+    cmd = [*prefix, sys.executable, entry, "--model", "tiny", "--host", host, "--port", str(port),
            "--cache-dir", str(cache_dir), *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT)

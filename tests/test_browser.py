@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
@@ -11,6 +13,7 @@ import pytest
 
 from .browser_support import (
     ARTIFACTS,
+    CALL_TIMING,
     INBOUND_BYTES,
     OUTBOUND_PACKETS,
     RECORD_PCS,
@@ -58,6 +61,7 @@ def test_a_call_in_chromium(mode, request, mic_wav, tmp_path):
     with chromium(tmp_path / "udd", mic_wav) as ctx:
         page = ctx.new_page()
         page.add_init_script(RECORD_PCS)
+        page.add_init_script(CALL_TIMING)
         page.goto(app.base_url + "/", wait_until="networkidle")
         assert "tiny offline model" in page.locator("#banner").inner_text()
         assert page.locator("#voice input").input_value() == "NATF2"
@@ -78,6 +82,19 @@ def test_a_call_in_chromium(mode, request, mic_wav, tmp_path):
         assert texts[-1].startswith(texts[1])  # it streams: each update extends the last one
         assert app.status()["slots_live"] == 1
         assert "Live" in page.locator("#status-line").inner_text()
+        # Time to first audio, as the person meets it: from the click to the first agent sound the
+        # page plays. A generous bound: the figure itself goes to BENCHMARKS.md (bench/browser_call.py).
+        t = page.evaluate("window.__t")
+        assert {"click", "offer_sent", "answer", "connected", "first_sound"} <= set(t), t
+        assert t["click"] < t["offer_sent"] < t["answer"] <= t["connected"] < t["first_sound"], t
+        assert t["first_sound"] - t["click"] < 15_000, t
+        # This call's own figures show beside the room's.
+        page.wait_for_function("document.querySelector('#call-figures').innerText.includes('first sound after')",
+                               timeout=5_000)
+        figures = page.locator("#call-figures").inner_text()
+        assert figures.startswith("This call first sound after"), figures
+        page.wait_for_function("document.querySelector('#call-figures').innerText.includes('latency')",
+                               timeout=5_000)  # once the room has answered the caller's audio
         page.screenshot(path=str(ARTIFACTS / f"browser-call{shot}.png"), full_page=True)
         stop_call(page)
         stopped = time.monotonic()
@@ -89,6 +106,11 @@ def test_a_call_in_chromium(mode, request, mic_wav, tmp_path):
         assert page.locator("#download-wav .filename").first.inner_text().strip().endswith(".wav")
         page.locator("#download-json a.download-link").first.wait_for(timeout=2_000)
         assert page.locator("#download-json .filename").first.inner_text().strip().endswith(".json")
+        href = page.locator("#download-json a.download-link").first.get_attribute("href")
+        meta = json.loads(urllib.request.urlopen(urllib.parse.urljoin(app.base_url, href), timeout=5).read())
+        fig = meta["call_figures"]  # the same figures, in the transcript JSON
+        assert 0 < fig["first_audio_seconds"] < (t["first_sound"] - t["click"]) / 1e3, (fig, t)
+        assert fig["latency_ms"]["answers"] > 0 and fig["packets"]["received"] > 0, fig
         assert "Call ended" in page.locator("#status-line").inner_text()
         page.screenshot(path=str(ARTIFACTS / f"browser-after-call{shot}.png"), full_page=True)
 
