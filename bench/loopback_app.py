@@ -9,8 +9,9 @@ the app offers.
 
     python bench/loopback_app.py --model tiny [app flags]
 
-Engine processes are spawned children that import this file again as their main module, so the
-loopback is installed there at import; media workers (no torch) are left alone.
+Engine processes are spawned children that import this file again as their main module
+(`__mp_main__`), so the loopback is installed there too; media workers (no torch) are left alone.
+Importing it anywhere else installs nothing.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def install() -> None:
     build.build_runtime = build_looped
 
 
-if not multiprocessing.current_process().name.startswith("media-worker"):
+# As the app's entry point (`__main__`) or its spawned children's copy of it (`__mp_main__`), never
+# on a plain import (tests import `loop_back`); media workers do not build a runtime.
+if __name__ in ("__main__", "__mp_main__") and not multiprocessing.current_process().name.startswith("media-worker"):
     install()
 
 if __name__ == "__main__":

@@ -26,3 +26,10 @@ def test_each_caller_hears_their_own_input_two_frames_later(tiny_cache_dir):
     while not engine.core.is_live(0):
         engine.step(np.zeros((2, engine.frame_size), np.float32))
     assert not engine.step(frames[0]).pcm.any()
+
+
+def test_importing_it_changes_no_other_runtime(tiny_cache_dir):
+    import bench.loopback_app  # noqa: F401 -- imported above too; only running it as a script installs it
+    from personaplex_demo.runtime import build
+
+    assert build.build_runtime.__module__ == "personaplex_demo.runtime.build"
