@@ -320,7 +320,9 @@ def test_cadence_idle_sleep_and_summary_log(caplog):
     with caplog.at_level(logging.INFO, logger="personaplex_demo.serving.pool"):
         run_for(pool, 6)  # prefill at t0, then one step every 80 ms
     assert a.state == "live"
-    assert [t - t0 for t in engine.step_times] == pytest.approx([0.08, 0.16, 0.24, 0.32, 0.40])
+    # The tick of the prefill stepped nobody, so it kept no schedule: the first step comes one idle
+    # nap (20 ms) after it, not a whole tick later; from then on one every 80 ms.
+    assert [t - t0 for t in engine.step_times] == pytest.approx([0.02, 0.10, 0.18, 0.26, 0.34])
     assert pool.snapshot().overruns == 0
     assert any("slot pool: live 1/2" in r.getMessage() for r in caplog.records)
 
@@ -331,14 +333,25 @@ def test_cadence_idle_sleep_and_summary_log(caplog):
     assert clock.sleeps[-2:] == pytest.approx([0.02, 0.02])
 
 
+def test_a_call_joining_a_live_room_keeps_the_schedule():
+    pool, engine, clock = make(batch=2)
+    pool.admit("NATF0", "p")
+    run_for(pool, 4)
+    b = pool.admit("NATM1", "q")  # seated and prefilled in the gap after the next step
+    run_for(pool, 4)
+    assert b.state == "live"
+    # The others' schedule holds: every step 80 ms after the previous one, none squeezed in.
+    assert np.diff(engine.step_times) == pytest.approx([0.08] * (len(engine.step_times) - 1))
+
+
 def test_overrun_catches_up_without_a_burst():
     pool, engine, clock = make(batch=1)
     engine.step_delays[3] = 0.2  # the third step takes 200 ms
     pool.admit("NATF0", "p")
     run_for(pool, 8)
-    # Steps are due every 80 ms. The slow step ends at 0.44, so the steps due at 0.32, 0.40 and 0.48
-    # run at 0.44, 0.48 and 0.52 (40 ms apart, no burst); the one due at 0.56 is on time again.
-    assert engine.step_times == pytest.approx([0.08, 0.16, 0.24, 0.44, 0.48, 0.52, 0.56])
+    # Steps are due every 80 ms from 0.02. The slow step ends at 0.38, so the steps due at 0.26, 0.34
+    # and 0.42 run at 0.38, 0.42 and 0.46 (40 ms apart, no burst); the one due at 0.50 is on time again.
+    assert engine.step_times == pytest.approx([0.02, 0.10, 0.18, 0.38, 0.42, 0.46, 0.50])
     m = pool.snapshot()
     assert (m.overruns, m.resyncs) == (2, 0)
     assert m.tick_p50_ms == 0.0 and m.tick_p99_ms > 150.0  # 6 instant ticks and one of 200 ms
@@ -356,7 +369,7 @@ def test_far_behind_resynchronises_and_cuts_the_backlog():
 
     engine.on_step = feed
     run_for(pool, 6)
-    assert engine.step_times == pytest.approx([0.08, 0.16, 0.24, 1.74, 1.82])
+    assert engine.step_times == pytest.approx([0.02, 0.10, 0.18, 1.68, 1.76])
     m = pool.snapshot()
     assert (m.overruns, m.resyncs, m.input_drops) == (1, 1, 18)
     assert [o.pcm[1] for o in drain(a)][-2:] == [18, 19]  # the newest two frames were kept

@@ -77,7 +77,7 @@ class SlotPool:
         self._windows = PoolWindows()
         self._admission = Admission(config, self._clock, self._table, self._counters)
         self._pacer = TickPacer(self._clock, config.tick_seconds, config.catch_up_gap_seconds,
-                                config.resync_after_seconds)
+                                config.resync_after_seconds, config.idle_sleep_seconds)
         self._last_summary = self._clock.monotonic()
 
     @property
@@ -164,8 +164,7 @@ class SlotPool:
             self._free_ended_slots()  # shutdown ended every call; give their slots back to the engine
 
     def iterate(self) -> None:
-        """One turn of the ticker loop: a nap while nobody holds a slot or waits for one, else a
-        wait for the deadline and a tick."""
+        """One turn of the ticker: a nap while the room is empty, else a wait for the deadline and a tick."""
         try:
             with self._lock:
                 busy = self._table.busy
@@ -174,8 +173,7 @@ class SlotPool:
                 self._clock.sleep(self.config.idle_sleep_seconds)
                 return
             self._pacer.wait()
-            self.tick_once()
-            late = self._pacer.stepped()
+            late = self._pacer.stepped(self.tick_once())
             if late.seconds > 0:
                 with self._lock:
                     self._counters.overruns += 1
@@ -194,27 +192,28 @@ class SlotPool:
         logger.warning("slot pool ticker %.2f s behind; resynchronised, dropped %d queued input frames",
                        late, dropped)
 
-    def tick_once(self) -> None:
-        """One tick: step every LIVE slot, then (between steps) expire, shed, recycle, admit and prefill."""
-        self._step_live()
+    def tick_once(self) -> int:
+        """One tick: step every LIVE slot, then expire, shed, recycle, admit, prefill; the slots stepped."""
+        stepped = self._step_live()
         self._expire()
         self._free_ended_slots()
         self._run_prefills()
+        return stepped
 
-    def _step_live(self) -> None:
+    def _step_live(self) -> int:
         clock = self._clock
         start = clock.monotonic()
         pcm = np.zeros((self.slots_total, self.frame_size), dtype=np.float32)
         with self._lock:
             rows = self._table.take_frames(pcm)
         if not rows:
-            return
+            return 0
         step_start = clock.monotonic()
         try:
             out_pcm, texts = _checked_step(self.engine, pcm)
         except Exception as exc:  # noqa: BLE001 -- any engine failure ends these calls, not the pool
             self._engine_failed([call for _, call, _ in rows], exc, "engine.step")
-            return
+            return len(rows)
         step_seconds = clock.monotonic() - step_start
         latencies: list[float] = []  # of the frames stepped this tick
         with self._lock:
@@ -227,6 +226,7 @@ class SlotPool:
             self._windows.add_tick(now - start, latencies, step_seconds)
             self._admission.record_tick(now, len(rows), now - start)
         self._windows.notify(now - start, latencies)
+        return len(rows)
 
     def add_tick_listener(self, listener: TickListener) -> None:
         """See `PoolWindows.listeners`."""
