@@ -33,8 +33,8 @@ def tiny_lm_file(dtype: torch.dtype = torch.float32) -> Path:
     return write_hash_checkpoint(meta_lm(LMConfig.tiny()), path, "lm", LM_SEED, dtype)
 
 
-def tiny_lm(overrides: dict | None = None, dtype: torch.dtype = torch.float32):
-    return load_lm(tiny_lm_config(overrides), tiny_lm_file(), dtype)
+def tiny_lm(overrides: dict | None = None, dtype: torch.dtype = torch.float32, weights: str = "dense"):
+    return load_lm(tiny_lm_config(overrides), tiny_lm_file(), dtype, weights=weights)
 
 
 def golden_voice(name: str, dtype: torch.dtype = torch.float32) -> VoiceTokens:

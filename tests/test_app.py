@@ -49,6 +49,7 @@ def test_a_space_listens_on_every_interface_unless_told_otherwise() -> None:
     ({"PERSONAPLEX_IDLE_RELEASE": "-2"}, "PERSONAPLEX_IDLE_RELEASE: must be greater than 0, not -2"),
     ({"PERSONAPLEX_SHARE": "maybe"}, "PERSONAPLEX_SHARE: 'maybe' is not one of 1, true, yes, on, 0, false"),
     ({"PERSONAPLEX_MODEL": "big"}, "PERSONAPLEX_MODEL: 'big' is not one of auto, personaplex-7b-v1, tiny"),
+    ({"PERSONAPLEX_WEIGHTS": "int4"}, "PERSONAPLEX_WEIGHTS: 'int4' is not one of dense, int8"),
 ])
 def test_a_bad_env_var_is_a_one_line_error(env, complaint, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from personaplex_demo.model.checkpoint import meta_mimi
-from personaplex_demo.model.config import LMConfig, MimiConfig
+from personaplex_demo.model.config import LMConfig, MimiConfig, lm_weight_bytes
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 from personaplex_demo.runtime.capacity import (
     CPU_AUTO_SLOTS,
@@ -27,20 +27,25 @@ from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.web.page import status_payload
 
+from .conftest import golden
+
 FULL = LMConfig.personaplex_7b()
 BF16 = 2
-WEIGHTS = 8_371_408_896 * BF16 + 96_000_000 * 4  # the bf16 LM and the fp32 Mimi
+MIMI_BYTES = 96_000_000 * 4  # Mimi stays fp32
+REAL_LM = {k: tuple(v["shape"]) for k, v in golden("personaplex-7b-v1.keys.json")["lm"]["tensors"].items()}
 CUDA_CONTEXT = 600 << 20  # what the CUDA runtime itself holds on a card
 
 
-def full_size_plan(card_bytes: int, seconds: float | None = None, slots: int | str = "auto", max_slots: int = 64):
-    """The plan for PersonaPlex-7B in bf16 on a card of `card_bytes`, as the loader computes it."""
+def full_size_plan(card_bytes: int, seconds: float | None = None, slots: int | str = "auto", max_slots: int = 64,
+                   weights: str = "dense"):
+    """The plan for PersonaPlex-7B in bf16 (its transformer weights as int8 with `weights="int8"`)
+    on a card of `card_bytes`, as the loader computes it from the memory free after loading."""
     frames = context_frames(seconds, FULL.context)
     cost = SlotCost(kv=kv_ring_bytes(FULL.num_layers, FULL.num_heads, FULL.head_dim, frames, BF16),
                     mimi=mimi_state_bytes(meta_mimi(MimiConfig.personaplex())),
                     activations=estimated_tick_bytes(FULL, frames, BF16) * graph_pools(True))
     reserve = prefix_cache_bytes(FULL, BF16, voice_frames=60, entries=8) + safety_margin(card_bytes)
-    free = card_bytes - WEIGHTS - CUDA_CONTEXT
+    free = card_bytes - lm_weight_bytes(REAL_LM, weights, BF16) - MIMI_BYTES - CUDA_CONTEXT
     per_frame = kv_ring_bytes(FULL.num_layers, FULL.num_heads, FULL.head_dim, 1, BF16)
     return plan_slots(slots, device="cuda:0", free_bytes=free, reserve_bytes=reserve, cost=cost,
                       context_frames=frames, max_slots=max_slots, kv_bytes_per_frame=per_frame)
@@ -157,3 +162,23 @@ def test_auto_on_cuda_measures_and_fits(tiny_cache_dir):
     runtime = build_runtime(RuntimeOptions(model="tiny", device="cuda", cache_dir=tiny_cache_dir, max_slots=8))
     plan = runtime.capacity
     assert plan.mode == "auto" and plan.free_bytes > 0 and 1 <= plan.slots <= 8
+
+
+def test_int8_weights_what_fits_on_12_16_and_24_gb_cards():
+    # bf16: a 16 GB card cannot even hold the weights; int8 halves the transformer's.
+    assert lm_weight_bytes(REAL_LM, "dense", BF16) / GiB == pytest.approx(15.59, abs=0.01)
+    assert lm_weight_bytes(REAL_LM, "int8", BF16) / GiB == pytest.approx(8.26, abs=0.01)
+    with pytest.raises(NoSlotFitsError):
+        full_size_plan(16 * 10**9, seconds=60)
+    assert full_size_plan(16 * 10**9, weights="int8").slots == 1
+    assert full_size_plan(16 * 10**9, seconds=60, weights="int8").slots == 5
+    # 24 GB: one slot in bf16 at the model's 240 s, six with int8 weights.
+    assert full_size_plan(24 * 10**9).slots == 1
+    assert full_size_plan(24 * 10**9, weights="int8").slots == 6
+    assert full_size_plan(24 * 10**9, seconds=60, weights="int8").slots == 24
+    assert full_size_plan(24 * 10**9, seconds=60).slots == 6
+    assert full_size_plan(48 * 10**9).slots == 16 and full_size_plan(48 * 10**9, weights="int8").slots == 21
+    assert full_size_plan(80 * 10**9).slots == 35 and full_size_plan(80 * 10**9, weights="int8").slots == 40
+    # 12 GB: the int8 weights load, but the reserve (8 cached prompts and the margin) leaves no slot.
+    with pytest.raises(NoSlotFitsError, match="too small"):
+        full_size_plan(12 * 10**9, seconds=30, weights="int8")

@@ -34,10 +34,10 @@ def test_hash_v1_reproduces_golden_voices():
         assert hashlib.sha256(np.ascontiguousarray(emb, dtype="<f4").tobytes()).hexdigest() == spec["embeddings"]["sha256"]
 
 
-def run_session(fixture: str, stepwise: bool = True) -> tuple[list, list]:
+def run_session(fixture: str, stepwise: bool = True, weights: str = "dense") -> tuple[list, list]:
     """Play a golden lm-session scenario; returns (expected, actual) frames per emitted tick."""
     g = golden(fixture)
-    lm = tiny_lm(g["model"]["config_overrides"])
+    lm = tiny_lm(g["model"]["config_overrides"], weights=weights)
     core = (StepwiseCore if stepwise else LockstepCore)(lm, 1, context=lm.cfg.context)
     core.start(0, golden_voice(g["inputs"]["voice"]), g["inputs"]["persona"], GREEDY, seed=0)
     user = g["inputs"]["user_codes"]

@@ -175,10 +175,14 @@ async def test_four_callers_on_two_media_workers_and_a_killed_worker_ends_only_i
         await newcomer.hang_up()
 
 
-async def test_two_cpu_engines_each_take_a_call(tiny_cache_dir, tmp_path):
-    with launched_app(tmp_path, tiny_cache_dir, args=["--devices", "cpu,cpu", "--slots", "1"]) as app:
+async def test_two_cpu_engines_with_int8_weights_each_take_a_call(tiny_cache_dir, tmp_path):
+    args = ["--devices", "cpu,cpu", "--slots", "1", "--weights", "int8"]
+    with launched_app(tmp_path, tiny_cache_dir, args=args) as app:
         status = app.status()
         assert [e["name"] for e in status["engines"]] == ["engine-0 (cpu)", "engine-1 (cpu)"]
+        # The engines hold their LM's transformer weights as int8, and the page's banner says so.
+        assert status["weights"] == "int8" and "int8 weights" in status["banner"]
+        assert "loaded 151 tensors from model.safetensors (92 as int8)" in app.log_text()
         assert status["slots_total"] == 2 and status["media_workers"] == []
         async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http:
             callers = await call_all(http, 2)

@@ -84,6 +84,16 @@ def test_same_seed_same_audio_and_greedy_is_deterministic(cache_dir, stereo_44k,
     assert runs["g1"] == runs["g2"]
 
 
+def test_int8_weights_give_audio_of_the_same_length(cache_dir, stereo_44k, tmp_path):
+    inp, _ = stereo_44k
+    runs = {}
+    for weights in ("dense", "int8"):
+        out = tmp_path / f"{weights}.wav"
+        assert run_cli(cache_dir, inp, out, "--greedy", "--weights", weights) == 0
+        runs[weights] = sf.read(out)[0]
+    assert runs["int8"].shape == runs["dense"].shape and np.abs(runs["int8"]).max() > 0
+
+
 def test_8khz_mono_input(cache_dir, tmp_path):
     rate, n = 8000, 12_345
     x = 0.25 * np.sin(2 * np.pi * 300 * np.arange(n) / rate)

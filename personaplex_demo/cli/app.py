@@ -95,7 +95,7 @@ def start_room(cfg: AppConfig, server_rtc: dict | None) -> Topology | int:
         check_model_files(cfg.model, cfg.hf_repo, cache_dir, devices[0])
         slots_total = len(devices) * (cfg.slots if isinstance(cfg.slots, int) else cfg.max_slots)
         return start_topology(TopologyOptions(
-            RuntimeOptions(model=cfg.model, device=cfg.device, dtype=cfg.dtype, slots=cfg.slots,
+            RuntimeOptions(model=cfg.model, device=cfg.device, dtype=cfg.dtype, weights=cfg.weights, slots=cfg.slots,
                            max_slots=cfg.max_slots, hf_repo=cfg.hf_repo, cache_dir=cache_dir,
                            context=context_frames(cfg.context, LMConfig().context)),
             PoolConfig(idle_release_seconds=cfg.idle_release, time_limit_seconds=cfg.time_limit,

@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..model.config import LMConfig
+from ..model.config import WEIGHTS, LMConfig
 from ..runtime.capacity import DEFAULT_MAX_SLOTS, DTYPE_NAMES, FRAME_RATE, MIN_CONTEXT_SECONDS, parse_slots
 from ..runtime.hub import CACHE_DIR_DEFAULT, CACHE_DIR_HELP, DEFAULT_HF_REPO, MODEL_CHOICES
 from ..serving.config import ADMISSIONS, DEFAULT_MAX_WAIT_SECONDS
@@ -47,6 +47,10 @@ class AppConfig:
     device: str = option("auto", "auto, cpu, cuda or cuda:N", env="PERSONAPLEX_DEVICE")
     dtype: str = option("auto", "auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16 or float16",
                         env="PERSONAPLEX_DTYPE", choices=DTYPE_CHOICES)
+    weights: str = option("dense", "dense: the language model's weights in the --dtype; int8: its transformer layers' "
+                          "weights as int8 with a scale per row, about half the memory of bfloat16 (their effect "
+                          "on conversation quality with the real weights is not measured)",
+                          env="PERSONAPLEX_WEIGHTS", choices=WEIGHTS)
     slots: int | str = option("auto", "simultaneous conversations, one batch row each; auto: as many as the GPU "
                               "memory holds (4 on a CPU)", env="PERSONAPLEX_SLOTS", parse=parse_slots, metavar="N")
     max_slots: int = option(DEFAULT_MAX_SLOTS, "the most slots --slots auto may choose", env="PERSONAPLEX_MAX_SLOTS",

@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="audio temperature (default: %(default)s)")
     p.add_argument("--topk-audio", type=int, default=knobs.audio_top_k, help="audio top-k (default: %(default)s)")
     # The model's flags and variables are the app's own (cli/config.py).
-    add_options(p, AppConfig, os.environ, names=("model", "device", "dtype", "cache_dir", "hf_repo"))
+    add_options(p, AppConfig, os.environ, names=("model", "device", "dtype", "weights", "cache_dir", "hf_repo"))
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar; warnings and errors only (default: off)")
     return p
 
@@ -322,7 +322,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:  # the voice and the persona are checked before the weights are fetched or loaded
         cache_dir = Path(args.cache_dir) if args.cache_dir else None
-        runtime = build_runtime(RuntimeOptions(model=args.model, device=args.device, dtype=args.dtype, slots=1,
+        runtime = build_runtime(RuntimeOptions(model=args.model, device=args.device, dtype=args.dtype,
+                                               weights=args.weights, slots=1,
                                                hf_repo=args.hf_repo, cache_dir=cache_dir), check=check_request)
     except CallerError as exc:
         raise OfflineError(str(exc)) from None

@@ -10,7 +10,7 @@ import json
 import logging
 import math
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -18,8 +18,9 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from ..errors import CheckpointError
-from .config import LMConfig, MimiConfig
+from .config import WEIGHTS, LMConfig, MimiConfig, quantized_key
 from .hashinit import tensor_chunks
+from .int8 import attach_scales, quantize_rows
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,14 @@ def check_keys(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int,
 
 
 def load_checkpoint(module: nn.Module, path: Path | str, dtype: torch.dtype | None,
-                    device: torch.device | str = "cpu", keep_fp32: Callable[[str], bool] | None = None) -> nn.Module:
+                    device: torch.device | str = "cpu", keep_fp32: Callable[[str], bool] | None = None,
+                    int8: Callable[[str], bool] | None = None) -> nn.Module:
     """Assign the tensors of `path` to `module` (usually built on the meta device).
 
     Floating tensors are cast to `dtype` (None keeps the file's), except keys for which
-    `keep_fp32(key)` is true. Integer buffers keep their type.
+    `keep_fp32(key)` is true. Integer buffers keep their type. Keys for which `int8(key)` is true
+    are quantized as they are read, one at a time (so the load never holds more than one of them
+    at full precision), and get their scales (model/int8.py).
     """
     path = Path(path)
     if not path.is_file():
@@ -68,10 +72,16 @@ def load_checkpoint(module: nn.Module, path: Path | str, dtype: torch.dtype | No
         with safe_open(str(path), framework="pt", device="cpu") as f:
             found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
             check_keys(found, expected, path)
-            state = {}
-            for key in expected:
-                t = f.get_tensor(key)
-                if t.is_floating_point():
+            state, scales = {}, {}
+            # With int8 every tensor is read once and converted: plain reads, so that the file's
+            # pages do not stay mapped into the process beside the int8 copies (peak memory near
+            # the int8 size); otherwise the tensors stay views of the mapped file, read in on use.
+            tensors = read_tensors(path, expected) if int8 is not None else ((k, f.get_tensor(k)) for k in expected)
+            for key, t in tensors:
+                if int8 is not None and int8(key):
+                    t, s = quantize_rows(t, dtype or t.dtype)
+                    scales[key] = s.to(device)
+                elif t.is_floating_point():
                     want = torch.float32 if (keep_fp32 and keep_fp32(key)) else (dtype or t.dtype)
                     t = t.to(want)
                 state[key] = t.to(device)
@@ -80,12 +90,39 @@ def load_checkpoint(module: nn.Module, path: Path | str, dtype: torch.dtype | No
     except Exception as e:  # safetensors raises plain errors on truncated or foreign files
         raise CheckpointError(f"checkpoint file {path} could not be read ({type(e).__name__}: {e}); "
                               "it may be truncated or not a safetensors file: delete it and download it again") from e
+    if scales:
+        module.requires_grad_(False)  # an int8 parameter cannot require gradients
     module.load_state_dict(state, strict=True, assign=True)
-    log.info("loaded %d tensors from %s", len(state), path.name)
+    if scales:
+        attach_scales(module, scales)
+    log.info("loaded %d tensors from %s%s", len(state), path.name,
+             f" ({len(scales)} as int8)" if scales else "")
     return module
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
+                 "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def read_tensors(path: Path, keys: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a safetensors file, one at a time, each read into memory of its own with
+    plain reads (the format: an 8-byte little-endian header length, a JSON header of dtype, shape
+    and data offsets, then the data)."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        start = 8 + size
+        for key in keys:
+            entry = header[key]
+            begin, end = entry["data_offsets"]
+            data = bytearray(end - begin)
+            f.seek(start + begin)
+            if f.readinto(data) != len(data):
+                raise CheckpointError(f"checkpoint file {path} ends inside tensor {key}")
+            dtype = _TORCH_DTYPES[entry["dtype"]]
+            yield key, torch.frombuffer(data, dtype=dtype).reshape(entry["shape"]) if data else \
+                torch.empty(entry["shape"], dtype=dtype)
 
 
 def write_hash_checkpoint(module: nn.Module, path: Path | str, kind: str, seed: int,
@@ -131,8 +168,12 @@ def meta_mimi(cfg: MimiConfig) -> nn.Module:
 
 
 def load_lm(cfg: LMConfig, path: Path | str, dtype: torch.dtype = torch.float32,
-            device: torch.device | str = "cpu") -> nn.Module:
-    lm = load_checkpoint(meta_lm(cfg), path, dtype, device)
+            device: torch.device | str = "cpu", weights: str = "dense") -> nn.Module:
+    """`weights`: "dense" (every weight in `dtype`) or "int8" (the transformer layers' weights
+    as int8, model/int8.py)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
+    lm = load_checkpoint(meta_lm(cfg), path, dtype, device, int8=quantized_key if weights == "int8" else None)
     return lm.eval().requires_grad_(False)
 
 

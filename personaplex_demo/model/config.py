@@ -6,6 +6,8 @@ config can be built from the kwargs stored next to a checkpoint (`from_kwargs`).
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -13,6 +15,27 @@ from ..frame import AUDIO_CARD, SAMPLE_RATE, TEXT_CARD
 
 # Delays of the rows of one frame: text, agent cb0..7, user cb0..7 (docs/engine.md § Frame layout).
 PERSONAPLEX_DELAYS = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
+
+WEIGHTS = ("dense", "int8")  # how the LM's weights are held (`--weights`; model/int8.py)
+# The LM weights that `--weights int8` holds as int8: every matrix of the temporal transformer's
+# and the depformer's layers, and the depformer's input projections (model/int8.py).
+INT8_KEYS = re.compile(r"(transformer|depformer)\.layers\.\d+\.(self_attn\.in_proj_weight|self_attn\.out_proj\.weight"
+                       r"|gating(\.\d+)?\.linear_(in|out)\.weight)|depformer_in\.\d+\.weight")
+
+
+def quantized_key(key: str) -> bool:
+    """Whether `--weights int8` holds the LM checkpoint key's tensor as int8."""
+    return INT8_KEYS.fullmatch(key) is not None
+
+
+def lm_weight_bytes(shapes: dict[str, tuple[int, ...]], weights: str, itemsize: int) -> int:
+    """Bytes of the LM's weights as loaded, from the checkpoint's keys and shapes: `itemsize` per
+    element, but for int8 weights one byte per element plus a scale (`itemsize`) per row."""
+    total = 0
+    for key, shape in shapes.items():
+        n = math.prod(shape)
+        total += n + shape[0] * itemsize if weights == "int8" and quantized_key(key) else n * itemsize
+    return total
 
 
 def _feedforward_hidden(dim: int, dim_feedforward: int) -> int:

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import int8
 from .ring import Attend, RingKV, RingLayer
 
 
@@ -85,13 +86,16 @@ class Attention(nn.Module):
         mult = max(steps, 1)
         self.in_proj_weight = nn.Parameter(torch.empty(mult * 3 * dim, dim))
         self.out_proj = nn.Linear(dim, mult * dim, bias=False)
+        # With int8 weights, their scales per output row (model/int8.py); None: plain weights.
+        self.register_buffer("in_proj_scales", None)
+        self.register_buffer("out_proj_scales", None)
 
     def forward(self, x: torch.Tensor, attend: Attend, angles: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: RingLayer, step: int | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]; the new keys go into `cache` before the queries attend."""
-        w = self.in_proj_weight if step is None else self.in_proj_weight.view(-1, 3 * self.dim, self.dim)[step]
         B, T, _ = x.shape
-        qkv = F.linear(x, w).view(B, T, 3, self.num_heads, -1)
+        qkv = self._project(x, self.in_proj_weight, self.in_proj_scales, step, 3 * self.dim)
+        qkv = qkv.view(B, T, 3, self.num_heads, -1)
         if angles is None:
             q, new = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1:].permute(2, 0, 3, 1, 4)  # [2, B, H, T, Dh]
         else:
@@ -100,8 +104,15 @@ class Attention(nn.Module):
         keys, values = cache.update(new, attend)
         a = F.scaled_dot_product_attention(q, keys, values, attend.mask)
         a = a.transpose(1, 2).reshape(B, T, self.dim)
-        w = self.out_proj.weight if step is None else self.out_proj.weight.view(-1, self.dim, self.dim)[step]
-        return F.linear(a, w)
+        return self._project(a, self.out_proj.weight, self.out_proj_scales, step, self.dim)
+
+    def _project(self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, step: int | None,
+                 rows: int) -> torch.Tensor:
+        """x @ W.T with W the whole weight, or with `step` its step-th block of `rows` rows."""
+        if step is not None:
+            weight = weight.view(-1, rows, self.dim)[step]
+            scales = None if scales is None else scales.view(-1, rows)[step]
+        return int8.linear(x, weight, scales)
 
 
 class SwiGLU(nn.Module):

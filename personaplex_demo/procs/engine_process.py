@@ -50,7 +50,8 @@ def page_facts(runtime: Runtime) -> dict[str, Any]:
     engine = runtime.engine
     return {"model_name": runtime.model_name, "is_tiny": runtime.is_tiny, "banner": runtime.banner,
             "voice_names": list(engine.voice_names), "max_persona_tokens": engine.max_persona_tokens,
-            "tokenizer_path": str(runtime.source.tokenizer_path), "device": str(runtime.device)}
+            "tokenizer_path": str(runtime.source.tokenizer_path), "device": str(runtime.device),
+            "weights": runtime.weights}
 
 
 def run_engine(spec: EngineSpec, conn) -> None:
@@ -162,7 +163,9 @@ class RemoteRuntime:
     model_name: str
     is_tiny: bool
     banner: str | None
+    weights: str = "dense"
 
     @classmethod
     def from_facts(cls, facts: dict[str, Any]) -> RemoteRuntime:
-        return cls(EngineFacts(facts), facts["model_name"], bool(facts["is_tiny"]), facts["banner"])
+        return cls(EngineFacts(facts), facts["model_name"], bool(facts["is_tiny"]), facts["banner"],
+                   facts.get("weights", "dense"))

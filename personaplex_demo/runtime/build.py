@@ -23,6 +23,8 @@ from .voices import VoiceCatalog
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, float], None]
+INT8_BANNER = ("The language model runs with int8 weights: half the memory of bfloat16; their effect on the "
+               "conversation's quality has not been measured.")
 # Checks a request against the model's tokenizer and voices before the weights are fetched or loaded.
 RequestCheck = Callable[[TextTokenizer, VoiceCatalog], None]
 
@@ -32,6 +34,7 @@ class RuntimeOptions:
     model: str = "auto"  # auto | personaplex-7b-v1 | tiny
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    weights: str = "dense"  # dense | int8: the LM's transformer weights (model/int8.py)
     slots: int | str = "auto"  # a number, or "auto": as many as the device memory holds (4 on a CPU)
     max_slots: int = DEFAULT_MAX_SLOTS  # the cap of "auto"
     hf_repo: str = DEFAULT_HF_REPO
@@ -52,6 +55,7 @@ class Runtime:
     device: torch.device
     dtype: torch.dtype
     capacity: SlotPlan | None = None  # how the number of slots was decided
+    weights: str = "dense"  # RuntimeOptions.weights
 
     def pool_config(self, config: PoolConfig) -> PoolConfig:
         """`config` with this device's trusted row count for admission before a tick is measured."""
@@ -115,7 +119,9 @@ def build_runtime(options: RuntimeOptions, progress: ProgressFn | None = None,
     lm_cfg = LMConfig.tiny() if source.is_tiny else LMConfig.personaplex_7b()
     mimi_cfg = MimiConfig.tiny() if source.is_tiny else MimiConfig.personaplex()
     report("loading the language model", 0.6)
-    lm = load_lm(lm_cfg, source.lm_path, dtype, device)
+    lm = load_lm(lm_cfg, source.lm_path, dtype, device, weights=options.weights)
+    if options.weights == "int8":
+        banner = " ".join(filter(None, [banner, INT8_BANNER]))
     report("loading the Mimi codec", 0.85)
     mimi = load_mimi(mimi_cfg, source.mimi_path, device)
     tokenizer, voices = _open_small_files(source.directory)
@@ -136,7 +142,8 @@ def build_runtime(options: RuntimeOptions, progress: ProgressFn | None = None,
     if held := engine.capture_graphs():
         log.info("captured %d CUDA graphs in %.1f s, before the first caller", held, time.monotonic() - began)
     report("ready", 1.0)
-    log.info("engine ready: %s on %s (%s), %d slots, context %g s", source.name, device,
-             str(dtype).removeprefix("torch."), plan.slots, frames / FRAME_RATE)
-    return Runtime(engine, source.name, source.is_tiny, banner, tokenizer, source, device, dtype, plan)
+    log.info("engine ready: %s on %s (%s, %s weights), %d slots, context %g s", source.name, device,
+             str(dtype).removeprefix("torch."), options.weights, plan.slots, frames / FRAME_RATE)
+    return Runtime(engine, source.name, source.is_tiny, banner, tokenizer, source, device, dtype, plan,
+                   weights=options.weights)
 

@@ -67,6 +67,7 @@ def status_payload(runtime, room: Room) -> dict[str, Any]:
     capacity = getattr(runtime, "capacity", None)
     metrics = room.snapshot()
     return {"model": runtime.model_name, "tiny": bool(runtime.is_tiny), "banner": runtime.banner,
+            "weights": getattr(runtime, "weights", "dense"),
             "capacity": capacity.as_dict() if capacity else None, "admission": room.config.admission,
             "queue_reason": queue_reason(metrics), **metrics.as_dict()}
 
