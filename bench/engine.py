@@ -34,7 +34,7 @@ from bench.common import (
     md_table,
     replace_section,
 )
-from bench.engines import build_engine, mid_lm_config
+from bench.engines import build_engine, core_stepper, mid_lm_config
 from bench.model import LM_SEED, PERSONA_P, VOICE_T, bench_cache, bench_persona, bench_voice, hash_file
 from personaplex_demo.engine.core import LockstepCore
 from personaplex_demo.engine.pcm import SamplingParams
@@ -93,18 +93,7 @@ def mid_ticks(lm, batches: list[int], rounds: int, cap: float) -> list:
     voice, persona = bench_voice(lm.cfg), bench_persona()
     cases = {}
     for B in batches:
-        core = LockstepCore(lm, B, attend_filled=False)  # the whole ring: the worst case
-        for slot in range(B):
-            core.start(slot, voice, persona, SamplingParams(seed=slot), seed=slot)
-        g = torch.Generator().manual_seed(B)
-        user = [torch.randint(0, 2048, (B, 8), generator=g) for _ in range(16)]
-        pos = [0]
-
-        def step(core=core, user=user, pos=pos) -> None:
-            core.step(user[pos[0] % 16])
-            pos[0] += 1
-
-        cases[f"B={B}"] = step
+        cases[f"B={B}"] = core_stepper(lm, B, voice, persona, attend_filled=False)  # the whole ring: the worst case
     with torch.no_grad():
         stats = interleave(cases, rounds=rounds, per_round=1, warmup=3, max_seconds=cap)
     return [[f"mid LM, tokens-only `LockstepCore.step`, B={B}", fmt_ms(s.median), fmt_ms(s.p99),

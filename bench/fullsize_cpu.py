@@ -13,7 +13,11 @@ Not a test: it takes minutes and needs about 18 GB of disk and 18 GB of free mem
 3. Runs a B = 2 engine with a short context: a fast prefill per slot, a few ticks, a recycle of
    slot 0 (prefix-cache hit) and a few more ticks; tick times, peak RSS, finite outputs.
 
-    python bench/fullsize_cpu.py [--ticks 4] [--context 8] [--keep DIR] [--no-write]
+With `--weights int8` the load quantizes the transformer layers' weights as it reads them
+(docs/model.md § Int8 weights) and the section "Full-size model on the CPU: int8 weights" gets
+the figures, beside the bf16 ones.
+
+    python bench/fullsize_cpu.py [--ticks 4] [--context 8] [--weights int8] [--keep] [--no-write]
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from bench.common import machine, md_table, replace_section
 from personaplex_demo.engine.pcm import SamplingParams
 from personaplex_demo.model.checkpoint import meta_lm, meta_mimi, write_hash_checkpoint
 from personaplex_demo.model.config import LMConfig, MimiConfig, ModelFiles
+from personaplex_demo.model.int8 import weight_bytes
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 from personaplex_demo.runtime.capacity import context_frames
 from personaplex_demo.runtime.hub import DEFAULT_HF_REPO
@@ -46,6 +51,17 @@ from personaplex_demo.runtime.tokenizer import build_tiny_tokenizer
 from personaplex_demo.runtime.voices import write_voices_archive
 
 SECTION = "Full-size model on the CPU"
+LOAD_NOTES = {
+    "dense": ("- The loader maps the safetensors file and assigns its bf16 tensors to the meta-built modules without "
+              "a copy, so the load itself touches little; the weight pages come in at their first use (the first "
+              "prefill), from the disk (the files were dropped from the page cache after writing). The goal is a "
+              "peak of at most 1.2 x the weights."),
+    "int8": ("- `--weights int8`: the loader reads each tensor with plain reads (no mapping left resident) and "
+             "quantizes the transformer layers' matrices as it goes, so the load reads the whole file and holds "
+             "the int8 model ({loaded:.2f} GB of LM weights and scales) plus one tensor at full precision. The "
+             "bf16 run (section \"Full-size model on the CPU\") holds its weights as the mapped file instead; the "
+             "goal here is a peak over the whole run of at most 0.6 of that run's."),
+}
 GB = 1e9
 PERSONA = "You enjoy having a good conversation."
 REVISION = "0" * 40
@@ -170,7 +186,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
     os.environ["HF_HUB_OFFLINE"] = "1"
     phases: dict[str, float] = {}
     t_start = time.perf_counter()
-    options = RuntimeOptions(model="personaplex-7b-v1", device="cpu", dtype="bfloat16", slots=2, cache_dir=workdir,
+    options = RuntimeOptions(model="personaplex-7b-v1", device="cpu", dtype="bfloat16", weights=args.weights,
+                             slots=2, cache_dir=workdir,
                              context=context_frames(args.context, LMConfig.personaplex_7b().context))
     res["rss_before"] = 1024 * _status_kb("VmRSS")
     with PeakRSS() as load_mem:
@@ -182,8 +199,9 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
     engine = runtime.engine
     lm = engine.core.lm
     res["mapped"] = all(not p.is_meta for p in lm.parameters())
-    res["dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in lm.parameters()})
+    res["dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in [*lm.parameters(), *lm.buffers()]})
     res["params"] = sum(p.numel() for p in lm.parameters())
+    res["lm_bytes_loaded"] = weight_bytes(lm)
     print(f"loaded in {res['load_s']:.1f} s (LM {res['lm_load_s']:.1f} s); peak RSS during the load "
           f"{load_mem.peak / GB:.2f} GB", flush=True)
 
@@ -241,10 +259,7 @@ def render(res: dict, args: argparse.Namespace) -> str:
               f"beside the weights), voice T = {res['voice_t']}, persona \"{PERSONA}\"; prefills {s.prefills}, "
               f"prefix-cache hits {s.hits}. Every output finite, tokens in range and both rows live: "
               f"**{'yes' if res['sane'] else 'NO'}**.\n"
-            + "- The loader maps the safetensors file and assigns its bf16 tensors to the meta-built modules without "
-              "a copy, so the load itself touches little; the weight pages come in at their first use (the first "
-              "prefill), from the disk (the files were dropped from the page cache after writing). The goal is a "
-              "peak of at most 1.2 x the weights.\n"
+            + (LOAD_NOTES[args.weights].format(loaded=res["lm_bytes_loaded"] / GB) + "\n")
             + "- Machine (`lscpu | head`):\n\n```\n" + "\n".join(lscpu) + "\n```")
 
 
@@ -255,6 +270,7 @@ def main() -> int:
     ap.add_argument("--tmp", type=Path, default=None, help="where the temporary folder goes")
     ap.add_argument("--keep", action="store_true", help="keep the written files (their folder is printed)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    ap.add_argument("--weights", choices=("dense", "int8"), default="dense", help="the LM's weights (`--weights`)")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     need = 18 * GB
@@ -273,7 +289,7 @@ def main() -> int:
     body = render(res, a)
     print("\n" + body)
     if not a.no_write:
-        replace_section(SECTION, body, info=machine())
+        replace_section(SECTION if a.weights == "dense" else f"{SECTION}: int8 weights", body, info=machine())
     return 0
 
 

@@ -66,6 +66,8 @@ echo "== bench/echo.py (the speaker-echo check's cost per call)"
 echo "== bench/browser_call.py (time to first audio and the round trip, in Chromium)"
 if [[ ${#quick[@]} -gt 0 ]]; then browser_args=(--runs 1 --seconds 8); else browser_args=(); fi
 "$py" bench/browser_call.py "${browser_args[@]}" --write
+echo "== bench/int8.py (int8 weights against fp32: memory, error, CPU speed)"
+"$py" bench/int8.py "${quick[@]}"
 echo "== bench/gradio_events.py"
 "$py" bench/gradio_events.py --write
 echo "== bench/gpu.py --dry-run (the GPU benchmark's code path on the tiny configs)"
