@@ -78,9 +78,8 @@ def load_checkpoint(module: nn.Module, path: Path | str, dtype: torch.dtype | No
             # the int8 size); otherwise the tensors stay views of the mapped file, read in on use.
             tensors = read_tensors(path, expected) if int8 is not None else ((k, f.get_tensor(k)) for k in expected)
             for key, t in tensors:
-                if int8 is not None and int8(key):
-                    t, s = quantize_rows(t, dtype or t.dtype)
-                    scales[key] = s.to(device)
+                if int8 is not None and int8(key):  # on the device: a GPU rounds 8 B weights in seconds
+                    t, scales[key] = quantize_rows(t.to(device), dtype or t.dtype)
                 elif t.is_floating_point():
                     want = torch.float32 if (keep_fp32 and keep_fp32(key)) else (dtype or t.dtype)
                     t = t.to(want)

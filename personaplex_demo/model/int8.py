@@ -18,13 +18,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+ROWS_AT_ONCE = 1024  # rows rounded together: the fp32 working copies stay a few MB
+
 
 def quantize_rows(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """W [out, in] -> (int8 [out, in], scales [out] in `dtype`), one symmetric scale per row,
-    computed in fp32 whatever the file's dtype."""
-    w = w.float()
-    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    computed in fp32 whatever the file's dtype, a block of rows at a time."""
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scales = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for start in range(0, w.shape[0], ROWS_AT_ONCE):
+        block = w[start:start + ROWS_AT_ONCE].to(torch.float32, copy=True)  # rounded in place below
+        s = scales[start:start + ROWS_AT_ONCE]
+        torch.amax(block.abs(), dim=1, out=s)
+        s.clamp_(min=1e-12).div_(127.0)
+        q[start:start + ROWS_AT_ONCE] = block.div_(s[:, None]).round_().clamp_(-127, 127)
     return q, scales.to(dtype)
 
 
@@ -67,3 +74,18 @@ def weight_bytes(lm: nn.Module) -> int:
     """Bytes of the LM's parameters and buffers as loaded (int8 weights and their scales included)."""
     seen = {t.data_ptr(): t.numel() * t.element_size() for t in [*lm.parameters(), *lm.buffers()]}
     return sum(seen.values())
+
+
+def quantize_loaded(lm: nn.Module) -> int:
+    """Quantize an LM already loaded with dense weights, in place; how many tensors. The app
+    quantizes while it reads the file instead (`load_checkpoint`); this is for measuring both
+    kinds on one set of weights (bench/gpu_int8.py)."""
+    from .config import quantized_key
+
+    state, scales = lm.state_dict(), {}
+    for key in [k for k in state if quantized_key(k)]:
+        state[key], scales[key] = quantize_rows(state[key], state[key].dtype)
+    lm.requires_grad_(False)  # an int8 parameter cannot require gradients
+    lm.load_state_dict(state, strict=True, assign=True)
+    attach_scales(lm, scales)
+    return len(scales)
