@@ -17,6 +17,8 @@ Measures (bench/gpu_batches.py):
 - the largest B that stays real time (median tick <= 80 ms): a binary search over B, capped in
   time and bounded by the same fit;
 - peak GPU memory per slot, against the `--slots auto` arithmetic.
+- last, the same engine with `--weights int8` (bench/gpu_int8.py): the LM quantized in place, the
+  tick at B = 1, 16 and 64, the largest real-time B, the weights' bytes, beside the bf16 figures.
 
 The 8.4 B LM weights are hashed straight into bf16 GPU tensors, key by key, by a torch port of
 hash-v1 (`personaplex_demo.model.hashinit`) that is checked bit for bit against `make_tensor`
@@ -58,6 +60,7 @@ from bench.gpu_batches import (
     plan_on_device,
     sync,
 )
+from bench.gpu_int8 import int8_pass, render_int8
 from personaplex_demo.model.config import LMConfig, MimiConfig
 
 LM_SEED, MIMI_SEED = 1242, 4347
@@ -261,7 +264,8 @@ def main() -> int:
                                                 setup.dtype, setup.persona, ticks=3 if a.dry_run else 10)
         checks.append(auto)
         report(checks[-1:])
-    body = render(setup, run, time.perf_counter() - t_start, a, checks, slot_plan, served)
+        int8 = int8_pass(setup, run, a.ticks, 10.0 if a.dry_run else a.search_seconds / 2)  # last: it changes the LM
+    body = render(setup, run, time.perf_counter() - t_start, a, checks, slot_plan, served) + "\n\n" + render_int8(int8)
     print("\n" + body)
     write_section(a, title, body)
     failed = [c.name for c in checks if c.ok is False]
