@@ -104,6 +104,7 @@ class CallFigures:
         self._reading = False
         self._shown_at: float | None = None
         self._shown = ""
+        self._shown_shape: tuple[bool, ...] = ()
 
     def mark(self, milestone: str, now: float) -> None:
         """Note `milestone` (one of MILESTONES) at `now`, the first time only."""
@@ -210,14 +211,17 @@ class CallFigures:
     def due(self, now: float) -> str | None:
         """The line for the page when it should change now, else None: at once when it has news
         (the first sound, a figure shown for the first time), otherwise at most every FIGURES_SECONDS."""
+        # Which figures there are, cheap to compare: the line itself is built only when it may be due
+        # (emit asks for every frame).
+        shape = ("live" in self.at, "first_sound" in self.at, bool(self.latencies), bool(self.heard),
+                 bool(self.input_drops), self.packets is not None)
+        news = shape != self._shown_shape
+        if not news and self._shown_at is not None and now - self._shown_at < FIGURES_SECONDS:
+            return None
         line = self.line()
         if not line or line == self._shown:
             return None
-        first_news = (self._shown_at is None or self.at.get("first_sound", -1.0) > self._shown_at
-                      or line.count(" · ") > self._shown.count(" · "))
-        if not first_news and now - self._shown_at < FIGURES_SECONDS:
-            return None
-        self._shown, self._shown_at = line, now
+        self._shown, self._shown_at, self._shown_shape = line, now, shape
         return line
 
     @property

@@ -232,7 +232,8 @@ class CallHandler(AsyncStreamHandler):
         try:
             if call.state.waiting:
                 return await self._wait_for_slot(call)
-            self.figures.mark("live", time.monotonic())
+            if call.state == CallState.LIVE:
+                self.figures.mark("live", time.monotonic())
             out = await call.next_output(timeout=0.1)
         except CallEnded as e:
             return await self._ended_with(e.reason)
@@ -311,7 +312,7 @@ class CallHandler(AsyncStreamHandler):
         if self.channel is None:
             return CloseStream(message)  # nobody to show a final update to
         paths = (str(files.wav), str(files.transcript)) if files is not None else None
-        final = (self.transcript, f"Call ended: {message}", self.call_id, paths, self.figures.shown)
+        final = (self.transcript, f"Call ended: {message}", self.call_id, paths, self.figures.line())
         if self.webrtc_id is not None:
             FinalUpdates.put(self.webrtc_id, final)
         self.phase, self.close_message = Phase.CLOSING, message
@@ -331,7 +332,7 @@ class CallHandler(AsyncStreamHandler):
                 # last, so a late "Live" status cannot overwrite the end of the call.
                 FinalUpdates.put(self.webrtc_id, (self.transcript,
                                                   f"Call ended · {room_line(RoomMetrics.get(self.room))}",
-                                                  self.call_id, None, self.figures.shown))
+                                                  self.call_id, None, self.figures.line()))
         self._finish_recording(EndReason.HANGUP)
 
     def _finish_recording(self, reason: str) -> None:
