@@ -180,5 +180,8 @@ def test_int8_weights_what_fits_on_12_16_and_24_gb_cards():
     assert full_size_plan(48 * 10**9).slots == 16 and full_size_plan(48 * 10**9, weights="int8").slots == 21
     assert full_size_plan(80 * 10**9).slots == 35 and full_size_plan(80 * 10**9, weights="int8").slots == 40
     # 12 GB: the int8 weights load, but the reserve (8 cached prompts and the margin) leaves no slot.
-    with pytest.raises(NoSlotFitsError, match="too small"):
-        full_size_plan(12 * 10**9, seconds=30, weights="int8")
+    for seconds in (None, 60, 30):
+        with pytest.raises(NoSlotFitsError, match="1.97 GiB free after the weights, 3.28 GiB reserved"):
+            full_size_plan(12 * 10**9, seconds=seconds, weights="int8")
+    assert full_size_plan(80 * 10**9, seconds=60).slots == 64  # the --max-slots cap, either way
+    assert full_size_plan(80 * 10**9, seconds=60, weights="int8").slots == 64

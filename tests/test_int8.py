@@ -79,6 +79,41 @@ def test_a_runtime_with_int8_weights_says_so(tiny_cache_dir):
     assert payload["weights"] == "int8" and INT8_BANNER in payload["banner"]
 
 
+def test_a_bf16_file_loads_as_int8_with_bf16_scales_and_stays_close_to_bf16():
+    from .lm_fixtures import tiny_lm_file
+
+    path = tiny_lm_file(torch.bfloat16)
+    dense = load_lm(LMConfig.tiny(), path, torch.bfloat16)
+    int8 = load_lm(LMConfig.tiny(), path, torch.bfloat16, weights="int8")
+    attn = int8.transformer.layers[1].self_attn
+    assert attn.in_proj_weight.dtype == torch.int8 and attn.in_proj_scales.dtype == torch.bfloat16
+    assert int8.emb[0].weight.dtype == torch.bfloat16 and torch.equal(int8.emb[0].weight, dense.emb[0].weight)
+    x = torch.randn(2, 1, LMConfig.tiny().dim, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    active = torch.ones(2, dtype=torch.bool)
+    a, b = (m.text_logits(m.temporal_step(x, m.new_kv(2, "cpu", torch.bfloat16), active)) for m in (dense, int8))
+    assert ((a - b).norm() / a.norm()).item() < 0.05
+
+
+def test_quantizing_a_loaded_lm_in_place_matches_quantizing_while_loading(tiny_repo):
+    from personaplex_demo.model.int8 import quantize_loaded
+
+    cfg = LMConfig.tiny()
+    loaded = load_lm(cfg, tiny_repo / "model.safetensors", torch.float32, weights="int8")
+    later = load_lm(cfg, tiny_repo / "model.safetensors", torch.float32)
+    assert quantize_loaded(later) == 92
+    mine, theirs = loaded.state_dict(), later.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert isinstance(later.depformer_in[0], Int8Linear)
+
+
+def test_int8_with_float16_is_refused_at_start_up():
+    from personaplex_demo.runtime.build import check_placement
+
+    with pytest.raises(ValueError, match="--weights int8 needs --dtype bfloat16 or float32"):
+        check_placement("cpu", "float16", "int8")
+    check_placement("cpu", "float32", "int8")
+
+
 @pytest.mark.parametrize("bad", ["int4", "INT8 "])
 def test_an_unknown_weights_choice_is_refused(tiny_repo, bad):
     with pytest.raises(ValueError, match="weights must be one of dense, int8"):

@@ -92,6 +92,7 @@ def test_int8_weights_give_audio_of_the_same_length(cache_dir, stereo_44k, tmp_p
         assert run_cli(cache_dir, inp, out, "--greedy", "--weights", weights) == 0
         runs[weights] = sf.read(out)[0]
     assert runs["int8"].shape == runs["dense"].shape and np.abs(runs["int8"]).max() > 0
+    assert not np.array_equal(runs["int8"], runs["dense"])  # the int8 weights did run
 
 
 def test_8khz_mono_input(cache_dir, tmp_path):

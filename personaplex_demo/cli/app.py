@@ -91,7 +91,7 @@ def start_room(cfg: AppConfig, server_rtc: dict | None) -> Topology | int:
     try:
         devices = resolve_devices(cfg.devices, cfg.device)
         for device in devices:
-            check_placement(device, cfg.dtype)
+            check_placement(device, cfg.dtype, cfg.weights)
         check_model_files(cfg.model, cfg.hf_repo, cache_dir, devices[0])
         slots_total = len(devices) * (cfg.slots if isinstance(cfg.slots, int) else cfg.max_slots)
         return start_topology(TopologyOptions(

@@ -304,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
     audio = read_input(args.input)
 
     try:
-        check_placement(args.device, args.dtype)
+        check_placement(args.device, args.dtype, args.weights)
     except ValueError as exc:
         raise OfflineError(str(exc)) from None
     seed = args.seed if args.seed is not None and args.seed != -1 else secrets.randbelow(2**32)

@@ -82,10 +82,12 @@ def quantize_loaded(lm: nn.Module) -> int:
     kinds on one set of weights (bench/gpu_int8.py)."""
     from .config import quantized_key
 
-    state, scales = lm.state_dict(), {}
-    for key in [k for k in state if quantized_key(k)]:
-        state[key], scales[key] = quantize_rows(state[key], state[key].dtype)
     lm.requires_grad_(False)  # an int8 parameter cannot require gradients
-    lm.load_state_dict(state, strict=True, assign=True)
-    attach_scales(lm, scales)
-    return len(scales)
+    keys = [k for k in lm.state_dict() if quantized_key(k)]
+    for key in keys:  # one at a time, each dense tensor freed as its int8 one takes its place
+        owner, _, name = key.rpartition(".")
+        module = lm.get_submodule(owner)
+        q, s = quantize_rows(getattr(module, name), getattr(module, name).dtype)
+        setattr(module, name, nn.Parameter(q, requires_grad=False))
+        attach_scales(lm, {key: s})
+    return len(keys)

@@ -81,12 +81,17 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, DTYPE_NAMES[dtype])
 
 
-def check_placement(device: str, dtype: str) -> None:
-    """Fail early, with one ValueError, on a device or dtype this machine cannot use."""
+def check_placement(device: str, dtype: str, weights: str = "dense") -> None:
+    """Fail early, with one ValueError, on a device, dtype or weights choice this machine cannot use."""
     try:
-        pick_dtype(dtype, pick_device(device))
+        chosen = pick_dtype(dtype, pick_device(device))
     except RuntimeError as exc:  # torch's own complaint about a malformed device string, or no CUDA
         raise ValueError(str(exc).splitlines()[0]) from None
+    if weights == "int8" and chosen == torch.float16:
+        # An int8 layer multiplies by the int8 values before their scale: sums up to ~1000x larger
+        # than the real ones, past float16's 65504 (bfloat16 and float32 have the range).
+        raise ValueError("--weights int8 needs --dtype bfloat16 or float32: float16 overflows before the "
+                         "int8 scales are applied")
 
 
 def _open_small_files(directory: Path) -> tuple[TextTokenizer, VoiceCatalog]:
