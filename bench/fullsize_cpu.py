@@ -56,11 +56,12 @@ LOAD_NOTES = {
               "a copy, so the load itself touches little; the weight pages come in at their first use (the first "
               "prefill), from the disk (the files were dropped from the page cache after writing). The goal is a "
               "peak of at most 1.2 x the weights."),
-    "int8": ("- `--weights int8`: the loader reads each tensor with plain reads (no mapping left resident) and "
-             "quantizes the transformer layers' matrices as it goes, so the load reads the whole file and holds "
-             "the int8 model ({loaded:.2f} GB of LM weights and scales) plus one tensor at full precision. The "
+    "int8": ("- `--weights int8`: the loader reads each tensor with plain reads into one reused buffer (no "
+             "mapping left resident), quantizes the transformer layers' matrices as it goes and hands freed "
+             "working memory back (`malloc_trim`), so the load reads the whole file and holds the int8 model "
+             "({loaded:.2f} GB of LM weights and scales) plus one tensor at full precision. The "
              "bf16 run (section \"Full-size model on the CPU\") holds its weights as the mapped file instead; the "
-             "goal here is a peak over the whole run of at most 0.6 of that run's."),
+             "goal here is a load whose peak is at most 0.6 of the bf16 weights in memory."),
 }
 GB = 1e9
 PERSONA = "You enjoy having a good conversation."
@@ -200,7 +201,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
     lm = engine.core.lm
     res["mapped"] = all(not p.is_meta for p in lm.parameters())
     res["dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in [*lm.parameters(), *lm.buffers()]})
-    res["params"] = sum(p.numel() for p in lm.parameters())
+    res["params"] = sum(t.numel() for k, t in lm.state_dict().items() if not k.endswith("scales"))
     res["lm_bytes_loaded"] = weight_bytes(lm)
     print(f"loaded in {res['load_s']:.1f} s (LM {res['lm_load_s']:.1f} s); peak RSS during the load "
           f"{load_mem.peak / GB:.2f} GB", flush=True)

@@ -23,7 +23,10 @@ def int8_pass(setup, bf16: Run, ticks: int, search_s: float) -> dict:
     dev = setup.device
     t0 = time.perf_counter()
     dense_bytes = setup.weights_bytes
-    tensors = quantize_loaded(setup.lm)
+    try:
+        tensors = quantize_loaded(setup.lm)
+    except (RuntimeError, torch.OutOfMemoryError) as e:  # the bf16 figures must still be written
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
     if dev.type == "cuda":
         release(dev)
         sync(dev)
@@ -48,6 +51,8 @@ def int8_pass(setup, bf16: Run, ticks: int, search_s: float) -> dict:
 def render_int8(run: dict) -> str:
     from bench.common import md_table
 
+    if "error" in run:
+        return f"### Int8 weights beside bf16 (`--weights int8`)\n\nNot measured: quantizing failed ({run['error']}).\n"
     rows = []
     for r in run["results"]:
         dense = run["bf16"].get(r["B"])

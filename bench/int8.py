@@ -11,13 +11,17 @@
 - Speed: the tokens-only `LockstepCore.step` at B = 1, 4, 16, fp32 against int8 weights,
   interleaved in one run, tiny and mid configs.
 
-    python bench/int8.py [--quick] [--no-write]
+With `--full-size` the error table also has PersonaPlex-7B's temporal transformer, layer by layer
+(its fp32 copy would not fit in memory whole), and its text logits.
+
+    python bench/int8.py [--quick] [--full-size] [--no-write]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -27,9 +31,10 @@ import torch  # noqa: E402
 from bench.common import fmt_ms, interleave, md_table, replace_section  # noqa: E402
 from bench.engines import core_stepper, mid_lm_config  # noqa: E402
 from bench.model import LM_SEED, bench_persona, bench_voice, hash_file  # noqa: E402
-from personaplex_demo.model.checkpoint import load_lm, meta_lm  # noqa: E402
+from personaplex_demo.model.checkpoint import load_lm, meta_lm, write_hash_checkpoint  # noqa: E402
 from personaplex_demo.model.config import LMConfig, lm_weight_bytes  # noqa: E402
 from personaplex_demo.model.int8 import weight_bytes  # noqa: E402
+from personaplex_demo.model.transformer import RMSNorm  # noqa: E402
 from tests.conftest import golden  # noqa: E402
 from tests.test_lm_golden import run_session  # noqa: E402
 
@@ -91,6 +96,57 @@ def errors(cfg: LMConfig, dense, int8, frames: int = 4, batch: int = 4) -> list[
     return rows
 
 
+@torch.no_grad()
+def fullsize_errors(path: Path, cfg: LMConfig | None = None, frames: int = 3, batch: int = 2) -> list[list]:
+    """The same comparison on the full-size temporal transformer, a layer at a time (its fp32 copy
+    would not fit in memory whole): each layer's weights are read, in fp32 and as int8, both copies
+    run their own stream of hidden states through it over `frames` frames, and the text logits
+    come from the (dense) final norm and head."""
+    from personaplex_demo.model.checkpoint import read_tensors
+    from personaplex_demo.model.int8 import attach_scales, quantize_rows
+    from personaplex_demo.model.lm import LMLayer
+    from personaplex_demo.model.ring import RingKV
+    from personaplex_demo.model.transformer import rope_angles
+
+    cfg = cfg or LMConfig.personaplex_7b()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 2048, (frames, batch, 17), generator=g)
+    tables = dict((k, t.float().clone()) for k, t in read_tensors(path, [f"emb.{i}.weight" for i in range(16)]
+                                                                      + ["text_emb.weight"]))
+    x = torch.stack([sum(tables[f"emb.{i}.weight"][ids[f, :, 1 + i]] for i in range(16))
+                     + tables["text_emb.weight"][ids[f, :, 0]] for f in range(frames)])[:, :, None]  # [F, B, 1, D]
+    del tables
+    streams, rows = {"dense": x, "int8": x.clone()}, []
+    all_keys = list(meta_lm(cfg).state_dict())
+    for i in range(cfg.num_layers):
+        prefix = f"transformer.layers.{i}."
+        keys = [k for k in all_keys if k.startswith(prefix)]
+        dense_state = {k[len(prefix):]: t.float().clone() for k, t in read_tensors(path, keys)}
+        for name in ("dense", "int8"):
+            with torch.device("meta"):
+                layer = LMLayer(cfg.dim, cfg.num_heads, cfg.hidden, cfg.norm_eps)
+            state, scales = dict(dense_state), {}
+            if name == "int8":
+                for k in [k for k in state if k.endswith("weight") and state[k].dim() == 2]:
+                    state[k], scales[k] = quantize_rows(state[k], torch.float32)
+            layer.requires_grad_(False).load_state_dict(state, assign=True)
+            attach_scales(layer, scales)
+            kv = RingKV.empty(1, batch, cfg.num_heads, frames, cfg.head_dim, "cpu", torch.float32)
+            out = []
+            for f in range(frames):
+                attend = kv.advance(1, cfg.context)
+                angles = rope_angles(attend.positions, cfg.head_dim, cfg.max_period)
+                out.append(layer(streams[name][f], attend, angles, kv.layers[0]))
+            streams[name] = torch.stack(out)
+        rows.append([f"temporal layer {i}", *fmt(relative(streams["dense"][-1], streams["int8"][-1]))])
+    head = dict((k, t.float().clone()) for k, t in read_tensors(path, ["out_norm.alpha", "text_linear.weight"]))
+    norm = RMSNorm(cfg.dim, cfg.norm_eps)
+    norm.alpha.data = head["out_norm.alpha"]
+    logits = {n: torch.nn.functional.linear(norm(s[-1])[:, 0], head["text_linear.weight"]) for n, s in streams.items()}
+    rows.append(["text logits", *fmt(relative(logits["dense"], logits["int8"]))])
+    return rows
+
+
 def fmt(pair: tuple[float, float]) -> list[str]:
     return [f"{pair[0]:.4f}", f"{pair[1]:.6f}"]
 
@@ -137,6 +193,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer timing rounds")
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    ap.add_argument("--full-size", action="store_true",
+                    help="also the error on the full-size temporal transformer (writes a 16.7 GB file, minutes)")
     a = ap.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
     mem = md_table(["LM", "dense", "int8", "int8 / dense"], memory())
@@ -144,6 +202,11 @@ def main() -> int:
     for name, (cfg, path) in configs().items():
         dense, int8 = (load_lm(cfg, path, torch.float32, weights=w) for w in ("dense", "int8"))
         err += [[name, *row] for row in errors(cfg, dense, int8)]
+    if a.full_size:
+        with tempfile.TemporaryDirectory(prefix="pp-int8-") as tmp:
+            path = write_hash_checkpoint(meta_lm(LMConfig.personaplex_7b()), Path(tmp) / "model.safetensors", "lm",
+                                         LM_SEED, torch.bfloat16)
+            err += [["PersonaPlex-7B (hash-v1, bf16 file)", *row] for row in fullsize_errors(path)]
     err_t = md_table(["config", "where", "relative error", "lowest cosine"], err)
     gold = md_table(["golden session (tiny, greedy)", "conversation frames", "first frame that differs",
                      "frames that differ"], golden_divergence())

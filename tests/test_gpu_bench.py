@@ -191,3 +191,6 @@ def test_dry_run_passes_every_check_and_writes_nothing(tmp_path):
     assert "tokens and PCM equal" in section
     assert "a card with 24 GiB free" in section and "batches 1, 2;" in section
     assert "### Memory per slot and `--slots auto`" in section
+    # Last, the same engine with int8 weights, beside the bf16 figures.
+    int8 = section[section.index("### Int8 weights beside bf16"):]
+    assert "| 1 |" in int8 and "92 tensors quantized" in int8 and "Largest B in real time with int8 weights" in int8
