@@ -63,6 +63,7 @@ def test_a_bad_env_var_is_a_one_line_error(env, complaint, capsys) -> None:
     (["--max-queue", "-1"], "argument --max-queue: must be at least 0, not -1"),
     (["--port", "70000"], "argument --port: must be between 1 and 65535, not 70000"),
     (["--time-limit", "soon"], "argument --time-limit: 'soon' is not a number"),
+    (["--weights", "int8", "--dtype", "fp16"], "--weights int8 needs --dtype bfloat16 or float32"),
 ])
 def test_a_bad_flag_names_the_flag(argv, complaint, capsys) -> None:
     with pytest.raises(SystemExit):

@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..model.config import WEIGHTS, LMConfig
+from ..model.config import INT8_FLOAT16, WEIGHTS, LMConfig
 from ..runtime.capacity import DEFAULT_MAX_SLOTS, DTYPE_NAMES, FRAME_RATE, MIN_CONTEXT_SECONDS, parse_slots
 from ..runtime.hub import CACHE_DIR_DEFAULT, CACHE_DIR_HELP, DEFAULT_HF_REPO, MODEL_CHOICES
 from ..serving.config import ADMISSIONS, DEFAULT_MAX_WAIT_SECONDS
@@ -115,4 +115,7 @@ def parse_config(argv: list[str] | None = None, environ: Mapping[str, str] | Non
     presets = {"host": ("0.0.0.0", "on a Hugging Face Space")} if environ.get("SPACE_ID") else {}
     parser = build_parser(AppConfig, environ, presets, description=DESCRIPTION,
                           epilog=env_help(AppConfig, OTHER_ENV))
-    return config_from(AppConfig, parser.parse_args(argv))
+    cfg = config_from(AppConfig, parser.parse_args(argv))
+    if cfg.weights == "int8" and DTYPE_NAMES.get(cfg.dtype) == "float16":
+        parser.error(INT8_FLOAT16)  # one line, exit 2, before anything loads
+    return cfg

@@ -17,6 +17,10 @@ from ..frame import AUDIO_CARD, SAMPLE_RATE, TEXT_CARD
 PERSONAPLEX_DELAYS = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
 
 WEIGHTS = ("dense", "int8")  # how the LM's weights are held (`--weights`; model/int8.py)
+# An int8 layer multiplies by the int8 values before their scale: sums about 1000x the real ones,
+# past float16's 65504 (bfloat16 and float32 have the range).
+INT8_FLOAT16 = ("--weights int8 needs --dtype bfloat16 or float32: float16 overflows before the int8 scales "
+                "are applied")
 # The LM weights that `--weights int8` holds as int8: every matrix of the temporal transformer's
 # and the depformer's layers, and the depformer's input projections (model/int8.py).
 INT8_KEYS = re.compile(r"(transformer|depformer)\.layers\.\d+\.(self_attn\.in_proj_weight|self_attn\.out_proj\.weight"

@@ -12,7 +12,7 @@ import torch
 
 from ..engine.pcm import LockstepEngine
 from ..model.checkpoint import load_lm, load_mimi
-from ..model.config import LMConfig, MimiConfig, ModelFiles
+from ..model.config import INT8_FLOAT16, LMConfig, MimiConfig, ModelFiles
 from ..serving.config import PoolConfig
 from .capacity import DEFAULT_MAX_SLOTS, DTYPE_NAMES, FRAME_RATE, SlotPlan
 from .hub import DEFAULT_HF_REPO, ModelSource, resolve_model
@@ -88,10 +88,7 @@ def check_placement(device: str, dtype: str, weights: str = "dense") -> None:
     except RuntimeError as exc:  # torch's own complaint about a malformed device string, or no CUDA
         raise ValueError(str(exc).splitlines()[0]) from None
     if weights == "int8" and chosen == torch.float16:
-        # An int8 layer multiplies by the int8 values before their scale: sums up to ~1000x larger
-        # than the real ones, past float16's 65504 (bfloat16 and float32 have the range).
-        raise ValueError("--weights int8 needs --dtype bfloat16 or float32: float16 overflows before the "
-                         "int8 scales are applied")
+        raise ValueError(INT8_FLOAT16)
 
 
 def _open_small_files(directory: Path) -> tuple[TextTokenizer, VoiceCatalog]:
