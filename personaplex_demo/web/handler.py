@@ -277,9 +277,8 @@ class CallHandler(AsyncStreamHandler):
         """This call's figures: the output itself, and the packet counts when due."""
         if self.figures.output(out, now):
             log.info("call %s: first sound %s", self.call_id, self.figures.first_sound_text())
-        if self.peers is not None and self.webrtc_id and self.figures.packets_due(now):
-            if (pc := self.peers(self.webrtc_id)) is not None:
-                self._packets_task = asyncio.create_task(self.figures.refresh_packets(pc))
+        if self.peers and self.webrtc_id and self.figures.packets_due(now) and (pc := self.peers(self.webrtc_id)):
+            self._packets_task = asyncio.create_task(self.figures.refresh_packets(pc))
 
     def _update(self, text_changed: bool = False, status_due: bool = False) -> AdditionalOutputs | None:
         """The page update, or None (PageThrottle; the call's figures at most every FIGURES_SECONDS)."""
