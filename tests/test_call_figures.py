@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from personaplex_demo.frame import frame_dbfs
 from personaplex_demo.serving.room import SlotOutput
-from personaplex_demo.web.call_figures import FIGURES_SECONDS, CallFigures, frame_dbfs, read_packets
+from personaplex_demo.web.call_figures import FIGURES_SECONDS, CallFigures, read_packets
 
 QUIET = np.zeros(1920, np.float32)
 LOUD = np.full(1920, 0.1, np.float32)  # -20 dBFS

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..frame import FRAME_SECONDS
+from ..frame import FRAME_SECONDS, frame_dbfs
 from .server_events import ResponseEvents
 from .session import Dialect, new_id
 
@@ -28,10 +28,7 @@ REQUESTED_WAIT_SECONDS = 5.0  # a response opened by response.create, before the
 
 
 def is_speech(pcm: np.ndarray, text: str, speech_dbfs: float) -> bool:
-    if text.strip():
-        return True
-    rms = float(np.sqrt(np.mean(np.square(pcm, dtype=np.float64)))) if pcm.size else 0.0
-    return rms > 0 and 20 * np.log10(rms) > speech_dbfs
+    return bool(text.strip()) or frame_dbfs(pcm) > speech_dbfs
 
 
 class TurnTracker:

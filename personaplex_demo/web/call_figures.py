@@ -12,34 +12,27 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..frame import SOUND_DBFS, frame_dbfs
 from ..serving.room import SlotOutput
 
 log = logging.getLogger(__name__)
 
-AUDIBLE_DBFS = -40.0  # an agent frame louder than this is sound; below it, near silence
 FIGURES_SECONDS = 15.0  # the page's line of call figures changes at most this often
 LATENCY_WINDOW = 250  # the latest answers (20 s of them) whose latencies the figures report
 
 # The start of a call, in order; each part of the time to first audio ends at one of them.
 MILESTONES = ("offer", "connected", "inputs", "live", "first_output", "first_sound")
-PARTS = {
-    "connect": "the peer connection (ICE, DTLS and the data channel) after the offer arrived",
-    "inputs": "the page's voice and persona reaching the call",
-    "room": "the room: the queue, then the prefill of the voice and persona",
-    "first_tick": "the first tick after the call went live",
-    "first_sound": "the first outputs that were near silence",
-}
-
-
-def frame_dbfs(pcm: np.ndarray) -> float:
-    """The loudness of one frame of float samples, in dB below full scale."""
-    power = float(np.mean(np.square(pcm, dtype=np.float64))) if pcm.size else 0.0
-    return 10.0 * math.log10(power) if power > 1e-20 else -200.0
+PARTS = (
+    "connect",  # the peer connection (ICE, DTLS and the data channel) after the offer arrived
+    "inputs",  # the page's voice and persona reaching the call
+    "room",  # the room: the queue, then the prefill of the voice and persona
+    "first_tick",  # the first tick after the call went live
+    "first_sound",  # the first outputs that were near silence
+)
 
 
 @dataclass
@@ -121,7 +114,7 @@ class CallFigures:
             self.underruns += 1
         if self.heard or out.latency is not None:
             self.heard += 1
-        if "first_sound" not in self.at and frame_dbfs(out.pcm) > AUDIBLE_DBFS:
+        if "first_sound" not in self.at and frame_dbfs(out.pcm) > SOUND_DBFS:
             self.mark("first_sound", now)
             return True
         return False
