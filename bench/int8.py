@@ -36,6 +36,7 @@ from personaplex_demo.model.config import LMConfig, lm_weight_bytes  # noqa: E40
 from personaplex_demo.model.int8 import weight_bytes  # noqa: E402
 from personaplex_demo.model.transformer import RMSNorm  # noqa: E402
 from tests.conftest import golden  # noqa: E402
+from tests.lm_fixtures import real_lm_shapes  # noqa: E402
 from tests.test_lm_golden import run_session  # noqa: E402
 
 SECTION = "Int8 weights: memory, error and speed on the CPU"
@@ -182,7 +183,7 @@ def memory() -> list[list]:
     for name, (cfg, path) in configs().items():
         dense, int8 = (weight_bytes(load_lm(cfg, path, torch.float32, weights=w)) for w in ("dense", "int8"))
         rows.append([f"{name} (fp32 file, loaded)", f"{dense / MB:.1f} MB", f"{int8 / MB:.1f} MB", f"{int8 / dense:.2f}"])
-    real = {k: tuple(v["shape"]) for k, v in golden("personaplex-7b-v1.keys.json")["lm"]["tensors"].items()}
+    real = real_lm_shapes()
     dense, int8 = lm_weight_bytes(real, "dense", 2), lm_weight_bytes(real, "int8", 2)
     rows.append(["PersonaPlex-7B in bf16 (arithmetic)", f"{dense / 2**30:.2f} GiB", f"{int8 / 2**30:.2f} GiB",
                  f"{int8 / dense:.2f}"])

@@ -46,3 +46,8 @@ def golden_voice(name: str, dtype: torch.dtype = torch.float32) -> VoiceTokens:
 
 def golden_persona(name: str) -> list[int]:
     return golden("lm-tiny.voices.json")["personas"][name]
+
+
+def real_lm_shapes() -> dict[str, tuple[int, ...]]:
+    """PersonaPlex-7B's LM checkpoint keys and their shapes, from the golden key list."""
+    return {k: tuple(v["shape"]) for k, v in golden("personaplex-7b-v1.keys.json")["lm"]["tensors"].items()}

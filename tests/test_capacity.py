@@ -27,12 +27,12 @@ from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.web.page import status_payload
 
-from .conftest import golden
+from .lm_fixtures import real_lm_shapes
 
 FULL = LMConfig.personaplex_7b()
 BF16 = 2
 MIMI_BYTES = 96_000_000 * 4  # Mimi stays fp32
-REAL_LM = {k: tuple(v["shape"]) for k, v in golden("personaplex-7b-v1.keys.json")["lm"]["tensors"].items()}
+REAL_LM = real_lm_shapes()
 CUDA_CONTEXT = 600 << 20  # what the CUDA runtime itself holds on a card
 
 

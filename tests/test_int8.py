@@ -14,9 +14,9 @@ from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.web.page import status_payload
 
-from .conftest import golden
+from .lm_fixtures import real_lm_shapes, tiny_lm_file
 
-REAL_LM = {k: tuple(v["shape"]) for k, v in golden("personaplex-7b-v1.keys.json")["lm"]["tensors"].items()}
+REAL_LM = real_lm_shapes()
 
 
 def test_each_row_is_int8_with_its_own_scale_and_rounds_to_within_half_a_step():
@@ -80,8 +80,6 @@ def test_a_runtime_with_int8_weights_says_so(tiny_cache_dir):
 
 
 def test_a_bf16_file_loads_as_int8_with_bf16_scales_and_stays_close_to_bf16():
-    from .lm_fixtures import tiny_lm_file
-
     path = tiny_lm_file(torch.bfloat16)
     dense = load_lm(LMConfig.tiny(), path, torch.bfloat16)
     int8 = load_lm(LMConfig.tiny(), path, torch.bfloat16, weights="int8")

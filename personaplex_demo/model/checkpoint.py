@@ -78,15 +78,16 @@ def load_checkpoint(module: nn.Module, path: Path | str, dtype: torch.dtype | No
             # With int8 every tensor is read once and converted: plain reads, so that the file's
             # pages do not stay mapped into the process beside the int8 copies (peak memory near
             # the int8 size); otherwise the tensors stay views of the mapped file, read in on use.
-            tensors = read_tensors(path, list(expected)) if int8 else ((k, f.get_tensor(k)) for k in expected)
+            streamed = int8 is not None
+            tensors = read_tensors(path, list(expected)) if streamed else ((k, f.get_tensor(k)) for k in expected)
             for key, t in tensors:
-                if int8 is not None and int8(key):  # on the device: a GPU rounds 8 B weights in seconds
+                if streamed and int8(key):  # on the device: a GPU rounds 8 B weights in seconds
                     t, scales[key] = quantize_rows(t.to(device), dtype or t.dtype)
                     return_freed_memory()
                 elif t.is_floating_point():
                     want = torch.float32 if (keep_fp32 and keep_fp32(key)) else (dtype or t.dtype)
-                    t = t.to(want, copy=int8 is not None)  # read_tensors reuses its buffer
-                elif int8 is not None:
+                    t = t.to(want, copy=streamed)  # read_tensors reuses its buffer
+                elif streamed:
                     t = t.clone()
                 state[key] = t.to(device)
     except CheckpointError:
