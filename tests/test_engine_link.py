@@ -15,8 +15,9 @@ import pytest
 
 from personaplex_demo.engine.pcm import SamplingParams
 from personaplex_demo.errors import AudioFormatError, CallerError
+from personaplex_demo.procs.pool_router import PoolRouter
 from personaplex_demo.procs.pool_server import PoolServer
-from personaplex_demo.procs.remote_pool import ENGINE_LOST, PoolRouter, RemotePool
+from personaplex_demo.procs.remote_pool import ENGINE_LOST, RemotePool
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.headroom import WAIT_CAPACITY
@@ -114,7 +115,7 @@ async def test_the_router_fills_free_slots_on_every_engine_before_queueing(runti
         pools = [stack.enter_context(served(rt, str(tmp_path / f"e{i}.sock"), f"e{i}"))[0]
                  for i, rt in enumerate(runtimes)]
         router = PoolRouter([RemotePool(str(tmp_path / f"e{i}.sock"), KEY) for i in range(2)])
-        assert router.slots_total == 2 and router.config.max_queue == 64
+        assert router.slots_total == 2 and router.config.max_queue == 32  # one queue, the app's --max-queue
         ticks = []  # what /metrics's histograms are fed: every tick of every engine, with its latencies
         router.add_tick_listener(lambda seconds, latencies: ticks.append((seconds, latencies)))
         calls = [await router.acquire("NATF2", "", SamplingParams(seed=i)) for i in range(3)]

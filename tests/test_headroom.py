@@ -15,7 +15,7 @@ import pytest
 from starlette.applications import Starlette
 
 from personaplex_demo.engine.pcm import TickOutput
-from personaplex_demo.procs.remote_pool import PoolRouter
+from personaplex_demo.procs.pool_router import PoolRouter
 from personaplex_demo.sampling_params import SamplingParams
 from personaplex_demo.serving.call import Call
 from personaplex_demo.serving.config import PoolConfig
@@ -23,7 +23,7 @@ from personaplex_demo.serving.headroom import WAIT_CAPACITY, WAIT_SLOTS, Headroo
 from personaplex_demo.serving.loop_lag import ensure_probe, probe
 from personaplex_demo.serving.metrics import PoolMetrics
 from personaplex_demo.serving.pool import SlotPool
-from personaplex_demo.serving.room import PoolClosedError, PoolFullError
+from personaplex_demo.serving.room import CallEnded, CallState, PoolClosedError, PoolFullError
 from personaplex_demo.web.page import status_payload
 from personaplex_demo.web.prometheus import metrics_routes
 from personaplex_demo.web.status import RoomMetrics, status_line
@@ -403,17 +403,22 @@ class StubEngine:
         self.room = dataclasses.replace(PoolMetrics(4, 0, 0, queue, 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0.0, 0.0),
                                         admitting=admitting, headroom_ms=headroom_ms, slots_free=slots_free)
         self.refuses = refuses
+        self.seats: int | None = None  # refuses once this many calls were seated
         self.asked: list[bool] = []
+
+    def snapshot(self) -> PoolMetrics:
+        return self.room
 
     async def acquire(self, voice, persona, sampling=None, door="page", *, queue=True):
         self.asked.append(queue)
-        if not queue and (self.refuses or not self.room.admitting):
+        if not queue and (self.refuses or not self.room.admitting or self.seats == 0):
             raise PoolFullError(WAIT_CAPACITY)
-        return self.name
+        self.seats = None if self.seats is None else self.seats - 1
+        return types.SimpleNamespace(name=self.name, state=CallState.PREFILL, slot=0, end_reason=None)
 
 
 def place(*engines: StubEngine) -> str:
-    return asyncio.run(PoolRouter(list(engines)).acquire("NATF0", "p"))
+    return asyncio.run(PoolRouter(list(engines)).acquire("NATF0", "p")).name
 
 
 def test_placement_takes_the_engine_with_the_most_headroom_that_admits():
@@ -425,13 +430,33 @@ def test_placement_takes_the_engine_with_the_most_headroom_that_admits():
     assert place(busy, some, most) == "some"
 
 
-def test_with_no_engine_admitting_the_call_waits_in_the_shortest_queue_then_the_most_headroom():
-    a = StubEngine("a", admitting=0, headroom_ms=30, queue=2)
-    b = StubEngine("b", admitting=0, headroom_ms=-5, queue=1)
-    c = StubEngine("c", admitting=0, headroom_ms=10, queue=1)
-    assert place(a, b, c) == "c"
-    # Each was asked for a seat first; only the chosen one for a place in its queue.
-    assert (a.asked, b.asked, c.asked) == ([False], [False], [False, True])
+async def test_with_no_engine_admitting_callers_wait_in_the_routers_one_queue_for_a_seat_anywhere():
+    a = StubEngine("a", admitting=0, headroom_ms=30, slots_free=0)
+    b = StubEngine("b", admitting=0, headroom_ms=-5, slots_free=0)
+    router = PoolRouter([a, b])
+    first = await router.acquire("NATF0", "p")
+    second = await router.acquire("NATF1", "p")
+    assert (first.state, first.queue_position, first.wait_reason) == ("queued", 1, WAIT_SLOTS)
+    assert (second.state, second.queue_position) == ("queued", 2)
+    # Each engine was asked for a seat once, for the first caller; nobody queues at one engine.
+    assert (a.asked, b.asked) == ([False], [False])
+    assert router.snapshot().queue_length == 2
+    # A slot frees on b, but its tick has no headroom: the queue says why it still waits.
+    b.room = dataclasses.replace(b.room, slots_free=1)
+    await asyncio.sleep(0.3)
+    assert (first.wait_reason, second.wait_reason) == (WAIT_CAPACITY, WAIT_CAPACITY)
+    assert router.snapshot().calls_held_back == 1
+    # It admits: the head takes the seat there, and the second moves up.
+    b.room, b.seats = dataclasses.replace(b.room, admitting=1), 1
+    await asyncio.sleep(0.3)
+    assert first.inner.name == "b" and first.queue_position is None
+    assert (second.state, second.queue_position) == ("queued", 1)
+    # The second hangs up while waiting: it leaves the queue, counted as a hang-up.
+    second.release()
+    await asyncio.sleep(0.3)
+    assert router.snapshot().queue_length == 0 and router.snapshot().calls_ended == {"hangup": 1}
+    with pytest.raises(CallEnded):
+        await second.wait_live(1)
 
 
 def test_a_router_with_every_engine_gone_refuses():

@@ -90,9 +90,10 @@ def start_room(cfg: AppConfig, server_rtc: dict | None) -> Topology | int:
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     try:
         devices = resolve_devices(cfg.devices, cfg.device)
-        for device in devices:
-            check_placement(device, cfg.dtype, cfg.weights)
-        check_model_files(cfg.model, cfg.hf_repo, cache_dir, devices[0])
+        if cfg.engines == "local":  # a Ray engine checks its own machine as it loads
+            for device in devices:
+                check_placement(device, cfg.dtype, cfg.weights)
+            check_model_files(cfg.model, cfg.hf_repo, cache_dir, devices[0])
         slots_total = len(devices) * (cfg.slots if isinstance(cfg.slots, int) else cfg.max_slots)
         return start_topology(TopologyOptions(
             RuntimeOptions(model=cfg.model, device=cfg.device, dtype=cfg.dtype, weights=cfg.weights, slots=cfg.slots,
@@ -104,7 +105,7 @@ def start_room(cfg: AppConfig, server_rtc: dict | None) -> Topology | int:
             media_workers=(cfg.media_workers if cfg.media_workers is not None
                            else default_media_workers(devices, slots_total)),
             server_rtc_configuration=server_rtc, loopback_ice=loopback_requested(),
-            max_wait_seconds=cfg.max_wait_seconds), progress)
+            max_wait_seconds=cfg.max_wait_seconds, engines=cfg.engines, ray_address=cfg.ray_address), progress)
     except START_ERRORS as exc:  # before any model is loaded, or no room for one slot
         log.error("%s", exc)
         return EXIT_PREFLIGHT
@@ -120,7 +121,7 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
 
     from ..web.deeplink import RefuseLongQueries
     from ..web.page import PageOptions, build_ui, status_routes
-    from ..web.prometheus import metrics_routes
+    from ..web.prometheus import EngineCollector, metrics_routes
     from ..web.recording import RecordingStore, remove_stale_recordings
 
     runtime, room = topology.runtime, topology.pool
@@ -149,7 +150,8 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
             demo.launch(server_name=cfg.host, server_port=cfg.port, share=cfg.share, quiet=not cfg.verbose,
                         prevent_thread_lock=True,
                         app_kwargs={"routes": status_routes(runtime, room, lambda: status_extra(topology, door))
-                                    + metrics_routes(room, [door.collector()] if door else [])
+                                    + metrics_routes(room, [EngineCollector(lambda: topology.status()["engines"]),
+                                                            *([door.collector()] if door else [])])
                                     + (door.routes() if door else []),
                                     "middleware": [Middleware(RefuseLongQueries)]})
         except OSError:

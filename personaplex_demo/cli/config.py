@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ OTHER_ENV = {
 }
 
 MODEL_CONTEXT_SECONDS = LMConfig().context / FRAME_RATE  # 240 s
+ENGINE_KINDS = ("local", "ray")
+NEEDS_RAY = "--engines ray needs Ray, an optional extra: pip install -r requirements-ray.txt"
 
 # Loggers that report every internal request at INFO; --verbose shows them.
 CHATTY_LOGGERS = ("httpx", "httpcore")
@@ -91,6 +94,12 @@ class AppConfig:
                                        env="PERSONAPLEX_MEDIA_WORKERS", check=at_least(0),
                                        shown_default="0 on a CPU; on a CUDA host cores - 2, at most one per slot",
                                        metavar="N")
+    engines: str = option("local", "local: the engines run on this machine (--device, --devices); ray: as Ray actors "
+                          "on the machines of a Ray cluster, one per GPU (needs requirements-ray.txt; README "
+                          "\"Several machines\")", env="PERSONAPLEX_ENGINES", choices=ENGINE_KINDS)
+    ray_address: str | None = option(None, "the Ray cluster for --engines ray: auto (the one `ray start` joined on "
+                                     "this machine) or HOST:PORT", env="PERSONAPLEX_RAY_ADDRESS",
+                                     shown_default="a Ray started on this machine", metavar="ADDRESS")
     no_realtime: bool = option(False, "turn off the OpenAI-Realtime-compatible WebSocket at /v1/realtime (calls "
                                "from code: agent frameworks, the openai SDK)", env="PERSONAPLEX_NO_REALTIME")
     api_key: str | None = option(None, "a key every /v1/realtime socket must present (Authorization: Bearer KEY); "
@@ -118,4 +127,11 @@ def parse_config(argv: list[str] | None = None, environ: Mapping[str, str] | Non
     cfg = config_from(AppConfig, parser.parse_args(argv))
     if cfg.weights == "int8" and DTYPE_NAMES.get(cfg.dtype) == "float16":
         parser.error(INT8_FLOAT16)  # one line, exit 2, before anything loads
+    if cfg.engines == "ray":
+        if cfg.devices:
+            parser.error("--devices is for --engines local; with --engines ray every GPU of the cluster runs an engine")
+        if importlib.util.find_spec("ray") is None:
+            parser.error(NEEDS_RAY)
+    elif cfg.ray_address:
+        parser.error("--ray-address is for --engines ray")
     return cfg

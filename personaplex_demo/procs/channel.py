@@ -1,7 +1,7 @@
 """Message channels between this app's processes, from the standard library only.
 
 A `Channel` wraps one `multiprocessing.connection.Connection` (a socket pair made for a child
-process, or an AF_UNIX connection opened with an authkey) so that event loops and real-time
+process, or an AF_UNIX or TCP connection opened with an authkey) so that event loops and real-time
 threads can use it without ever blocking on it:
 
 - `send` only queues; a sender thread writes whatever has queued up as ONE pickled batch, so a
@@ -29,6 +29,19 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 MAX_BATCH = 256  # messages per write; a longer backlog goes out in several writes
+Address = str | tuple[str, int]  # an AF_UNIX socket's path, or a TCP (host, port) between machines
+
+
+def no_delay(conn: Connection) -> None:
+    """TCP_NODELAY on a TCP connection (a no-op for AF_UNIX): a batch bigger than 16 KiB goes out as
+    two writes (header, then body), and Nagle's algorithm would hold the body back until the
+    other side's delayed ACK, up to 40 ms."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    try:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    finally:
+        sock.close()
 
 
 def daemon_threads(*targets: tuple[Callable[[], None], str]) -> list[threading.Thread]:

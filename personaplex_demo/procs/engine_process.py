@@ -15,6 +15,7 @@ and then `Stop`. The channel's EOF, when the main process is gone, stops the eng
 from __future__ import annotations
 
 import logging
+import socket
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,7 +52,7 @@ def page_facts(runtime: Runtime) -> dict[str, Any]:
     return {"model_name": runtime.model_name, "is_tiny": runtime.is_tiny, "banner": runtime.banner,
             "voice_names": list(engine.voice_names), "max_persona_tokens": engine.max_persona_tokens,
             "tokenizer_path": str(runtime.source.tokenizer_path), "device": str(runtime.device),
-            "weights": runtime.weights}
+            "weights": runtime.weights, "node": socket.gethostname()}
 
 
 def run_engine(spec: EngineSpec, conn) -> None:

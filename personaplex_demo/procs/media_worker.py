@@ -11,6 +11,7 @@ Control messages with the main process (messages.py, over one `channel.Channel`)
     main -> worker   Offer            an offer or a trickled ICE candidate
                      Input            the page's inputs (the `tick` event)
                      RecordingQuery   a finished call's recording, for the page's Stop button
+                     Relink           an engine came back at a new address (a restarted Ray actor)
                      Stop
     worker -> main   WorkerReady      once connected to the engines (and whether torch got imported)
                      Reply            to an Offer (an OfferAnswer) or a RecordingQuery (RecordingPaths or None)
@@ -43,8 +44,10 @@ from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
 from ..web.handler import CallHandler, FinalUpdates
 from ..web.recording import RecordingStore
 from . import messages as msg
-from .channel import Channel
-from .remote_pool import PoolRouter, RemotePool
+from .channel import Address, Channel
+from .pool_router import PoolRouter
+from .remote_pool import RemotePool
+from .watchdog import SilenceWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,7 @@ UNLIMITED = 1 << 30  # the main process enforces the page's concurrency limit ac
 @dataclass(frozen=True)
 class WorkerSpec:
     index: int
-    engines: tuple[str, ...]  # the AF_UNIX address of each engine's PoolServer
+    engines: tuple[Address, ...]  # each engine's PoolServer: an AF_UNIX path, or TCP for a Ray engine
     authkey: bytes
     recordings_dir: str
     max_wait_seconds: float | None = DEFAULT_MAX_WAIT_SECONDS
@@ -63,6 +66,7 @@ class WorkerSpec:
     loopback_ice: bool = False
     connect_timeout: float = 600.0  # the engines may still be loading their model
     log_level: int = logging.INFO
+    watch_silence: bool = False  # engines on other machines: give up on one silent for a second
 
 
 class MediaHost(WebRTCConnectionMixin):
@@ -136,6 +140,9 @@ class WorkerLoop:
         self.stopped = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
         self.recordings = RecordingStore(spec.recordings_dir)
+        self.watchdog = SilenceWatchdog() if spec.watch_silence else None
+        for engine in router.engines if self.watchdog is not None else ():
+            self.watchdog.watch(engine)
         self.channel = Channel(control, f"media-worker-{spec.index}", self.on_batch, self.on_close)
         model_name = spec.model_name or router.engines[0].facts.get("model_name")
         self.host = MediaHost(CallHandler(router, self.recordings, max_wait_seconds=spec.max_wait_seconds,
@@ -152,6 +159,8 @@ class WorkerLoop:
             await pc.close()
         await asyncio.sleep(0.1)  # let the handlers' shutdowns release their calls
         self.router.close()
+        if self.watchdog is not None:
+            self.watchdog.close()
         self.recordings.close()
         self.channel.close()
 
@@ -177,6 +186,8 @@ class WorkerLoop:
                     self.host.set_input(webrtc_id, *args)
                 case msg.RecordingQuery(rid=rid, call_id=call_id, timeout=timeout):
                     self.spawn(self.find_recording(rid, call_id, timeout))
+                case msg.Relink(index=index, address=address):
+                    self.spawn(self.relink(index, address))
                 case msg.Stop():
                     self.stopped.set()
                 case _:
@@ -195,6 +206,16 @@ class WorkerLoop:
             log.exception("media worker %d: the offer for %s failed", self.spec.index, body.get("webrtc_id"))
             answer = msg.OfferAnswer({"status": "failed", "meta": {"error": f"{type(exc).__name__}: {exc}"}}, 200)
         self.channel.send(msg.Reply(rid, answer))
+
+    async def relink(self, index: int, address: Address) -> None:
+        try:
+            engine = await asyncio.to_thread(RemotePool, address, self.spec.authkey)
+        except OSError as exc:
+            log.error("media worker %d: cannot link to engine %d at %s: %s", self.spec.index, index, address, exc)
+            return
+        self.router.replace(self.router.engines[index], engine)
+        if self.watchdog is not None:
+            self.watchdog.watch(engine)
 
     async def find_recording(self, rid: int, call_id: str, timeout: float) -> None:
         rec = self.recordings.get(call_id)

@@ -122,6 +122,16 @@ class MediaWorkers:
         worker.child.start(lambda batch: self._on_batch(worker, batch), lambda: self._on_gone(worker))
         return worker
 
+    def relink(self, index: int, address: Any) -> None:
+        """Engine `index` came back at `address`: every worker, and every later one, links to it."""
+        engines = list(self._spec.engines)
+        engines[index] = address
+        self._spec = replace(self._spec, engines=tuple(engines))
+        with self._lock:
+            workers = [w for w in self._workers if not w.gone]
+        for worker in workers:
+            worker.child.send(msg.Relink(index, address))
+
     def status(self) -> list[dict[str, Any]]:
         """Per worker, for /api/status."""
         with self._lock:

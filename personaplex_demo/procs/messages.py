@@ -10,7 +10,7 @@ Three conversations, each over a `channel.Channel` (one pickled batch per write)
         main -> engine     EndCalls, Stop
         engine -> main     EngineReady, EngineFailed
     the main process <-> a media worker          (media_workers.py <-> media_worker.py)
-        main -> worker     Offer, Input, RecordingQuery, Stop
+        main -> worker     Offer, Input, RecordingQuery, Relink, Stop
         worker -> main     WorkerReady, Reply, Outputs, Closed
 
 A receiver matches on the type (`match message: case Push(rid=rid, frame=frame): ...`), never on a
@@ -173,6 +173,14 @@ class RecordingQuery:
 
 
 @dataclass(frozen=True, slots=True)
+class Relink:
+    """Engine `index` came back at a new address (a restarted Ray actor): link to it for new calls."""
+
+    index: int
+    address: Any  # an AF_UNIX path or a TCP (host, port)
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerReady:
     """A worker is up; it reports whether torch got imported in it (it should not be)."""
 
@@ -223,5 +231,5 @@ ClientMessage = Start | Push | Release | MediaLag
 ServerMessage = Started | Refused | StateChange | Out | RoomFigures
 EngineCommand = EndCalls | Stop
 EngineReport = EngineReady | EngineFailed
-WorkerCommand = Offer | Input | RecordingQuery | Stop
+WorkerCommand = Offer | Input | RecordingQuery | Relink | Stop
 WorkerReport = WorkerReady | Reply | Outputs | Closed

@@ -1,6 +1,7 @@
 """Serves one SlotPool to other processes: the engine side of `remote_pool.RemotePool`.
 
-A `PoolServer` listens on an AF_UNIX socket (with an authkey). Each client process (a media
+A `PoolServer` listens on an AF_UNIX socket, or on TCP for clients on other machines (with an
+authkey either way). Each client process (a media
 worker, or the main process when the engines run elsewhere) gets one `channel.Channel`; the
 messages are `messages.py`'s (Start, Push, Release in; Hello, Started, Refused, StateChange, Out,
 RoomFigures out). Frames from a client go straight into the pool from the
@@ -29,7 +30,7 @@ from ..serving.call import Call
 from ..serving.pool import SlotPool
 from ..serving.room import CallEnded, CallState, EndReason, PoolClosedError, PoolFullError
 from . import messages as msg
-from .channel import Channel, daemon_threads
+from .channel import Address, Channel, daemon_threads, no_delay
 
 log = logging.getLogger(__name__)
 
@@ -153,15 +154,16 @@ class _Client:
 class PoolServer:
     """One SlotPool for the `RemotePool`s of other processes: one `_Client` per connection."""
 
-    def __init__(self, pool: SlotPool, address: str, authkey: bytes, name: str = "engine",
-                 facts: dict[str, Any] | None = None) -> None:
+    def __init__(self, pool: SlotPool, address: Address, authkey: bytes, name: str = "engine",
+                 facts: dict[str, Any] | None = None, room_seconds: float = ROOM_SECONDS) -> None:
         self.pool = pool
-        self.address = address
         self.name = name
         self.facts = dict(facts or {})  # the engine's facts for the Hello (model name, voices, ...)
         self.closing = False
         self._authkey = authkey
-        self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        self._listener = Listener(address, authkey=authkey)  # AF_UNIX for a path, TCP for (host, port)
+        self.address: Address = self._listener.address  # with the port chosen when it was 0
+        self.room_seconds = room_seconds  # the figures double as a heartbeat: procs/watchdog.py
         self._clients: list[_Client] = []
         self._lock = threading.Lock()
         self._numbers = itertools.count(1)
@@ -199,7 +201,7 @@ class PoolServer:
             return
         self.closing = True
         try:  # wake the accept thread with one last connection
-            Client(self.address, family="AF_UNIX", authkey=self._authkey).close()
+            Client(self.address, authkey=self._authkey).close()
         except Exception:
             pass
         self._accept_thread.join(5.0)
@@ -234,6 +236,7 @@ class PoolServer:
                 conn.close()
                 return
             try:
+                no_delay(conn)
                 conn.send(self.hello())  # alone, before the channel's batches: the client's first recv
             except OSError:
                 conn.close()
@@ -259,7 +262,7 @@ class PoolServer:
 
     async def _room(self) -> None:
         while True:
-            await asyncio.sleep(ROOM_SECONDS)
+            await asyncio.sleep(self.room_seconds)
             with self._lock:
                 clients = list(self._clients)
             with self._samples_lock:

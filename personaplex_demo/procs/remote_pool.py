@@ -4,19 +4,19 @@ A door (`web.handler.CallHandler`) holds a `Room` and its calls are `CallHandle`
 process that room is the `SlotPool` itself; here are the same surfaces for pools that live in
 other processes (`pool_server.PoolServer` serves each):
 
-- `RemotePool`: one engine's SlotPool, over one `channel.Channel` (an AF_UNIX socket with an
-  authkey);
+- `RemotePool`: one engine's SlotPool, over one `channel.Channel` (an AF_UNIX socket, or TCP
+  to an engine on another machine, with an authkey);
 - `RemoteCall`: a call on it, a `CallHandle` (state, queue_position, slot, end_reason,
   time_left, push_frame, next_output, wait_live, release);
-- `PoolRouter`: several RemotePools as one room; a call goes to an engine with a free slot, else
-  to the shortest queue. To try one engine without queueing, it calls that RemotePool's
-  `acquire(..., queue=False)`, as `SlotPool.admit(..., queue=False)` does in process.
+- (`pool_router.PoolRouter` makes several RemotePools one room; to try one engine without
+  queueing, it calls that RemotePool's `acquire(..., queue=False)`, as `SlotPool.admit(...,
+  queue=False)` does in process.)
 
 What crosses is the typed records of `messages.py`: Start, Push, Release one way; Hello (once,
-first), Started, Refused, StateChange, Out and RoomFigures (twice a second: the pool's figures,
-and every tick since the last ones, for /metrics) the other. `rid` is chosen by the client and
-names the call from then on. Everything a RemotePool and its calls do after the first `acquire`
-happens on that call's event loop: use one loop per client.
+first), Started, Refused, StateChange, Out and RoomFigures (twice a second, or four times for a
+Ray engine: the pool's figures, and every tick since the last ones, for /metrics) the other.
+`rid` is chosen by the client and names the call from then on. Everything a RemotePool and its
+calls do after the first `acquire` happens on that call's event loop: use one loop per client.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from ..serving.room import (
     TickListener,
 )
 from . import messages as msg
-from .channel import Channel
+from .channel import Address, Channel, no_delay
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +167,9 @@ _REFUSALS: dict[msg.RefusalKind, type[Exception]] = {"caller": CallerError, "bus
 class RemotePool:
     """One SlotPool in another process (or, later, on another machine), as a `Room`."""
 
-    def __init__(self, address: str, authkey: bytes, name: str | None = None) -> None:
-        conn = Client(address, family="AF_UNIX", authkey=authkey)
+    def __init__(self, address: Address, authkey: bytes, name: str | None = None) -> None:
+        conn = Client(address, authkey=authkey)  # AF_UNIX for a path, TCP for (host, port)
+        no_delay(conn)
         hello = conn.recv()  # sent before the server's channel starts: one message, not a batch
         if not isinstance(hello, msg.Hello):
             conn.close()
@@ -180,6 +181,9 @@ class RemotePool:
         self.config = PoolConfig(**hello.config)
         self.room = PoolMetrics(**hello.room)
         self.alive = True
+        self.heard_at = time.monotonic()  # the engine's last word (a watchdog reads it: procs/watchdog.py)
+        where = self.facts.get("node")
+        self.lost_reason = EndReason.error(f"the engine on {where} stopped") if where else ENGINE_LOST
         self._tick_listeners: list[TickListener] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rids = itertools.count(1)
@@ -236,10 +240,17 @@ class RemotePool:
         self.alive = False  # said goodbye: not an error
         self._channel.close()
 
+    def lose(self, why: str) -> None:
+        """Give the engine up as gone (it went silent): its calls end as if the connection broke."""
+        if self.alive:
+            log.error("engine %s: %s", self.name, why)
+            self._channel.close()
+
     # ---- messages ------------------------------------------------------------------------------
 
     def _on_batch(self, batch: list[msg.ServerMessage]) -> None:
         """Reader thread: room figures are kept at once; everything else goes to the loop."""
+        self.heard_at = time.monotonic()
         rest = []
         for message in batch:
             if isinstance(message, msg.RoomFigures):
@@ -300,85 +311,8 @@ class RemotePool:
 
     def _end_everything(self) -> None:
         for call in list(self._calls.values()):
-            call.update(CallState.ENDED, None, call.slot, None, ENGINE_LOST)
+            call.update(CallState.ENDED, None, call.slot, None, self.lost_reason)
         self._calls.clear()
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(PoolClosedError(f"engine {self.name} stopped"))
-
-
-def combine_metrics(metrics: list[PoolMetrics]) -> PoolMetrics:
-    """One room out of several engines: counts add up, latencies and tick times take the worst."""
-    if not metrics:
-        return PoolMetrics(0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0.0, 0.0)
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(PoolMetrics):
-        column = [getattr(m, f.name) for m in metrics]
-        if isinstance(column[0], dict):  # counts by reason
-            values[f.name] = dict(sum((collections.Counter(c) for c in column), collections.Counter()))
-        else:
-            values[f.name] = max(column) if isinstance(column[0], float) else sum(column)
-    return PoolMetrics(**values)
-
-
-class PoolRouter:
-    """Several engines' pools as one `Room`. A call goes to an engine that takes it now (a free
-    slot with headroom in its tick, serving/headroom.py), the one with the most headroom first;
-    when none does, into the shortest queue (the most headroom among equals). Engines that stopped
-    are skipped."""
-
-    def __init__(self, engines: list[RemotePool]) -> None:
-        if not engines:
-            raise ValueError("a PoolRouter needs at least one engine")
-        self.engines = list(engines)
-        queues = [e.config.max_queue for e in self.engines]
-        self.config = dataclasses.replace(self.engines[0].config,
-                                          max_queue=None if None in queues else sum(queues))
-
-    @property
-    def slots_total(self) -> int:
-        return sum(e.slots_total for e in self.engines if e.alive)
-
-    def snapshot(self) -> PoolMetrics:
-        return combine_metrics([e.snapshot() for e in self.engines if e.alive])
-
-    def add_tick_listener(self, listener: TickListener) -> None:
-        for engine in self.engines:
-            engine.add_tick_listener(listener)
-
-    def report_media_lag(self, seconds: float, source: str = "") -> None:
-        for engine in self.engines:
-            engine.report_media_lag(seconds, source)
-
-    def engine_status(self) -> list[dict[str, Any]]:
-        """Per engine, for /api/status: its name, whether it runs, and its pool's figures."""
-        return [{"name": e.name, "alive": e.alive, **e.snapshot().as_dict()} for e in self.engines]
-
-    async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING,
-                      door: str = DOOR_PAGE) -> RemoteCall:
-        """The room contract's `acquire`, across the engines that run; raises what `SlotPool.acquire` does."""
-        alive = [e for e in self.engines if e.alive]
-        if not alive:
-            raise PoolClosedError("no engine is running")
-        # A seat anywhere first: each engine takes the call only if it would seat it now, atomically.
-        for engine in sorted(alive, key=lambda e: (-e.room.admitting, -e.room.headroom_ms, -e.room.slots_free)):
-            try:
-                return await engine.acquire(voice, persona, sampling, door, queue=False)
-            except (PoolFullError, PoolClosedError):
-                continue
-        full: PoolFullError | None = None
-        for engine in sorted((e for e in alive if e.alive), key=lambda e: (e.room.queue_length, -e.room.headroom_ms)):
-            try:
-                return await engine.acquire(voice, persona, sampling, door, queue=True)
-            except PoolFullError as exc:
-                full = exc
-            except PoolClosedError:
-                continue
-        if full is not None:
-            raise PoolFullError(f"all {self.slots_total} slots busy and every queue is full; try again in a minute")
-        raise PoolClosedError("no engine is taking calls")
-
-    def close(self) -> None:
-        for engine in self.engines:
-            engine.close()
-

@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -35,7 +36,8 @@ from ..serving.pool import SlotPool
 from .engine_process import EngineProcesses, EngineSpec, RemoteRuntime
 from .media_worker import WorkerSpec
 from .media_workers import MediaWorkers
-from .remote_pool import PoolRouter, RemotePool
+from .pool_router import PoolRouter
+from .remote_pool import RemotePool
 
 log = logging.getLogger(__name__)
 
@@ -82,17 +84,21 @@ class TopologyOptions:
     max_wait_seconds: float | None = DEFAULT_MAX_WAIT_SECONDS  # None: no limit
     server_rtc_configuration: dict[str, Any] | None = None
     loopback_ice: bool = False
+    engines: str = "local"  # local: on this machine (`devices`); ray: actors on a Ray cluster (procs/ray/)
+    ray_address: str | None = None  # None: start a Ray on this machine
 
 
 class Topology:
     def __init__(self, runtime, pool: SlotPool | PoolRouter, media: MediaWorkers | None, closers: list[Callable],
-                 engine_names: list[str], end_calls: Callable[[float], None]) -> None:
+                 engine_names: list[str], end_calls: Callable[[float], None],
+                 engine_status: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         self.runtime = runtime
         self.pool = pool
         self.media = media
         self._closers = closers
         self._engine_names = engine_names
         self._end_calls = end_calls
+        self._engine_status = engine_status
 
     def end_calls(self, join_timeout: float = 10.0) -> None:
         """Every engine ends its calls with reason "shutdown" (the callers hear why) and stops
@@ -114,11 +120,13 @@ class Topology:
 
     def status(self) -> dict[str, Any]:
         """Per engine and per media worker, for /api/status (the totals are the pool's)."""
-        if isinstance(self.pool, PoolRouter):
+        if self._engine_status is not None:
+            engines = self._engine_status()
+        elif isinstance(self.pool, PoolRouter):
             engines = self.pool.engine_status()
         else:
-            engines = [{"name": self._engine_names[0], "alive": not self.pool.closed,
-                        **self.pool.snapshot().as_dict()}]
+            engines = [{"name": self._engine_names[0], "node": socket.gethostname(), "device": str(self.runtime.device),
+                        "alive": not self.pool.closed, **self.pool.snapshot().as_dict()}]
         return {"engines": engines, "media_workers": self.media.status() if self.media is not None else []}
 
     def close(self) -> None:
@@ -132,6 +140,8 @@ class Topology:
 
 
 def start_topology(options: TopologyOptions, progress: Callable[[str, float], None] | None = None) -> Topology:
+    if options.engines == "ray":
+        return start_ray_topology(options, progress)
     devices = list(options.devices)
     closers: list[Callable] = []
     ipc_dir = Path(tempfile.mkdtemp(prefix="personaplex-ipc-"))  # 0700: only this user reaches the sockets
@@ -142,11 +152,7 @@ def start_topology(options: TopologyOptions, progress: Callable[[str, float], No
     try:
         if options.media_workers:
             # Started first: they import their libraries while the engines load the model.
-            media = MediaWorkers(options.media_workers, WorkerSpec(
-                index=0, engines=tuple(addresses), authkey=authkey, recordings_dir="",
-                max_wait_seconds=options.max_wait_seconds,
-                server_rtc_configuration=options.server_rtc_configuration, loopback_ice=options.loopback_ice,
-                log_level=logging.getLogger().getEffectiveLevel())).start()
+            media = _media_workers(options, tuple(addresses), authkey)
             closers.append(media.close)
         if len(devices) == 1 and media is None:
             runtime = build_runtime(replace(options.runtime, device=devices[0]), progress)
@@ -182,3 +188,40 @@ def start_topology(options: TopologyOptions, progress: Callable[[str, float], No
     log.info("engines: %s; media: %s", ", ".join(names),
              f"{options.media_workers} worker process(es)" if media is not None else "in this process")
     return Topology(runtime, pool, media, closers, names, end_calls)
+
+
+def _media_workers(options: TopologyOptions, engines: tuple, authkey: bytes) -> MediaWorkers:
+    return MediaWorkers(options.media_workers, WorkerSpec(
+        index=0, engines=engines, authkey=authkey, recordings_dir="", max_wait_seconds=options.max_wait_seconds,
+        server_rtc_configuration=options.server_rtc_configuration, loopback_ice=options.loopback_ice,
+        log_level=logging.getLogger().getEffectiveLevel(), watch_silence=options.engines == "ray")).start()
+
+
+def start_ray_topology(options: TopologyOptions, progress: Callable[[str, float], None] | None = None) -> Topology:
+    """`--engines ray`: the engines are actors on a Ray cluster; this process (and its media
+    workers) link to each over TCP. Ray is imported here only."""
+    from .ray.engines import RayEngines, connect, new_spec
+
+    level = logging.getLogger().getEffectiveLevel()
+    engines = RayEngines(new_spec(options.runtime, options.pool, level), connect(options.ray_address, level))
+    closers: list[Callable] = [engines.close]
+    try:
+        engines.start()
+        if progress is not None:
+            progress("loading the engines on the Ray cluster", 0.1)
+        router = engines.wait_ready()
+        runtime = RemoteRuntime.from_facts(engines.facts())
+        media = None
+        if options.media_workers:
+            media = _media_workers(options, tuple(e.address for e in router.engines), engines.spec.authkey)
+            closers.insert(0, media.close)
+            engines.on_relink = media.relink
+            media.wait_ready(WORKERS_READY_SECONDS)
+    except BaseException:
+        for close in closers:
+            close()
+        raise
+    names = [e.name for e in router.engines]
+    log.info("engines: %s (Ray actors); media: %s", ", ".join(f"{e.name} on {e.facts['node']}" for e in router.engines),
+             f"{options.media_workers} worker process(es)" if media is not None else "in this process")
+    return Topology(runtime, router, media, closers, names, engines.end_calls, engines.status)

@@ -8,7 +8,7 @@ so nothing is counted twice. The tick and latency histograms are fed by the pool
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -88,6 +88,37 @@ class PoolCollector(Collector):
             for door, count in sorted({**dict.fromkeys(DOORS, 0), **counts}.items()):
                 family.add_metric([door], count)
             yield family
+
+
+ENGINE_GAUGES = (  # (name, /api/status engine field, help): per engine, labelled by engine, node and device
+    ("engine_slots", "slots_total", "Conversation slots of this engine."),
+    ("engine_slots_live", "slots_live", "Slots of this engine holding a live call."),
+    ("engine_queue_length", "queue_length", "Callers waiting for a slot of this engine."),
+)
+
+
+class EngineCollector(Collector):
+    """Per engine (several engine processes, or Ray actors on several machines): whether it is up
+    and its load, from `status()` (the engines' rows of /api/status)."""
+
+    def __init__(self, status: Callable[[], list[dict]]) -> None:
+        self.status = status
+
+    def collect(self) -> Iterable[Metric]:
+        rows = self.status()
+        labels = ["engine", "node", "device"]
+        up = GaugeMetricFamily(f"{PREFIX}_engine_up", "1 while the engine runs and is linked to this app.",
+                               labels=labels)
+        gauges = [GaugeMetricFamily(f"{PREFIX}_{name}", text, labels=labels) for name, _, text in ENGINE_GAUGES]
+        tick = GaugeMetricFamily(f"{PREFIX}_engine_tick_p50_seconds", "Median tick time of this engine, lately.",
+                                 labels=labels)
+        for row in rows:
+            key = [str(row.get("name")), str(row.get("node")), str(row.get("device"))]
+            up.add_metric(key, 1.0 if row.get("alive") else 0.0)
+            for family, (_, field, _) in zip(gauges, ENGINE_GAUGES, strict=True):
+                family.add_metric(key, row.get(field, 0))
+            tick.add_metric(key, row.get("tick_p50_ms", 0.0) / 1e3)
+        yield from (up, *gauges, tick)
 
 
 def build_registry(room: Room, collectors: Sequence[Collector] = ()) -> CollectorRegistry:

@@ -1,0 +1,85 @@
+"""One engine as a Ray actor: what an engine process runs (runtime + SlotPool + PoolServer),
+placed by Ray on a node with a GPU (or a `personaplex_engine` resource) and found by name.
+
+The actor's methods are for control only (its address, ending calls, stopping); the calls'
+frames go over the PoolServer's TCP link. It is a threaded actor (`max_concurrency`) so that
+`until_stopped`, which the page's process keeps waiting on to learn of its death, never holds
+up the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from ...logs import configure_logging
+from ...runtime.build import RuntimeOptions, build_runtime
+from ...serving.config import PoolConfig
+from ...serving.pool import SlotPool
+from ..engine_process import END_CALLS_JOIN_SECONDS, page_facts
+from ..pool_server import PoolServer
+
+log = logging.getLogger(__name__)
+
+ENGINE_RESOURCE = "personaplex_engine"  # a CPU node offers engines with `ray start --resources`
+HEARTBEAT_SECONDS = 0.25  # room figures this often: the page's watchdog hears silence within ~1 s
+CONCURRENCY = 4  # until_stopped waits in one thread; endpoint, end_calls and stop need the others
+
+
+@dataclass(frozen=True)
+class RayEngineSpec:
+    name: str
+    authkey: bytes
+    runtime: RuntimeOptions  # the device is the actor's own: its GPU, or the CPU
+    pool: PoolConfig
+    log_level: int = logging.INFO
+
+
+class EngineActor:
+    def __init__(self, spec: RayEngineSpec) -> None:
+        configure_logging(spec.log_level, prefix=spec.name)
+        self.name = spec.name
+        # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU: it is cuda:0 here.
+        device = "cuda:0" if ray.get_gpu_ids() else "cpu"
+        runtime = build_runtime(replace(spec.runtime, device=device))
+        self.pool = SlotPool(runtime.engine, runtime.pool_config(spec.pool))
+        node = ray.util.get_node_ip_address()
+        facts = page_facts(runtime)
+        facts.update(node=node, node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid(),
+                     # The page's machine may not have the model's files: it counts persona tokens with this copy.
+                     tokenizer_model=Path(facts["tokenizer_path"]).read_bytes())
+        self.server = PoolServer(self.pool, (node, 0), spec.authkey, name=spec.name, facts=facts,
+                                 room_seconds=HEARTBEAT_SECONDS)
+        self._stopped = threading.Event()
+        self.pool.start()
+        self.server.start()
+        log.info("%s ready on %s (%s), serving at %s:%d", spec.name, node, device, *self.server.address)
+
+    def __repr__(self) -> str:  # Ray prefixes the actor's log lines with it
+        return self.name
+
+    def endpoint(self) -> dict[str, Any]:
+        """Where to link to it, and what it is (the node, the device, the pid)."""
+        host, port = self.server.address
+        return {"host": host, "port": port, "node": self.server.facts["node"], "device": self.server.facts["device"],
+                "pid": os.getpid()}
+
+    def until_stopped(self) -> bool:
+        """Returns when `stop` runs; the caller learns of the actor's death from the error instead."""
+        self._stopped.wait()
+        return True
+
+    def end_calls(self) -> None:
+        """End every call with reason "shutdown"; the link stays up to tell the callers."""
+        self.pool.shutdown(join_timeout=END_CALLS_JOIN_SECONDS)
+
+    def stop(self) -> None:
+        self.pool.shutdown(join_timeout=END_CALLS_JOIN_SECONDS)
+        self.server.close()
+        self._stopped.set()

@@ -1,0 +1,224 @@
+"""The page's side of `--engines ray`: start the engine actors on a Ray cluster, link to each,
+and keep the room's list of engines true while actors die and come back.
+
+- `connect`: `ray.init` on the cluster at `--ray-address`, or a Ray of its own on this machine
+  (one CPU engine, or one per GPU) when none is given;
+- `plan`: one engine per GPU in the cluster; without GPUs, one per unit of the
+  `personaplex_engine` resource that CPU nodes offer;
+- `RayEngines`: the actors (named, in a namespace of this app's own), a `RemotePool` linked to
+  each over TCP, a `SilenceWatchdog` on those links, and a monitor thread. The monitor keeps one
+  `until_stopped` call pending on every actor: Ray fails it within milliseconds of the actor's
+  death (a killed process, a removed node), and the engine's calls end with a message. An actor
+  that Ray restarts (`max_restarts`) answers `endpoint` again once its model has loaded, and the
+  monitor links to it afresh: new calls go to it (the old ones' state was gone with it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+
+from ..channel import Address
+from ..pool_router import PoolRouter
+from ..remote_pool import RemotePool
+from ..watchdog import SilenceWatchdog
+from .engine_actor import CONCURRENCY, ENGINE_RESOURCE, EngineActor, RayEngineSpec
+
+log = logging.getLogger(__name__)
+
+READY_SECONDS = 900.0  # the real model downloads and loads on each GPU machine: minutes
+MAX_RESTARTS = 3  # Ray brings a dead engine back this many times (its node permitting)
+RETRY_SECONDS = 1.0  # between two tries to reach an engine that has not come back yet
+STOP_SECONDS = 10.0
+
+
+def connect(address: str | None, log_level: int) -> bool:
+    """Join the Ray cluster at `address` ("auto": the one `ray start` runs on this machine), or
+    start one here. True when this process started it (and so stops it)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage reports from a demo's cluster
+    kwargs: dict[str, Any] = {"include_dashboard": False, "configure_logging": True, "logging_level": log_level,
+                              "log_to_driver": True}
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        log.info("joining the Ray cluster at %s", address)
+        # The engines' machines need the pinned requirements, not this project: Ray ships its code to them.
+        package = Path(__file__).resolve().parents[2]
+        ray.init(address=address, runtime_env={"py_modules": [str(package)], "excludes": ["__pycache__"]}, **kwargs)
+        return False
+    log.info("starting Ray on this machine (no --ray-address)")
+    # "local": a new one even if another app started a Ray here; a GPU, when there is one, wins (`plan`).
+    ray.init(address="local", resources={ENGINE_RESOURCE: 1}, **kwargs)
+    return True
+
+
+def plan(resources: dict[str, float]) -> tuple[int, dict[str, Any]]:
+    """How many engines the cluster holds, and the Ray options that place one."""
+    gpus = int(resources.get("GPU", 0))
+    if gpus:
+        return gpus, {"num_gpus": 1, "num_cpus": 0}
+    units = int(resources.get(ENGINE_RESOURCE, 0))
+    if units:
+        return units, {"num_cpus": 0, "resources": {ENGINE_RESOURCE: 1}}
+    raise RuntimeError(f"the Ray cluster has no GPU and no node offers {ENGINE_RESOURCE}: start GPU machines "
+                       f"with `ray start --address=...`, or CPU ones with --resources '{{\"{ENGINE_RESOURCE}\": 1}}'")
+
+
+@dataclass
+class _Engine:
+    """One actor and the link to its current incarnation."""
+
+    name: str
+    actor: Any  # a ray ActorHandle
+    pool: RemotePool | None = None
+    watching: Any = None  # the pending `until_stopped` ObjectRef
+    asking: Any = None  # a pending `endpoint` ObjectRef, while it has not come back
+    asked_at: float = 0.0
+    gone: bool = False  # dead for good (no restarts left)
+    node: str = "?"
+
+
+class RayEngines:
+    """The engine actors this app started, their links, and the thread that watches them."""
+
+    def __init__(self, spec: RayEngineSpec, started_ray: bool) -> None:
+        self.spec = spec
+        self.started_ray = started_ray
+        self.namespace = ray.get_runtime_context().namespace
+        self.watchdog = SilenceWatchdog()
+        self.router: PoolRouter | None = None
+        self.on_relink: Callable[[int, Address], None] | None = None  # the media workers follow a comeback
+        self._engines: list[_Engine] = []
+        self._files = Path(tempfile.mkdtemp(prefix="personaplex-ray-"))
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, name="ray-engines", daemon=True)
+
+    def start(self) -> RayEngines:
+        count, options = plan(ray.cluster_resources())
+        actor_class = ray.remote(EngineActor)
+        for i in range(count):
+            name = f"engine-{i}"
+            actor = actor_class.options(name=name, max_restarts=MAX_RESTARTS, max_concurrency=CONCURRENCY,
+                                        **options).remote(replace(self.spec, name=name))
+            self._engines.append(_Engine(name, actor))
+        log.info("placing %d engine actor(s) on the Ray cluster (%s)", count, options)
+        return self
+
+    def wait_ready(self, timeout: float = READY_SECONDS) -> PoolRouter:
+        """Link to every engine once it has loaded; the room over all of them."""
+        refs = [e.actor.endpoint.remote() for e in self._engines]
+        try:
+            endpoints = ray.get(refs, timeout=timeout)
+        except GetTimeoutError:
+            raise RuntimeError(f"the Ray engines did not load within {timeout:.0f} s") from None
+        except RayActorError as exc:
+            raise RuntimeError(f"a Ray engine failed to start: {exc}") from None
+        for engine, endpoint in zip(self._engines, endpoints, strict=True):
+            self._link(engine, endpoint)
+        self.router = PoolRouter([e.pool for e in self._engines])
+        self._monitor.start()
+        return self.router
+
+    def facts(self) -> dict[str, Any]:
+        """The first engine's page facts, with the tokenizer as a file on this machine."""
+        facts = dict(self._engines[0].pool.facts)
+        path = self._files / "tokenizer.model"
+        path.write_bytes(facts.pop("tokenizer_model"))
+        facts["tokenizer_path"] = str(path)
+        return facts
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per engine, for /api/status: the router's figures plus the actor's name and namespace."""
+        rows = self.router.engine_status() if self.router is not None else []
+        return [{**row, "actor": e.name, "namespace": self.namespace, "node_id": e.pool.facts.get("node_id"),
+                 "pid": e.pool.facts.get("pid"), "gone": e.gone}
+                for row, e in zip(rows, self._engines, strict=False) if e.pool is not None]
+
+    def end_calls(self, join_timeout: float = 3.0) -> None:
+        refs = [e.actor.end_calls.remote() for e in self._engines if not e.gone]
+        ray.wait(refs, num_returns=len(refs), timeout=join_timeout + 2.0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.watchdog.close()
+        if self.router is not None:
+            self.router.close()
+        refs = [e.actor.stop.remote() for e in self._engines if not e.gone]
+        ray.wait(refs, num_returns=len(refs), timeout=STOP_SECONDS)
+        for engine in self._engines:
+            ray.kill(engine.actor, no_restart=True)
+        if self.started_ray:
+            ray.shutdown()
+
+    # ---- links ---------------------------------------------------------------------------------
+
+    def _link(self, engine: _Engine, endpoint: dict[str, Any]) -> None:
+        pool = RemotePool((endpoint["host"], endpoint["port"]), self.spec.authkey, name=engine.name)
+        engine.node = endpoint["node"]
+        engine.watching = engine.actor.until_stopped.remote()
+        engine.asking = None
+        if engine.pool is not None and self.router is not None:
+            self.router.replace(engine.pool, pool)
+            log.info("%s is back on %s (%s): taking new calls", engine.name, engine.node, endpoint["device"])
+            if self.on_relink is not None:
+                self.on_relink(self._engines.index(engine), pool.address)
+        engine.pool = pool
+        self.watchdog.watch(pool)
+
+    def _watch(self) -> None:
+        """The monitor thread: an actor's death ends its calls at once; a comeback is linked to."""
+        while not self._stop.is_set():
+            pending = {e.watching: e for e in self._engines if e.watching is not None}
+            pending.update({e.asking: e for e in self._engines if e.asking is not None})
+            if not pending:
+                self._stop.wait(RETRY_SECONDS)
+            else:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
+                for ref in ready:
+                    self._settle(pending[ref], ref)
+            self._ask_lost()
+
+    def _settle(self, engine: _Engine, ref: Any) -> None:
+        try:
+            answer = ray.get(ref)
+        except RayActorError as exc:
+            answer = exc
+        if ref is engine.watching:
+            engine.watching = None
+            if isinstance(answer, Exception) and not self._stop.is_set():
+                assert engine.pool is not None
+                engine.pool.lose(f"its Ray actor on {engine.node} died ({type(answer).__name__}); ending its calls")
+                engine.gone = isinstance(answer, ActorDiedError)
+        elif ref is engine.asking:
+            engine.asking = None
+            if isinstance(answer, dict):
+                self._link(engine, answer)
+            else:
+                engine.gone = isinstance(answer, ActorDiedError)
+        if engine.gone:
+            log.error("%s on %s is gone for good (no restarts left, or its node is lost)", engine.name, engine.node)
+
+    def _ask_lost(self) -> None:
+        """Ask each engine whose link is down (and that may come back) where it is now."""
+        now = time.monotonic()
+        for engine in self._engines:
+            lost = engine.pool is not None and not engine.pool.alive
+            if lost and not engine.gone and engine.asking is None and now - engine.asked_at > RETRY_SECONDS:
+                engine.asked_at = now
+                engine.asking = engine.actor.endpoint.remote()
+
+
+def new_spec(runtime, pool, log_level: int) -> RayEngineSpec:
+    """The spec every engine actor gets (its name is set per actor), with a fresh link key."""
+    return RayEngineSpec(name="engine", authkey=secrets.token_bytes(32), runtime=runtime, pool=pool,
+                         log_level=log_level)

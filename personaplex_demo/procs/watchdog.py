@@ -1,0 +1,59 @@
+"""Notices an engine that went silent: a machine that vanished says no goodbye.
+
+An engine process on this machine that dies closes its socket, and the kernel tells us at once
+(EOF). An engine on another machine whose host loses power or network sends nothing at all, and
+TCP (or Ray's own health checks, 15-55 s) would take long to notice. Every engine sends its room
+figures several times a second (`PoolServer.room_seconds`), even with no call, so silence itself
+is the signal: after `limit` seconds of it the link is given up (`RemotePool.lose`) and the
+engine's calls end with a message, while the others go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+SILENCE_LIMIT = 1.5  # seconds without a word from a live engine (it speaks every 0.25 s)
+CHECK_SECONDS = 0.1
+
+
+class Watched(Protocol):
+    """A link to an engine as the watchdog sees it (a `RemotePool`)."""
+
+    alive: bool
+    heard_at: float  # time.monotonic() of the engine's last message
+
+    def lose(self, why: str) -> None: ...
+
+
+class SilenceWatchdog:
+    """One thread that gives up on every watched link silent for more than `limit` seconds."""
+
+    def __init__(self, limit: float = SILENCE_LIMIT) -> None:
+        self.limit = limit
+        self._links: list[Watched] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-watchdog", daemon=True)
+        self._thread.start()
+
+    def watch(self, link: Watched) -> None:
+        with self._lock:
+            self._links = [w for w in self._links if w.alive] + [link]
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(CHECK_SECONDS):
+            with self._lock:
+                links = list(self._links)
+            now = time.monotonic()
+            for link in links:
+                silent = now - link.heard_at
+                if link.alive and silent > self.limit:
+                    link.lose(f"no word for {silent:.1f} s (its machine may be gone); ending its calls")
