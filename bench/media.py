@@ -23,6 +23,8 @@ as long as the app keeps up; once one process is saturated (one core of GIL), th
 is the measure that still holds.
 
     python bench/media.py --callers 1 2 4 8 --slots 8 --seconds 20 [--write]
+    python bench/media.py --callers 4 --slots 4 --ray-nodes 2 --app-args '--media-workers 2' \
+        --app-args '--engines ray --slots 2'     (two tiny engines as Ray actors, beside media workers)
 """
 
 from __future__ import annotations
@@ -101,8 +103,14 @@ def busiest_thread(before: dict[tuple[int, int], float], after: dict[tuple[int, 
 class App:
     """`python app.py --model tiny` in a subprocess, as a user starts it (plus loopback ICE)."""
 
-    def __init__(self, slots: int, extra: list[str], cache_dir: str | None, repo: Path = REPO) -> None:
+    def __init__(self, slots: int, extra: list[str], cache_dir: str | None, repo: Path = REPO,
+                 ray_nodes: int = 0) -> None:
         self.port = free_port()
+        self.cluster = None  # with --engines ray and ray_nodes: a cluster of that many nodes, CPU counted
+        if ray_nodes and "ray" in extra:
+            self.cluster = subprocess.Popen([sys.executable, "bench/ray_cluster.py", str(ray_nodes)], cwd=REPO,
+                                            stdout=subprocess.PIPE, text=True)
+            extra = [*extra, "--ray-address", self.cluster.stdout.readline().strip()]
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="media-bench-app-", suffix=".log", delete=False)
         env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1", PERSONAPLEX_LOOPBACK_ICE="1",
@@ -130,7 +138,11 @@ class App:
         return get_json(self.base + "/api/status")
 
     def cpu(self) -> TreeCpu:
-        return TreeCpu.read(self.proc.pid)
+        app = TreeCpu.read(self.proc.pid)
+        if self.cluster is None:
+            return app
+        ray = TreeCpu.read(self.cluster.pid)
+        return TreeCpu(app.total + ray.total, {**app.threads, **ray.threads})
 
     def close(self) -> None:
         self.proc.terminate()
@@ -138,6 +150,9 @@ class App:
             self.proc.wait(15)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        if self.cluster is not None:
+            self.cluster.terminate()
+            self.cluster.wait(30)
         os.unlink(self.log.name)
 
 
@@ -512,7 +527,12 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=20.0, help="measured window, once every caller is live")
     ap.add_argument("--settle", type=float, default=3.0, help="seconds after the last caller is live, unmeasured")
-    ap.add_argument("--app-args", default="", help="extra flags for app.py, e.g. '--media-workers 2'")
+    ap.add_argument("--app-args", action="append", default=None,
+                    help="extra flags for app.py, e.g. '--media-workers 2'; given several times, each is a mode, "
+                         "run in turn at every caller count")
+    ap.add_argument("--ray-nodes", type=int, default=0,
+                    help="for a mode with --engines ray: a Ray cluster of this many nodes on this machine, one tiny "
+                         "engine each (bench/ray_cluster.py), its CPU counted with the app's")
     ap.add_argument("--label", default=None, help="the mode's name in the table (default: from --app-args)")
     ap.add_argument("--engine-only", action="store_true", help="also run the engine-only baseline")
     ap.add_argument("--compare", default=None, metavar="DIR",
@@ -527,16 +547,16 @@ def main() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     SpeechLikeTrack = make_track_class()
     rows: list[Row] = []
-    label = a.label or ("app " + a.app_args if a.app_args else "app (embedded)")
-    apps = [(label, REPO)]
+    modes = a.app_args or [""]
+    apps = [(a.label or ("app " + m if m else "app (embedded)"), REPO, m) for m in modes]
     if a.compare:
         other = Path(a.compare).resolve()
         commit = subprocess.run(["git", "-C", str(other), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip() or other.name
-        apps.insert(0, (f"{label}, at {commit}", other))
+        apps.insert(0, (f"{apps[0][0]}, at {commit}", other, modes[0]))
     for n in a.callers:
-        for name, repo in apps:
-            app = App(a.slots, a.app_args.split(), a.cache_dir, repo)
+        for name, repo, mode in apps:
+            app = App(a.slots, mode.split(), a.cache_dir, repo, a.ray_nodes)
             try:
                 row = asyncio.run(run_webrtc(app, n, a.seconds, a.settle))
             finally:

@@ -34,12 +34,15 @@ pytestmark = pytest.mark.usefixtures("loopback_ice")
 NOTICE_SECONDS = 3.0  # a failed engine's callers are told within this
 
 
-@pytest.fixture(scope="module")
-def cluster():
+@pytest.fixture(scope="module", params=["embedded", "media workers"])
+def cluster(request):
+    """A fresh cluster for each way the app carries its callers: in its own process, or in a
+    media worker, which links to the engines (and relinks to one that came back) on its own."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     node = {"num_cpus": 1, "resources": {ENGINE_RESOURCE: 1}}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     cluster.add_node(**node)
+    cluster.media_workers = request.param == "media workers"
     yield cluster
     cluster.shutdown()
 
@@ -49,7 +52,7 @@ def app(cluster, tiny_cache_dir, tmp_path_factory) -> LaunchedApp:
     # Admission by slot count: two tiny engines on two cores are not real time on every host, and
     # these tests follow placement and failures, not speed (bench/media.py measures that).
     args = ["--engines", "ray", "--ray-address", cluster.address, "--slots", "2", "--admission", "slots",
-            "--idle-release", "30"]
+            "--idle-release", "30", "--media-workers", "1" if cluster.media_workers else "0"]
     with launched_app(tmp_path_factory.mktemp("app"), tiny_cache_dir, args=args) as app:
         yield app
 

@@ -14,6 +14,7 @@ Control messages with the main process (messages.py, over one `channel.Channel`)
                      Relink           an engine came back at a new address (a restarted Ray actor)
                      Stop
     worker -> main   WorkerReady      once connected to the engines (and whether torch got imported)
+                     Waiting          its callers in its router's queue, on each change
                      Reply            to an Offer (an OfferAnswer) or a RecordingQuery (RecordingPaths or None)
                      Outputs          a page update (AdditionalOutputs args)
                      Closed           the connection closed; its last page update
@@ -140,6 +141,7 @@ class WorkerLoop:
         self.stopped = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
         self.recordings = RecordingStore(spec.recordings_dir)
+        router.on_waiting = lambda count: self.channel.send(msg.Waiting(count))  # the page counts the room's queue
         self.watchdog = SilenceWatchdog() if spec.watch_silence else None
         for engine in router.engines if self.watchdog is not None else ():
             self.watchdog.watch(engine)

@@ -67,6 +67,7 @@ class _Worker:
         self.pid: int | None = None  # as the worker reports it, once ready
         self.torch_imported: bool | None = None
         self.calls: set[str] = set()  # webrtc ids
+        self.waiting = 0  # its callers in its router's queue (several engines)
         self.pending: dict[int, concurrent.futures.Future] = {}
 
     @property
@@ -131,6 +132,12 @@ class MediaWorkers:
             workers = [w for w in self._workers if not w.gone]
         for worker in workers:
             worker.child.send(msg.Relink(index, address))
+
+    def waiting(self) -> int:
+        """Callers waiting in the workers' own queues (with several engines each worker's router
+        keeps one; with one engine the engine's queue is everyone's and this is 0)."""
+        with self._lock:
+            return sum(w.waiting for w in self._workers if not w.gone)
 
     def status(self) -> list[dict[str, Any]]:
         """Per worker, for /api/status."""
@@ -248,6 +255,8 @@ class MediaWorkers:
                     worker.ready.set()
                 case msg.Outputs() | msg.Closed():
                     page.append(message)
+                case msg.Waiting(count=count):
+                    worker.waiting = count
                 case _:
                     log.warning("media worker %d: unexpected %s ignored", worker.index, type(message).__name__)
         if page and self._loop is not None:

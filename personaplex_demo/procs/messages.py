@@ -11,7 +11,7 @@ Three conversations, each over a `channel.Channel` (one pickled batch per write)
         engine -> main     EngineReady, EngineFailed
     the main process <-> a media worker          (media_workers.py <-> media_worker.py)
         main -> worker     Offer, Input, RecordingQuery, Relink, Stop
-        worker -> main     WorkerReady, Reply, Outputs, Closed
+        worker -> main     WorkerReady, Reply, Outputs, Closed, Waiting
 
 A receiver matches on the type (`match message: case Push(rid=rid, frame=frame): ...`), never on a
 position. The records hold plain values and numpy arrays only, so that either side can be another
@@ -189,6 +189,13 @@ class WorkerReady:
 
 
 @dataclass(frozen=True, slots=True)
+class Waiting:
+    """How many of the worker's callers wait in its router's queue (several engines), on each change."""
+
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
 class OfferAnswer:
     """fastrtc's answer to an offer (or its refusal), as JSON, and its status code when fastrtc
     answered with a JSONResponse."""
@@ -232,4 +239,4 @@ ServerMessage = Started | Refused | StateChange | Out | RoomFigures
 EngineCommand = EndCalls | Stop
 EngineReport = EngineReady | EngineFailed
 WorkerCommand = Offer | Input | RecordingQuery | Relink | Stop
-WorkerReport = WorkerReady | Reply | Outputs | Closed
+WorkerReport = WorkerReady | Reply | Outputs | Closed | Waiting

@@ -13,6 +13,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import CallerError
@@ -58,6 +59,9 @@ class PoolRouter:
         self._waiting: list[RoutedCall] = []
         self._placer: asyncio.Task | None = None
         self._counts = collections.Counter[str]()  # refused, held back, and ended in this queue by reason
+        self.on_waiting: Callable[[int], None] | None = None  # told the queue's length when it changes
+        self.waiting_elsewhere: Callable[[], int] = lambda: 0  # the media workers' routers' queues
+        self._told = 0
 
     @property
     def slots_total(self) -> int:
@@ -67,7 +71,8 @@ class PoolRouter:
         m = combine_metrics([e.snapshot() for e in self.engines if e.alive])
         ended = collections.Counter(m.calls_ended)
         ended.update({k.removeprefix("ended:"): v for k, v in self._counts.items() if k.startswith("ended:")})
-        return dataclasses.replace(m, queue_length=m.queue_length + len(self._waiting), calls_ended=dict(ended),
+        waiting = len(self._waiting) + self.waiting_elsewhere()
+        return dataclasses.replace(m, queue_length=m.queue_length + waiting, calls_ended=dict(ended),
                                    calls_refused=m.calls_refused + self._counts["refused"],
                                    calls_held_back=m.calls_held_back + self._counts["held_back"])
 
@@ -98,6 +103,8 @@ class PoolRouter:
         """The room contract's `acquire`, across the engines that run; raises what `SlotPool.acquire` does."""
         if not any(e.alive for e in self.engines):
             raise PoolClosedError("no engine is running")
+        if len(self.engines) == 1:  # its own queue is the one queue, shared with every other door and worker
+            return await self.engines[0].acquire(voice, persona, sampling, door, queue=True)
         if not self._waiting:  # nobody waits: a seat anywhere, if an engine has one now
             call = await self._seat(voice, persona, sampling, door, [e for e in self.engines if e.alive])
             if call is not None:
@@ -165,6 +172,9 @@ class PoolRouter:
             if call.position != position:
                 call.position = position
                 call.moved()
+        if self.on_waiting is not None and len(self._waiting) != self._told:
+            self._told = len(self._waiting)
+            self.on_waiting(self._told)
 
     def close(self) -> None:
         for engine in self.engines:

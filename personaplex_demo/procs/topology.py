@@ -177,6 +177,8 @@ def start_topology(options: TopologyOptions, progress: Callable[[str, float], No
             runtime = RemoteRuntime.from_facts(facts[0])
             pool = PoolRouter([RemotePool(a, authkey) for a in addresses])
             closers.insert(0, pool.close)
+            if media is not None:
+                pool.waiting_elsewhere = media.waiting
         if media is not None:
             media.wait_ready(WORKERS_READY_SECONDS)
     except BaseException:
@@ -216,6 +218,7 @@ def start_ray_topology(options: TopologyOptions, progress: Callable[[str, float]
             media = _media_workers(options, tuple(e.address for e in router.engines), engines.spec.authkey)
             closers.insert(0, media.close)
             engines.on_relink = media.relink
+            router.waiting_elsewhere = media.waiting
             media.wait_ready(WORKERS_READY_SECONDS)
     except BaseException:
         for close in closers:
