@@ -43,6 +43,26 @@ def test_a_space_listens_on_every_interface_unless_told_otherwise() -> None:
     assert parse_config(["--host", "::1"], environ={"SPACE_ID": "x"}).host == "::1"
 
 
+@pytest.mark.parametrize(("argv", "complaint"), [
+    (["--engines", "ray", "--devices", "cpu,cpu"], "--devices is for --engines local"),
+    (["--ray-address", "auto"], "--ray-address is for --engines ray"),
+])
+def test_flags_of_the_other_back_end_are_a_usage_error(argv, complaint, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(argv, environ={})
+    assert exit_info.value.code == 2 and complaint in capsys.readouterr().err
+
+
+def test_the_ray_back_end_without_ray_installed_says_how_to_install_it(monkeypatch, capsys) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--engines", "ray"], environ={})
+    assert exit_info.value.code == 2 and "pip install -r requirements-ray.txt" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("env", "complaint"), [
     ({"PERSONAPLEX_SLOTS": "many"}, "PERSONAPLEX_SLOTS: 'many' is neither auto nor a whole number"),
     ({"PERSONAPLEX_SLOTS": "0"}, "PERSONAPLEX_SLOTS: must be at least 1, not 0"),
