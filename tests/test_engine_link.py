@@ -165,3 +165,37 @@ async def test_a_lagging_client_holds_new_calls_with_the_reason_until_it_recover
             second.release()
         finally:
             remote.close()
+
+
+async def test_a_link_over_tcp_and_strangers_who_stall_or_lack_the_key_hold_up_nobody(runtimes):
+    """An engine on another machine listens on TCP; a peer that connects and then says nothing (a
+    half-open connection, a port scan) or has the wrong key is dropped, and the next client links
+    at once. A client facing a server that never answers gives up within the handshake's limit."""
+    import socket
+    from multiprocessing.connection import AuthenticationError
+
+    from personaplex_demo.procs import links
+
+    with served(runtimes[0], ("127.0.0.1", 0), "tcp") as (_, server):
+        host, port = server.address
+        assert port > 0
+        stalled = socket.create_connection((host, port))  # connects, never answers the challenge
+        with pytest.raises(AuthenticationError):
+            RemotePool((host, port), b"not the key")
+        t0 = time.monotonic()
+        engine = RemotePool((host, port), KEY)
+        assert time.monotonic() - t0 < 1.0 and engine.facts == {} and engine.name == "tcp"
+        call = await engine.acquire("NATF2", "", SamplingParams(seed=1))
+        await call.wait_live(10)
+        assert await talk(call, 1.0)  # frames and outputs cross the TCP link
+        call.release()
+        engine.close()
+        stalled.close()
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts connections, never speaks
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(OSError):
+            links.open_link(silent.getsockname()[:2], KEY, timeout=0.5)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        silent.close()

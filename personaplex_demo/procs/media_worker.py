@@ -53,6 +53,7 @@ from .watchdog import SilenceWatchdog
 log = logging.getLogger(__name__)
 
 UNLIMITED = 1 << 30  # the main process enforces the page's concurrency limit across workers
+RELINK_SECONDS = 2.0  # a lost engine on another machine is tried again this often
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,7 @@ class WorkerLoop:
         self.tasks: set[asyncio.Task] = set()
         self.recordings = RecordingStore(spec.recordings_dir)
         router.on_waiting = lambda count: self.channel.send(msg.Waiting(count))  # the page counts the room's queue
+        self.addresses = list(spec.engines)  # where each engine was last heard of
         self.watchdog = SilenceWatchdog() if spec.watch_silence else None
         for engine in router.engines if self.watchdog is not None else ():
             self.watchdog.watch(engine)
@@ -154,6 +156,8 @@ class WorkerLoop:
     async def run(self) -> None:
         self.channel.start()
         self.channel.send(msg.WorkerReady(os.getpid(), "torch" in sys.modules))
+        if self.watchdog is not None:  # engines on other machines may come back
+            self.spawn(self.keep_linked())
         log.info("media worker %d ready (pid %d, engines: %s)", self.spec.index, os.getpid(),
                  ", ".join(e.name for e in self.router.engines))
         await self.stopped.wait()
@@ -189,7 +193,8 @@ class WorkerLoop:
                 case msg.RecordingQuery(rid=rid, call_id=call_id, timeout=timeout):
                     self.spawn(self.find_recording(rid, call_id, timeout))
                 case msg.Relink(index=index, address=address):
-                    self.spawn(self.relink(index, address))
+                    self.addresses[index] = address
+                    self.spawn(self.relink(index))
                 case msg.Stop():
                     self.stopped.set()
                 case _:
@@ -209,13 +214,27 @@ class WorkerLoop:
             answer = msg.OfferAnswer({"status": "failed", "meta": {"error": f"{type(exc).__name__}: {exc}"}}, 200)
         self.channel.send(msg.Reply(rid, answer))
 
-    async def relink(self, index: int, address: Address) -> None:
+    async def keep_linked(self) -> None:
+        """Engines on other machines: link again to one this worker lost (it went silent, or it
+        restarted: `Relink` gives its new address), every RELINK_SECONDS."""
+        while True:
+            await asyncio.sleep(RELINK_SECONDS)
+            for index, engine in enumerate(self.router.engines):
+                if not engine.alive:
+                    await self.relink(index)
+
+    async def relink(self, index: int) -> None:
+        address = self.addresses[index]
         try:
             engine = await asyncio.to_thread(RemotePool, address, self.spec.authkey)
-        except OSError as exc:
-            log.error("media worker %d: cannot link to engine %d at %s: %s", self.spec.index, index, address, exc)
+        except Exception as exc:  # not back yet: the next round tries again
+            log.debug("media worker %d: engine %d at %s not reachable: %s", self.spec.index, index, address, exc)
+            return
+        if self.router.engines[index].alive:  # linked meanwhile, or never lost here
+            engine.close()
             return
         self.router.replace(self.router.engines[index], engine)
+        log.info("media worker %d: linked to engine %d again at %s", self.spec.index, index, address)
         if self.watchdog is not None:
             self.watchdog.watch(engine)
 

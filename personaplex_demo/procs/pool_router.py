@@ -61,6 +61,7 @@ class PoolRouter:
         self._counts = collections.Counter[str]()  # refused, held back, and ended in this queue by reason
         self.on_waiting: Callable[[int], None] | None = None  # told the queue's length when it changes
         self.waiting_elsewhere: Callable[[], int] = lambda: 0  # the media workers' routers' queues
+        self._reason = WAIT_SLOTS  # why the queue waits: no slot anywhere, or no headroom where one is free
         self._told = 0
 
     @property
@@ -105,14 +106,16 @@ class PoolRouter:
             raise PoolClosedError("no engine is running")
         if len(self.engines) == 1:  # its own queue is the one queue, shared with every other door and worker
             return await self.engines[0].acquire(voice, persona, sampling, door, queue=True)
-        if not self._waiting:  # nobody waits: a seat anywhere, if an engine has one now
+        queued = sum(c.state == CallState.QUEUED for c in self._waiting)  # not those who just hung up
+        if not queued:  # nobody waits: a seat anywhere, if an engine has one now
             call = await self._seat(voice, persona, sampling, door, [e for e in self.engines if e.alive])
             if call is not None:
                 return call
-        if self.config.max_queue is not None and len(self._waiting) >= self.config.max_queue:
+        if self.config.max_queue is not None and queued >= self.config.max_queue:
             self._counts["refused"] += 1
             raise PoolFullError(f"all {self.slots_total} slots busy and the queue is full; try again in a minute")
         waiting = RoutedCall(voice, persona, sampling, door)
+        self._hold(waiting, self._reason)
         self._waiting.append(waiting)
         self._renumber()
         log.info("call %s (%s): queued at position %d across %d engine(s)", waiting.id, door, waiting.position,
@@ -148,11 +151,10 @@ class PoolRouter:
                 continue
             free = [e for e in self.engines if e.alive and e.room.slots_free > 0]
             reason = WAIT_CAPACITY if free else WAIT_SLOTS
-            if reason != head.waiting_for:
-                self._counts["held_back"] += reason == WAIT_CAPACITY
+            if reason != self._reason:
+                self._reason = reason
                 for call in self._waiting:
-                    call.waiting_for = reason
-                    call.moved()
+                    self._hold(call, reason)
             try:
                 seated = await self._seat(head.voice, head.persona, head.sampling, head.door, free) if free else None
             except CallerError as exc:  # a bad request the engine refuses: this caller's alone
@@ -167,6 +169,15 @@ class PoolRouter:
                 head.seat(seated)
                 self._renumber()
 
+    def _hold(self, call: RoutedCall, reason: str) -> None:
+        """Why it waits; a call held back for headroom (a slot free somewhere) counts once."""
+        if reason == WAIT_CAPACITY and not call.held_back:
+            call.held_back = True
+            self._counts["held_back"] += 1
+        if call.waiting_for != reason:
+            call.waiting_for = reason
+            call.moved()
+
     def _renumber(self) -> None:
         for position, call in enumerate(self._waiting, 1):
             if call.position != position:
@@ -177,5 +188,17 @@ class PoolRouter:
             self.on_waiting(self._told)
 
     def close(self) -> None:
+        """Close every link (their calls end); the callers still waiting here are told, on their loop."""
+        placer = self._placer
+        if placer is not None and not placer.done():
+            def end_waiting() -> None:
+                placer.cancel()
+                for call in self._waiting:
+                    call.end(NO_ENGINE)
+
+            try:
+                placer.get_loop().call_soon_threadsafe(end_waiting)
+            except RuntimeError:
+                pass  # that loop has closed
         for engine in self.engines:
             engine.close()

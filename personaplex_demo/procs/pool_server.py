@@ -15,11 +15,14 @@ the next tick, and the other clients' calls never notice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+import os
+import socket
 import threading
 from dataclasses import asdict
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import AuthenticationError, Connection
 from typing import Any
 
 import numpy as np
@@ -30,7 +33,8 @@ from ..serving.call import Call
 from ..serving.pool import SlotPool
 from ..serving.room import CallEnded, CallState, EndReason, PoolClosedError, PoolFullError
 from . import messages as msg
-from .channel import Address, Channel, daemon_threads, no_delay
+from .channel import Address, Channel, daemon_threads
+from .links import accept_link, listen
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +165,8 @@ class PoolServer:
         self.facts = dict(facts or {})  # the engine's facts for the Hello (model name, voices, ...)
         self.closing = False
         self._authkey = authkey
-        self._listener = Listener(address, authkey=authkey)  # AF_UNIX for a path, TCP for (host, port)
-        self.address: Address = self._listener.address  # with the port chosen when it was 0
+        self._listener = listen(address)  # AF_UNIX for a path, TCP for (host, port)
+        self.address: Address = address if isinstance(address, str) else self._listener.getsockname()[:2]
         self.room_seconds = room_seconds  # the figures double as a heartbeat: procs/watchdog.py
         self._clients: list[_Client] = []
         self._lock = threading.Lock()
@@ -200,12 +204,15 @@ class PoolServer:
         if self.closing:
             return
         self.closing = True
-        try:  # wake the accept thread with one last connection
-            Client(self.address, authkey=self._authkey).close()
-        except Exception:
+        try:  # wakes the accept thread: its accept fails
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
             pass
         self._accept_thread.join(5.0)
         self._listener.close()
+        if isinstance(self.address, str):
+            with contextlib.suppress(OSError):
+                os.unlink(self.address)
         with self._lock:
             clients = list(self._clients)
         for client in clients:
@@ -226,26 +233,29 @@ class PoolServer:
     def _accept(self) -> None:
         while not self.closing:
             try:
-                conn = self._listener.accept()
-            except Exception as exc:  # a stranger without the key, or the listener closed
+                sock, _ = self._listener.accept()
+            except OSError:
                 if self.closing:
                     return
-                log.warning("%s: refused a connection (%s)", self.name, type(exc).__name__)
                 continue
+            # Each handshake in a thread of its own: a peer that stalls in it holds up nobody else.
+            threading.Thread(target=self._admit, args=(sock,), name=f"{self.name}-admit", daemon=True).start()
+
+    def _admit(self, sock: socket.socket) -> None:
+        try:
+            conn = accept_link(sock, self._authkey, self.hello())  # the Hello alone, before the channel's batches
+        except (OSError, EOFError, AuthenticationError) as exc:  # a stranger without the key, or gone
+            if not self.closing:
+                log.warning("%s: refused a connection (%s)", self.name, type(exc).__name__)
+            return
+        with self._lock:
             if self.closing:
                 conn.close()
                 return
-            try:
-                no_delay(conn)
-                conn.send(self.hello())  # alone, before the channel's batches: the client's first recv
-            except OSError:
-                conn.close()
-                continue
             client = _Client(self, conn, next(self._numbers))
-            with self._lock:
-                self._clients.append(client)
-            client.channel.start()
-            log.info("%s connected", client.name)
+            self._clients.append(client)
+        client.channel.start()
+        log.info("%s connected", client.name)
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)

@@ -27,7 +27,6 @@ import dataclasses
 import itertools
 import logging
 import time
-from multiprocessing.connection import Client
 from typing import Any
 
 import numpy as np
@@ -49,7 +48,8 @@ from ..serving.room import (
     TickListener,
 )
 from . import messages as msg
-from .channel import Address, Channel, no_delay
+from .channel import Address, Channel
+from .links import open_link
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +168,9 @@ class RemotePool:
     """One SlotPool in another process (or, later, on another machine), as a `Room`."""
 
     def __init__(self, address: Address, authkey: bytes, name: str | None = None) -> None:
-        conn = Client(address, authkey=authkey)  # AF_UNIX for a path, TCP for (host, port)
-        no_delay(conn)
-        hello = conn.recv()  # sent before the server's channel starts: one message, not a batch
+        # AF_UNIX for a path, TCP for (host, port). The Hello comes before the server's channel
+        # starts: one message, not a batch.
+        conn, hello = open_link(address, authkey)
         if not isinstance(hello, msg.Hello):
             conn.close()
             raise RuntimeError(f"engine at {address} answered {type(hello).__name__} instead of Hello")

@@ -36,6 +36,7 @@ class RoutedCall:
         self.inner: RemoteCall | None = None
         self.position: int | None = None  # in the router's queue, 1 = next
         self.waiting_for = WAIT_SLOTS  # the router says whether slots or tick headroom are short
+        self.held_back = False  # counted once as waiting for headroom
         self._ended: str | None = None
         self._changed = asyncio.Event()
 

@@ -49,10 +49,18 @@ class SilenceWatchdog:
         self._stop.set()
 
     def _run(self) -> None:
+        last = grace_until = time.monotonic()
         while not self._stop.wait(CHECK_SECONDS):
             with self._lock:
                 links = list(self._links)
             now = time.monotonic()
+            if now - last > self.limit / 2:
+                # This process itself stalled (swapping, a long pause): its reader threads stalled
+                # too and have not caught up yet. Silence heard through a stall is no evidence.
+                grace_until = now + self.limit
+            last = now
+            if now < grace_until:
+                continue
             for link in links:
                 silent = now - link.heard_at
                 if link.alive and silent > self.limit:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import tempfile
 import threading
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
 
 from ..channel import Address
 from ..pool_router import PoolRouter
@@ -104,7 +105,7 @@ class RayEngines:
         self._monitor = threading.Thread(target=self._watch, name="ray-engines", daemon=True)
 
     def start(self) -> RayEngines:
-        count, options = plan(ray.cluster_resources())
+        count, options = plan(ray.available_resources())  # GPUs another job holds are not ours
         actor_class = ray.remote(EngineActor)
         for i in range(count):
             name = f"engine-{i}"
@@ -150,6 +151,8 @@ class RayEngines:
 
     def close(self) -> None:
         self._stop.set()
+        if self._monitor.is_alive():
+            self._monitor.join(5.0)  # it may be linking: let it finish before the links close
         self.watchdog.close()
         if self.router is not None:
             self.router.close()
@@ -159,14 +162,18 @@ class RayEngines:
             ray.kill(engine.actor, no_restart=True)
         if self.started_ray:
             ray.shutdown()
+        shutil.rmtree(self._files, ignore_errors=True)
 
     # ---- links ---------------------------------------------------------------------------------
 
     def _link(self, engine: _Engine, endpoint: dict[str, Any]) -> None:
         pool = RemotePool((endpoint["host"], endpoint["port"]), self.spec.authkey, name=engine.name)
-        engine.node = endpoint["node"]
-        engine.watching = engine.actor.until_stopped.remote()
-        engine.asking = None
+        if self._stop.is_set():
+            pool.close()
+            return
+        engine.node, engine.gone = endpoint["node"], False
+        if engine.watching is None:  # after a death; an actor that only went silent keeps its watch
+            engine.watching = engine.actor.until_stopped.remote()
         if engine.pool is not None and self.router is not None:
             self.router.replace(engine.pool, pool)
             log.info("%s is back on %s (%s): taking new calls", engine.name, engine.node, endpoint["device"])
@@ -185,28 +192,33 @@ class RayEngines:
             else:
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
                 for ref in ready:
-                    self._settle(pending[ref], ref)
-            self._ask_lost()
+                    try:
+                        self._settle(pending[ref], ref)
+                    except Exception:  # one engine's trouble must not end the watch over the others
+                        log.exception("%s: following its Ray actor failed; trying again", pending[ref].name)
+            if not self._stop.is_set():
+                self._ask_lost()
 
     def _settle(self, engine: _Engine, ref: Any) -> None:
+        asked = ref is engine.asking
+        if asked:
+            engine.asking = None
+        else:
+            engine.watching = None
         try:
             answer = ray.get(ref)
-        except RayActorError as exc:
+        except RayError as exc:
             answer = exc
-        if ref is engine.watching:
-            engine.watching = None
-            if isinstance(answer, Exception) and not self._stop.is_set():
-                assert engine.pool is not None
+        if isinstance(answer, dict):  # `endpoint`'s answer (`until_stopped` returns True after a stop)
+            self._link(engine, answer)
+        elif isinstance(answer, Exception):
+            if engine.pool is not None and engine.pool.alive and not self._stop.is_set():
                 engine.pool.lose(f"its Ray actor on {engine.node} died ({type(answer).__name__}); ending its calls")
-                engine.gone = isinstance(answer, ActorDiedError)
-        elif ref is engine.asking:
-            engine.asking = None
-            if isinstance(answer, dict):
-                self._link(engine, answer)
-            else:
-                engine.gone = isinstance(answer, ActorDiedError)
-        if engine.gone:
-            log.error("%s on %s is gone for good (no restarts left, or its node is lost)", engine.name, engine.node)
+            # Asked where it is and told "dead" (not "unavailable": restarting): no restart is coming.
+            if asked and isinstance(answer, ActorDiedError):
+                engine.gone = True
+                log.error("%s on %s is gone for good (no restarts left, or its node is lost)", engine.name,
+                          engine.node)
 
     def _ask_lost(self) -> None:
         """Ask each engine whose link is down (and that may come back) where it is now."""

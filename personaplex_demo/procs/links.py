@@ -1,0 +1,91 @@
+"""Opening a link to an engine's `PoolServer`, and accepting one there, with a time limit.
+
+`multiprocessing.connection.Client` and `Listener.accept` authenticate with a challenge and
+response over the new connection, but wait for the other side without a limit: on TCP between
+machines, a peer lost in the middle (a network flap, a half-open connection, a port scan) would
+hold the server's only accept thread, or the client's caller, for good. Here the same handshake
+(the standard library's `deliver_challenge` and `answer_challenge`) runs with a socket time
+limit on every read and write, which is lifted once the link is up; the server runs each
+handshake in a thread of its own. AF_UNIX paths and TCP (host, port) addresses alike.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from typing import Any
+
+from .channel import Address, no_delay
+
+HANDSHAKE_SECONDS = 5.0  # to connect, authenticate and get the first message
+
+
+def _io_limit(conn: Connection, seconds: float) -> None:
+    """SO_RCVTIMEO and SO_SNDTIMEO on the connection's socket: a blocked read or write fails with
+    an OSError after `seconds` (0: no limit). The descriptor stays blocking."""
+    limit = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+    finally:
+        sock.close()
+
+
+def listen(address: Address) -> socket.socket:
+    """A listening socket at `address` (a path, or (host, port) with port 0 for any free one)."""
+    if isinstance(address, str):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(address)
+    else:
+        sock = socket.create_server(address)
+    sock.listen(64)
+    return sock
+
+
+def open_link(address: Address, authkey: bytes, timeout: float = HANDSHAKE_SECONDS) -> tuple[Connection, Any]:
+    """Connect, authenticate both ways, and read the server's first message, within `timeout`
+    seconds each step. Raises OSError (FileNotFoundError, ConnectionRefusedError, TimeoutError),
+    EOFError or multiprocessing's AuthenticationError."""
+    if isinstance(address, str):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(address)
+        except BaseException:
+            sock.close()
+            raise
+    else:
+        sock = socket.create_connection(address, timeout)
+    sock.settimeout(None)  # blocking again: the Connection reads the descriptor directly
+    conn = Connection(sock.detach())
+    try:
+        no_delay(conn)
+        _io_limit(conn, timeout)
+        answer_challenge(conn, authkey)
+        deliver_challenge(conn, authkey)
+        first = conn.recv()
+        _io_limit(conn, 0)
+    except BaseException:
+        conn.close()
+        raise
+    return conn, first
+
+
+def accept_link(sock: socket.socket, authkey: bytes, first: Any, timeout: float = HANDSHAKE_SECONDS) -> Connection:
+    """The server's side of `open_link` on an accepted socket: authenticate, send `first`."""
+    sock.settimeout(None)
+    conn = Connection(sock.detach())
+    try:
+        no_delay(conn)
+        _io_limit(conn, timeout)
+        deliver_challenge(conn, authkey)
+        answer_challenge(conn, authkey)
+        conn.send(first)
+        _io_limit(conn, 0)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
