@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from collections.abc import Callable
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
@@ -59,33 +60,36 @@ def open_link(address: Address, authkey: bytes, timeout: float = HANDSHAKE_SECON
             raise
     else:
         sock = socket.create_connection(address, timeout)
+
+    def client(conn: Connection) -> Any:
+        answer_challenge(conn, authkey)
+        deliver_challenge(conn, authkey)
+        return conn.recv()
+
+    return _handshake(sock, client, timeout)
+
+
+def accept_link(sock: socket.socket, authkey: bytes, first: Any, timeout: float = HANDSHAKE_SECONDS) -> Connection:
+    """The server's side of `open_link` on an accepted socket: authenticate, send `first`."""
+
+    def server(conn: Connection) -> None:
+        deliver_challenge(conn, authkey)
+        answer_challenge(conn, authkey)
+        conn.send(first)
+
+    return _handshake(sock, server, timeout)[0]
+
+
+def _handshake(sock: socket.socket, exchange: Callable[[Connection], Any], timeout: float) -> tuple[Connection, Any]:
+    """`exchange` on the socket as a Connection, each read and write within `timeout`."""
     sock.settimeout(None)  # blocking again: the Connection reads the descriptor directly
     conn = Connection(sock.detach())
     try:
         no_delay(conn)
         _io_limit(conn, timeout)
-        answer_challenge(conn, authkey)
-        deliver_challenge(conn, authkey)
-        first = conn.recv()
+        result = exchange(conn)
         _io_limit(conn, 0)
     except BaseException:
         conn.close()
         raise
-    return conn, first
-
-
-def accept_link(sock: socket.socket, authkey: bytes, first: Any, timeout: float = HANDSHAKE_SECONDS) -> Connection:
-    """The server's side of `open_link` on an accepted socket: authenticate, send `first`."""
-    sock.settimeout(None)
-    conn = Connection(sock.detach())
-    try:
-        no_delay(conn)
-        _io_limit(conn, timeout)
-        deliver_challenge(conn, authkey)
-        answer_challenge(conn, authkey)
-        conn.send(first)
-        _io_limit(conn, 0)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
+    return conn, result
