@@ -12,6 +12,7 @@ Ray is an optional extra: without it these tests are skipped, except under CI=tr
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -32,6 +33,7 @@ from personaplex_demo.procs.ray.engine_actor import ENGINE_RESOURCE  # noqa: E40
 pytestmark = pytest.mark.usefixtures("loopback_ice")
 
 NOTICE_SECONDS = 3.0  # a failed engine's callers are told within this
+log = logging.getLogger(__name__)
 
 
 @pytest.fixture(scope="module", params=["embedded", "media workers"])
@@ -61,6 +63,14 @@ def engines(app: LaunchedApp) -> list[dict]:
     return app.status()["engines"]
 
 
+async def all_live(app: LaunchedApp, callers) -> None:
+    """Every caller live with a transcript; if not, the failure says where the engines stood."""
+    try:
+        await until(lambda: all(is_live(c) for c in callers), 60, f"{len(callers)} live calls")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; statuses {[c.status for c in callers]}; engines {engines(app)}") from None
+
+
 def told(caller, words: str = "the engine on") -> bool:
     return words in caller.status
 
@@ -70,13 +80,17 @@ async def fail_and_check(callers, fail) -> None:
     NOTICE_SECONDS and the other two keep receiving audio and words."""
     failed_at = time.monotonic()
     await asyncio.to_thread(fail)  # removing a node takes a while: the callers go on meanwhile
-    await until(lambda: any(told(c) for c in callers), NOTICE_SECONDS + 2, "a message on a victim's page")
+    try:
+        await until(lambda: any(told(c) for c in callers), NOTICE_SECONDS + 2, "a message on a victim's page")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; statuses {[c.status for c in callers]}") from None
     await asyncio.sleep(0.5)  # the other victims' pages
     victims = [c for c in callers if told(c)]
     survivors = [c for c in callers if not told(c)]
     assert len(victims) == len(survivors) == 2, [c.status for c in callers]
     assert all(c.ended is not None or "ended" in c.status.lower() for c in victims), [c.status for c in victims]
     notice = max(t for t in (c.told_at for c in victims) if t is not None) - failed_at
+    log.info("the last victim's page was told %.2f s after the failure", notice)
     assert notice < NOTICE_SECONDS, f"told after {notice:.1f} s"
     said = [len(c.transcript) for c in survivors]
     heard = await asyncio.gather(*(c.audio_seconds_over(2.0) for c in survivors))
@@ -106,7 +120,7 @@ async def test_four_callers_spread_over_two_ray_engines_on_two_nodes(app):
     assert app.status()["slots_total"] == 4
     async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http:
         callers = await call_all(http, 4)
-        await until(lambda: all(is_live(c) for c in callers), 60, "four live calls with transcripts")
+        await all_live(app, callers)
         await asyncio.sleep(1.0)  # the engines' figures reach the app four times a second
         assert [r["slots_live"] for r in engines(app)] == [2, 2]  # placement: the engine with more room
         transcripts = [c.transcript for c in callers]
@@ -130,7 +144,7 @@ async def test_four_callers_spread_over_two_ray_engines_on_two_nodes(app):
 async def test_a_killed_engine_actor_ends_only_its_calls_and_comes_back(app):
     async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http:
         callers = await call_all(http, 4)
-        await until(lambda: all(is_live(c) for c in callers), 60, "four live calls")
+        await all_live(app, callers)
         await asyncio.sleep(1.0)
         victim = engines(app)[0]
         watch_for_notice(callers)
@@ -152,7 +166,7 @@ async def test_a_silent_engine_is_given_up_within_seconds_and_relinked_when_it_s
     """SIGSTOP: the process holds its sockets open and says nothing, as a machine cut off does."""
     async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http:
         callers = await call_all(http, 4)  # two on each engine: every slot is taken
-        await until(lambda: all(is_live(c) for c in callers), 60, "four live calls")
+        await all_live(app, callers)
         await asyncio.sleep(1.0)
         victim = engines(app)[1]
         watch_for_notice(callers)
@@ -171,7 +185,7 @@ async def test_a_silent_engine_is_given_up_within_seconds_and_relinked_when_it_s
 async def test_a_removed_node_ends_only_its_engines_calls(app, cluster):
     async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http:
         callers = await call_all(http, 4)
-        await until(lambda: all(is_live(c) for c in callers), 60, "four live calls")
+        await all_live(app, callers)
         await asyncio.sleep(1.0)
         (node,) = cluster.worker_nodes
         (victim,) = [r for r in engines(app) if r["node_id"] == node.node_id]
