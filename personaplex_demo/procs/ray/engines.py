@@ -146,7 +146,7 @@ class RayEngines:
                 for row, e in zip(rows, self._engines, strict=False) if e.pool is not None]
 
     def end_calls(self, join_timeout: float = 3.0) -> None:
-        refs = [e.actor.end_calls.remote() for e in self._engines if not e.gone]
+        refs = [e.actor.end_calls.remote() for e in self._engines if e.pool is not None and e.pool.alive]
         ray.wait(refs, num_returns=len(refs), timeout=join_timeout + 2.0)
 
     def close(self) -> None:
@@ -156,7 +156,8 @@ class RayEngines:
         self.watchdog.close()
         if self.router is not None:
             self.router.close()
-        refs = [e.actor.stop.remote() for e in self._engines if not e.gone]
+        # Only the linked ones: an actor lost with its node may wait for a place to restart, for ever.
+        refs = [e.actor.stop.remote() for e in self._engines if e.pool is not None and e.pool.alive]
         ray.wait(refs, num_returns=len(refs), timeout=STOP_SECONDS)
         for engine in self._engines:
             ray.kill(engine.actor, no_restart=True)
