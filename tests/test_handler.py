@@ -22,8 +22,9 @@ from personaplex_demo.rtc.patches import BoundedEventLog
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.pool import SlotPool
+from personaplex_demo.serving.room import EndReason
 from personaplex_demo.web.echo import WARNING as ECHO_WARNING
-from personaplex_demo.web.handler import CallHandler, FinalUpdates
+from personaplex_demo.web.handler import END_MESSAGES, CallHandler, FinalUpdates, end_message
 from personaplex_demo.web.page_inputs import PageInputs
 from personaplex_demo.web.recording import RecordingStore
 
@@ -414,3 +415,13 @@ async def test_the_page_wiring_status_endpoint_and_downloads(runtime, recordings
     body = r.json()
     assert body["tiny"] is True and body["slots_total"] == 2 and body["slots_free"] == 2
     assert {"queue_length", "tick_p50_ms", "tick_p99_ms", "realtime_factor", "latency_p50_ms"} <= set(body)
+
+
+def test_a_failure_reads_as_what_failed_and_what_to_do():
+    from personaplex_demo.procs.remote_pool import ENGINE_LOST
+
+    assert end_message(EndReason.error("the engine on 10.0.0.7 stopped")) == (
+        "The call ended: the engine on 10.0.0.7 stopped. Please press Record to call again.")
+    assert end_message(ENGINE_LOST).startswith("The call ended: the engine process stopped. Please")
+    assert end_message(EndReason.SHUTDOWN) == END_MESSAGES[EndReason.SHUTDOWN]
+    assert end_message("error") == "The call ended: error"

@@ -61,6 +61,16 @@ END_MESSAGES = {
 }
 
 
+def end_message(reason: str) -> str:
+    """The page's words for a call the server ended; a failure says what failed (e.g. "the engine
+    on 10.0.0.7 stopped", when a machine of the cluster went away) and what to do."""
+    if reason in END_MESSAGES:
+        return END_MESSAGES[reason]
+    if EndReason.kind(reason) == EndReason.ERROR and reason != EndReason.ERROR:
+        return f"The call ended: {reason.partition(':')[2].strip()}. Please press Record to call again."
+    return f"The call ended: {reason}"
+
+
 class FinalUpdates:
     """The last page update of each call that ended with a message, by fastrtc connection id.
 
@@ -298,7 +308,7 @@ class CallHandler(AsyncStreamHandler):
             self.phase = Phase.ENDED
             self._finish_recording(reason)
             return None
-        return await self._close(END_MESSAGES.get(reason, f"The call ended: {reason}"), reason)
+        return await self._close(end_message(reason), reason)
 
     async def _close(self, message: str, reason: str):
         """End the call with `message`: finish the recording, then (when the page is listening on
