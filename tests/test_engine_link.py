@@ -199,3 +199,21 @@ async def test_a_link_over_tcp_and_strangers_who_stall_or_lack_the_key_hold_up_n
         assert time.monotonic() - t0 < 2.0
     finally:
         silent.close()
+
+
+async def test_a_call_that_goes_live_before_the_server_relays_it_is_still_reported_live(runtimes, tmp_path):
+    """The engine's relay loop is busy while the call prefills (a cached prompt takes a
+    millisecond): the client, told "prefill" at the start, still hears that it went live."""
+    with served(runtimes[0], str(tmp_path / "e.sock"), "busy") as (pool, server):
+        engine = RemotePool(str(tmp_path / "e.sock"), KEY)
+        try:
+            server.loop.call_soon_threadsafe(time.sleep, 1.0)  # holds the relay loop for a second
+            call = await engine.acquire("NATF2", "", SamplingParams(seed=1))
+            assert call.state == "prefill"
+            await asyncio.sleep(1.0)
+            assert pool.snapshot().slots_live == 1  # live on the engine before its relay looked
+            await call.wait_live(5)
+            assert await talk(call, 0.5)
+            call.release()
+        finally:
+            engine.close()

@@ -101,19 +101,21 @@ class _Client:
             return
         with self.lock:
             self.calls[rid] = call
-        self.send(msg.Started(rid=rid, call_id=call.id, state=call.state.value, queue_position=call.queue_position,
-                          slot=call.slot, time_left=call.time_left(), wait_reason=call.wait_reason))
+        # What the client is told now is what the pump compares with: a call that goes live before
+        # the pump's first look (a cached prompt prefills within a millisecond) is still reported.
+        told = (call.state, call.queue_position, call.slot, call.wait_reason)
+        self.send(msg.Started(rid=rid, call_id=call.id, state=told[0].value, queue_position=told[1], slot=told[2],
+                              time_left=call.time_left(), wait_reason=told[3]))
         if self.channel.closed:  # gone while we were placing it
             call.release(CLIENT_GONE)
             return
-        asyncio.run_coroutine_threadsafe(self.pump(rid, call), self.server.loop)
+        asyncio.run_coroutine_threadsafe(self.pump(rid, call, told), self.server.loop)
 
     def refuse(self, rid: int, kind: msg.RefusalKind, message: str) -> None:
         self.send(msg.Refused(rid, kind, message))
 
-    async def pump(self, rid: int, call: Call) -> None:
-        """Send the call's state changes and outputs until it ends."""
-        sent = (call.state, call.queue_position, call.slot, call.wait_reason)
+    async def pump(self, rid: int, call: Call, sent: tuple) -> None:
+        """Send the call's state changes (since `sent`, what the client was told) and outputs until it ends."""
         try:
             while True:
                 if call.state.waiting:
