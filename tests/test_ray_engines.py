@@ -193,10 +193,23 @@ async def test_a_removed_node_ends_only_its_engines_calls(app, cluster):
         await fail_and_check(callers, lambda: cluster.remove_node(node, allow_graceful=False))
         # The room now counts the one engine left.
         await until(lambda: app.status()["slots_total"] == 2, 5, "the room without the lost engine")
+        live = [c for c in callers if not told(c)]
+        if cluster.media_workers:
+            # A media worker that dies now is replaced by one that links to the engine left and
+            # waits for the lost one without failing; it takes new calls.
+            (worker,) = app.status()["media_workers"]
+            os.kill(worker["pid"], signal.SIGKILL)
+            await until(lambda: all("media process" in c.status for c in live), 10, "the worker's callers told")
+            await until(lambda: [w["alive"] for w in app.status()["media_workers"]] == [True], 90, "a new worker")
+            for caller in callers:
+                await caller.hang_up()
+            await until(lambda: app.status()["slots_free"] == 2, 10, "the lost worker's slots")
+            live = await call_all(http, 1, first=4)
+            await all_live(app, live)
         # SIGTERM (a restart): the live callers hear why, and the app exits in time, its lost
         # engine (waiting for a node to restart on) notwithstanding.
         stopping = asyncio.get_running_loop().run_in_executor(None, app.stop)
-        await until(lambda: all("restarting" in c.status for c in callers if not told(c)), 10, "the restart message")
+        await until(lambda: all("restarting" in c.status for c in live), 10, "the restart message")
         assert await stopping < 10 and app.proc.returncode == 0
-        for caller in callers:
+        for caller in [*callers, *live]:
             await caller.hang_up()

@@ -46,7 +46,7 @@ from ..web.handler import CallHandler, FinalUpdates
 from ..web.recording import RecordingStore
 from . import messages as msg
 from .channel import Address, Channel
-from .pool_router import PoolRouter
+from .pool_router import PoolRouter, UnreachableEngine
 from .remote_pool import RemotePool
 from .watchdog import SilenceWatchdog
 
@@ -112,8 +112,12 @@ def _answer(result: Any) -> msg.OfferAnswer:
     return msg.OfferAnswer(result, None)
 
 
-def _connect(spec: WorkerSpec) -> list[RemotePool]:
-    """Connect to every engine, waiting while they load their model."""
+def _connect(spec: WorkerSpec) -> list[RemotePool | UnreachableEngine]:
+    """Connect to every engine, waiting while they load their model. Engines on other machines
+    (`watch_silence`) had loaded before any worker started: one that does not answer now (its
+    machine may be gone) is linked to later if it comes back (`WorkerLoop.keep_linked`)."""
+    if spec.watch_silence:
+        return _connect_remote(spec)
     deadline = time.monotonic() + spec.connect_timeout
     engines = []
     for address in spec.engines:
@@ -129,6 +133,22 @@ def _connect(spec: WorkerSpec) -> list[RemotePool]:
                     raise SystemExit("the main process is gone") from None
                 time.sleep(0.2)
     return engines
+
+
+def _connect_remote(spec: WorkerSpec) -> list[RemotePool | UnreachableEngine]:
+    deadline = time.monotonic() + spec.connect_timeout
+    while True:
+        engines: list[RemotePool | UnreachableEngine] = []
+        for index, address in enumerate(spec.engines):
+            try:
+                engines.append(RemotePool(address, spec.authkey))
+            except Exception as exc:  # refused, unreachable, timed out
+                log.warning("media worker %d: engine %d at %s does not answer (%s); linking to it later",
+                            spec.index, index, address, type(exc).__name__)
+                engines.append(UnreachableEngine(address, f"engine-{index}"))
+        if any(e.alive for e in engines) or time.monotonic() > deadline:
+            return engines
+        time.sleep(1.0)
 
 
 class WorkerLoop:
@@ -148,7 +168,7 @@ class WorkerLoop:
         for engine in router.engines if self.watchdog is not None else ():
             self.watchdog.watch(engine)
         self.channel = Channel(control, f"media-worker-{spec.index}", self.on_batch, self.on_close)
-        model_name = spec.model_name or router.engines[0].facts.get("model_name")
+        model_name = spec.model_name or next(e for e in router.engines if e.alive).facts.get("model_name")
         self.host = MediaHost(CallHandler(router, self.recordings, max_wait_seconds=spec.max_wait_seconds,
                                           model_name=model_name),
                               spec.server_rtc_configuration, self.channel.send)

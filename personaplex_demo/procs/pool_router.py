@@ -44,17 +44,43 @@ def combine_metrics(metrics: list[PoolMetrics]) -> PoolMetrics:
     return PoolMetrics(**values)
 
 
+class UnreachableEngine:
+    """An engine on another machine that did not answer when this process started (its machine
+    may be gone): placement skips it until a link to it is made (`PoolRouter.replace`)."""
+
+    alive = False
+    slots_total = 0
+    config = None
+
+    def __init__(self, address: Any, name: str) -> None:
+        self.address, self.name, self.facts = address, name, {}
+        self.room = combine_metrics([])
+
+    def snapshot(self) -> PoolMetrics:
+        return self.room
+
+    def add_tick_listener(self, listener: TickListener) -> None:
+        pass
+
+    def report_media_lag(self, seconds: float, source: str = "") -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class PoolRouter:
     """Several engines' pools as one `Room`. A call goes to an engine that takes it now (a free
     slot with headroom in its tick, serving/headroom.py), the one with the most headroom first.
     When none does, it waits in the router's one queue (`RoutedCall`), and the head of that queue
     takes the first seat that any engine frees. Engines that stopped are skipped."""
 
-    def __init__(self, engines: list[RemotePool]) -> None:
-        if not engines:
-            raise ValueError("a PoolRouter needs at least one engine")
+    def __init__(self, engines: list[RemotePool | UnreachableEngine]) -> None:
+        if not any(e.alive for e in engines):
+            raise ValueError("a PoolRouter needs at least one engine linked")
         self.engines = list(engines)
-        self.config = self.engines[0].config  # every engine has the app's settings; the queue is the router's
+        # Every engine has the app's settings (the first one linked says them); the queue is the router's.
+        self.config = next(e.config for e in self.engines if e.alive)
         self._tick_listeners: list[TickListener] = []
         self._waiting: list[RoutedCall] = []
         self._placer: asyncio.Task | None = None
