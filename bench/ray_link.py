@@ -39,6 +39,15 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 KEY = b"bench-ray-link-key"
 
 
+ABOUT = """What one tick carries between a media worker (or the page's process) and one engine: N
+callers' microphone frames out (int16, as `Push`) and N agent frames back (float32, as `Out`), on
+127.0.0.1, paced every 20 ms. "Ray actor call" is one call `tick(frames) -> outputs` on an actor,
+one round trip (a push and a stream item per tick would be two messages); "TCP channel" is the
+link `--engines ray` uses (procs/channel.py over TCP, batched by its writer thread). CPU is both
+processes' (this one's and the actor's or the echo's). docs/design-notes.md § Ray engines says
+what follows from it."""
+
+
 def process_cpu(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
@@ -165,7 +174,7 @@ def main() -> None:
             rows.append([n, name, fmt_ms(float(np.percentile(times, 50))), fmt_ms(float(np.percentile(times, 99))),
                          fmt_ms(cpu), fmt_ms(cpu / n)])
     body = md_table(["frames per tick", "link", "round trip p50 (ms)", "p99 (ms)", "CPU per tick (ms, both ends)",
-                     "CPU per frame (ms)"], rows)
+                     "CPU per frame (ms)"], rows) + "\n\n" + ABOUT
     print(body)
     if a.write:
         replace_section("The link to a Ray engine", body, info=machine())
