@@ -146,8 +146,10 @@ def _connect_remote(spec: WorkerSpec) -> list[RemotePool | UnreachableEngine]:
                 log.warning("media worker %d: engine %d at %s does not answer (%s); linking to it later",
                             spec.index, index, address, type(exc).__name__)
                 engines.append(UnreachableEngine(address, f"engine-{index}"))
-        if any(e.alive for e in engines) or time.monotonic() > deadline:
+        if any(e.alive for e in engines):
             return engines
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no engine answered within {spec.connect_timeout:.0f} s")
         time.sleep(1.0)
 
 

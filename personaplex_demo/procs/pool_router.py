@@ -76,11 +76,11 @@ class PoolRouter:
     takes the first seat that any engine frees. Engines that stopped are skipped."""
 
     def __init__(self, engines: list[RemotePool | UnreachableEngine]) -> None:
-        if not any(e.alive for e in engines):
-            raise ValueError("a PoolRouter needs at least one engine linked")
+        if not engines:
+            raise ValueError("a PoolRouter needs at least one engine")
         self.engines = list(engines)
         # Every engine has the app's settings (the first one linked says them); the queue is the router's.
-        self.config = next(e.config for e in self.engines if e.alive)
+        self.config = next((e.config for e in self.engines if e.alive), self.engines[0].config)
         self._tick_listeners: list[TickListener] = []
         self._waiting: list[RoutedCall] = []
         self._placer: asyncio.Task | None = None
