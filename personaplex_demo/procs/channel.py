@@ -1,7 +1,7 @@
 """Message channels between this app's processes, from the standard library only.
 
 A `Channel` wraps one `multiprocessing.connection.Connection` (a socket pair made for a child
-process, or an AF_UNIX or TCP connection opened with an authkey) so that event loops and real-time
+process, or an AF_UNIX or TCP connection opened with an authkey, procs/links.py) so that event loops and real-time
 threads can use it without ever blocking on it:
 
 - `send` only queues; a sender thread writes whatever has queued up as ONE pickled batch, so a
@@ -16,12 +16,13 @@ knows what they mean.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -29,21 +30,6 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 MAX_BATCH = 256  # messages per write; a longer backlog goes out in several writes
-Address = str | tuple[str, int]  # an AF_UNIX socket's path, or a TCP (host, port) between machines
-
-
-def no_delay(conn: Connection) -> None:
-    """TCP_NODELAY on a TCP connection (a no-op for AF_UNIX): a batch bigger than 16 KiB goes out as
-    two writes (header, then body), and Nagle's algorithm would hold the body back until the
-    other side's delayed ACK, up to 40 ms."""
-    sock = socket.socket(fileno=os.dup(conn.fileno()))
-    try:
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    finally:
-        sock.close()
-
-
 def daemon_threads(*targets: tuple[Callable[[], None], str]) -> list[threading.Thread]:
     """One daemon thread (not started) per (target, name)."""
     return [threading.Thread(target=target, name=name, daemon=True) for target, name in targets]
@@ -149,17 +135,18 @@ class Channel:
 def _shutdown(conn: Connection) -> None:
     """Shut a socket-backed connection down in both directions: a blocked recv or send returns."""
     try:
-        fd = conn.fileno()
-    except OSError:
-        return  # already closed
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        sock = None
-    if sock is not None:
-        try:
+        with socket_of(conn) as sock:
             sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        finally:
-            sock.close()
+    except OSError:
+        pass  # already closed, or never connected
+
+
+@contextlib.contextmanager
+def socket_of(conn: Connection) -> Iterator[socket.socket]:
+    """A socket on the connection's descriptor (a duplicate, closed afterwards), for what
+    `Connection` does not offer: socket options, shutdown."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    try:
+        yield sock
+    finally:
+        sock.close()

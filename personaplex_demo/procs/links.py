@@ -11,28 +11,36 @@ handshake in a thread of its own. AF_UNIX paths and TCP (host, port) addresses a
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 from collections.abc import Callable
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
-from .channel import Address, no_delay
+from .channel import socket_of
 
 HANDSHAKE_SECONDS = 5.0  # to connect, authenticate and get the first message
+
+
+Address = str | tuple[str, int]  # an AF_UNIX socket's path, or a TCP (host, port) between machines
+
+
+def no_delay(conn: Connection) -> None:
+    """TCP_NODELAY on a TCP connection (a no-op for AF_UNIX): a batch bigger than 16 KiB goes out as
+    two writes (header, then body), and Nagle's algorithm would hold the body back until the
+    other side's delayed ACK, up to 40 ms."""
+    with socket_of(conn) as sock:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _io_limit(conn: Connection, seconds: float) -> None:
     """SO_RCVTIMEO and SO_SNDTIMEO on the connection's socket: a blocked read or write fails with
     an OSError after `seconds` (0: no limit). The descriptor stays blocking."""
     limit = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
-    sock = socket.socket(fileno=os.dup(conn.fileno()))
-    try:
+    with socket_of(conn) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
-    finally:
-        sock.close()
 
 
 def listen(address: Address) -> socket.socket:

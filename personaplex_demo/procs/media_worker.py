@@ -45,7 +45,8 @@ from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
 from ..web.handler import CallHandler, FinalUpdates
 from ..web.recording import RecordingStore
 from . import messages as msg
-from .channel import Address, Channel
+from .channel import Channel
+from .links import Address
 from .pool_router import PoolRouter, UnreachableEngine
 from .remote_pool import RemotePool
 from .watchdog import SilenceWatchdog
@@ -68,7 +69,7 @@ class WorkerSpec:
     loopback_ice: bool = False
     connect_timeout: float = 600.0  # the engines may still be loading their model
     log_level: int = logging.INFO
-    watch_silence: bool = False  # engines on other machines: give up on one silent for a second
+    watch_silence: bool = False  # engines on other machines: give up on one gone silent (procs/watchdog.py)
 
 
 class MediaHost(WebRTCConnectionMixin):

@@ -33,8 +33,8 @@ from ..serving.call import Call
 from ..serving.pool import SlotPool
 from ..serving.room import CallEnded, CallState, EndReason, PoolClosedError, PoolFullError
 from . import messages as msg
-from .channel import Address, Channel, daemon_threads
-from .links import accept_link, listen
+from .channel import Channel, daemon_threads
+from .links import Address, accept_link, listen
 
 log = logging.getLogger(__name__)
 

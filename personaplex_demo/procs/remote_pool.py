@@ -48,8 +48,8 @@ from ..serving.room import (
     TickListener,
 )
 from . import messages as msg
-from .channel import Address, Channel
-from .links import open_link
+from .channel import Channel
+from .links import Address, open_link
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ _REFUSALS: dict[msg.RefusalKind, type[Exception]] = {"caller": CallerError, "bus
 
 
 class RemotePool:
-    """One SlotPool in another process (or, later, on another machine), as a `Room`."""
+    """One SlotPool in another process (on this machine or another), as a `Room`."""
 
     def __init__(self, address: Address, authkey: bytes, name: str | None = None) -> None:
         # AF_UNIX for a path, TCP for (host, port). The Hello comes before the server's channel

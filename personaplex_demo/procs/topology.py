@@ -19,6 +19,7 @@ the media workers when there are any.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -90,15 +91,13 @@ class TopologyOptions:
 
 class Topology:
     def __init__(self, runtime, pool: SlotPool | PoolRouter, media: MediaWorkers | None, closers: list[Callable],
-                 engine_names: list[str], end_calls: Callable[[float], None],
-                 engine_status: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+                 end_calls: Callable[[float], None], engine_status: Callable[[], list[dict[str, Any]]]) -> None:
         self.runtime = runtime
         self.pool = pool
         self.media = media
         self._closers = closers
-        self._engine_names = engine_names
         self._end_calls = end_calls
-        self._engine_status = engine_status
+        self._engine_status = engine_status  # a row per engine for /api/status
 
     def end_calls(self, join_timeout: float = 10.0) -> None:
         """Every engine ends its calls with reason "shutdown" (the callers hear why) and stops
@@ -120,14 +119,8 @@ class Topology:
 
     def status(self) -> dict[str, Any]:
         """Per engine and per media worker, for /api/status (the totals are the pool's)."""
-        if self._engine_status is not None:
-            engines = self._engine_status()
-        elif isinstance(self.pool, PoolRouter):
-            engines = self.pool.engine_status()
-        else:
-            engines = [{"name": self._engine_names[0], "node": socket.gethostname(), "device": str(self.runtime.device),
-                        "alive": not self.pool.closed, **self.pool.snapshot().as_dict()}]
-        return {"engines": engines, "media_workers": self.media.status() if self.media is not None else []}
+        return {"engines": self._engine_status(),
+                "media_workers": self.media.status() if self.media is not None else []}
 
     def close(self) -> None:
         """Stop everything this topology started, the media first (idempotent)."""
@@ -161,6 +154,7 @@ def start_topology(options: TopologyOptions, progress: Callable[[str, float], No
             pool.start()
             closers.append(pool.shutdown)
             end_calls = pool.shutdown
+            engine_status = functools.partial(_pool_status, names[0], str(runtime.device), pool)
         else:
             # Several CPU engines share the cores; one keeps torch's own choice (or OMP_NUM_THREADS).
             cpu_engines = sum(1 for d in devices if not d.startswith("cuda"))
@@ -177,6 +171,7 @@ def start_topology(options: TopologyOptions, progress: Callable[[str, float], No
             runtime = RemoteRuntime.from_facts(facts[0])
             pool = PoolRouter([RemotePool(a, authkey) for a in addresses])
             closers.insert(0, pool.close)
+            engine_status = pool.engine_status
             if media is not None:
                 pool.waiting_elsewhere = media.waiting
         if media is not None:
@@ -189,7 +184,13 @@ def start_topology(options: TopologyOptions, progress: Callable[[str, float], No
     closers.append(lambda: shutil.rmtree(ipc_dir, ignore_errors=True))
     log.info("engines: %s; media: %s", ", ".join(names),
              f"{options.media_workers} worker process(es)" if media is not None else "in this process")
-    return Topology(runtime, pool, media, closers, names, end_calls)
+    return Topology(runtime, pool, media, closers, end_calls, engine_status)
+
+
+def _pool_status(name: str, device: str, pool: SlotPool) -> list[dict[str, Any]]:
+    """/api/status's engine row for the one engine in this process."""
+    return [{"name": name, "node": socket.gethostname(), "device": device, "alive": not pool.closed,
+             **pool.snapshot().as_dict()}]
 
 
 def _media_workers(options: TopologyOptions, engines: tuple, authkey: bytes) -> MediaWorkers:
@@ -224,7 +225,6 @@ def start_ray_topology(options: TopologyOptions, progress: Callable[[str, float]
         for close in closers:
             close()
         raise
-    names = [e.name for e in router.engines]
     log.info("engines: %s (Ray actors); media: %s", ", ".join(f"{e.name} on {e.facts['node']}" for e in router.engines),
              f"{options.media_workers} worker process(es)" if media is not None else "in this process")
-    return Topology(runtime, router, media, closers, names, engines.end_calls, engines.status)
+    return Topology(runtime, router, media, closers, engines.end_calls, engines.status)

@@ -30,7 +30,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
 
-from ..channel import Address
+from ..links import Address
 from ..pool_router import PoolRouter
 from ..remote_pool import RemotePool
 from ..watchdog import SilenceWatchdog
@@ -140,10 +140,11 @@ class RayEngines:
 
     def status(self) -> list[dict[str, Any]]:
         """Per engine, for /api/status: the router's figures plus the actor's name and namespace."""
-        rows = self.router.engine_status() if self.router is not None else []
+        if self.router is None:
+            return []
         return [{**row, "actor": e.name, "namespace": self.namespace, "node_id": e.pool.facts.get("node_id"),
                  "pid": e.pool.facts.get("pid"), "gone": e.gone}
-                for row, e in zip(rows, self._engines, strict=False) if e.pool is not None]
+                for row, e in zip(self.router.engine_status(), self._engines, strict=True)]
 
     def end_calls(self, join_timeout: float = 3.0) -> None:
         refs = [e.actor.end_calls.remote() for e in self._engines if e.pool is not None and e.pool.alive]
