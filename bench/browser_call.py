@@ -9,11 +9,16 @@
    first sound; web/call_figures.py). "Network and playout" is what is left of the total once the
    page's share before the offer and the server's share are taken out.
 2. Round trip through the browser: the app runs a loopback engine (bench/loopback_app.py: each
-   caller hears their own microphone 160 ms after the room got it, the model's own delay), the
-   page's microphone is a click a second, and the page notes when each click comes back. Embedded
-   and with media workers; median and p95 against the 160 ms floor.
+   caller hears their own microphone one step after the room took it, the engine's own causal
+   delay), the page's microphone is a click a second, and both the clicks it sends and those that
+   come back are read with MediaStreamTrackProcessor (no Web Audio FIFO; tests/browser_support.py
+   `CLICK_ROUND_TRIP`). Several calls per case, embedded and with media workers; p50, p95, the
+   slope of the round trip over each call, and the overhead: the round trip less the model's floor
+   (160 ms: a sound at a frame's start is answered when the next frame is complete) and the tick's
+   compute. `--before DIR` runs the same cases against another checkout of the app (its own
+   loopback engine and floor), interleaved with this one, so both are measured in one run.
 
-    python bench/browser_call.py [--runs 3] [--seconds 20] [--write]
+    python bench/browser_call.py [--runs 3] [--calls 6] [--seconds 20] [--before DIR] [--write]
 """
 
 from __future__ import annotations
@@ -34,22 +39,21 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import md_table, replace_section  # noqa: E402
-from personaplex_demo.rtc.audio import PREFETCH_MS  # noqa: E402
 from tests.browser_support import (  # noqa: E402
     CALL_TIMING,
-    CLICK_MICROPHONE,
+    CLICK_ROUND_TRIP,
     RECORD_PCS,
     chromium,
+    click_trips,
     launched_app,
     make_mic_wav,
-    round_trips,
     start_call,
     stop_call,
     wait_for,
 )
 
 log = logging.getLogger("bench.browser_call")
-FLOOR_MS = 160.0  # the model's own delay between hearing and answering (two frames)
+ROOT = Path(__file__).resolve().parent.parent
 # Chromium's own jitter buffer for the received audio: its mean delay so far.
 JITTER_BUFFER_MS = """
 async () => {
@@ -110,44 +114,72 @@ def first_audio(runs: int, mic_wav: Path, work: Path, cache_dir: Path) -> list[d
     return rows
 
 
-def round_trip(mode: str, seconds: float, mic_wav: Path, work: Path, cache_dir: Path) -> dict:
+def loopback_floor_ms(root: Path) -> float:
+    """The round-trip floor of `root`'s loopback engine: its answer comes LOOPBACK_FRAMES steps
+    after the tick that took a frame, and a sound at the frame's start waits a frame for that tick."""
+    frames = int(re.search(r"^LOOPBACK_FRAMES = (\d+)", (root / "bench" / "loopback_app.py").read_text(), re.M)[1])
+    return 80.0 * (frames + 1)
+
+
+def one_round_trip_call(ctx, app, seconds: float) -> dict:
+    page = ctx.new_page()
+    for script in (RECORD_PCS, CALL_TIMING, CLICK_ROUND_TRIP):
+        page.add_init_script(script)
+    page.goto(app.base_url + "/", wait_until="networkidle")
+    if not page.evaluate("window.__trackProcessor"):
+        raise SystemExit("this Chromium has no MediaStreamTrackProcessor: the round trip cannot be read")
+    start_call(page, timeout_ms=30_000)
+    page.wait_for_function("document.querySelector('#status-line').innerText.startsWith('Live')", timeout=30_000)
+    page.wait_for_timeout(int(seconds * 1000))
+    sent, back = page.evaluate("window.__clickSent"), page.evaluate("window.__clickBack")
+    jitter = page.evaluate(JITTER_BUFFER_MS)
+    status = app.status()
+    stop_call(page)
+    wait_for(lambda: app.status()["slots_free"] == app.status()["slots_total"], 10, "the slot freed")
+    page.close()
+    sent = [c for c in sent if c < max(back, default=0.0) - 1000.0]  # clicks that had time to come back
+    trips = click_trips(sent, back)
+    heard_from = next((i for i, c in enumerate(sent) if click_trips([c], back)), len(sent))
+    slope = float(np.polyfit([c / 1e3 for c, _ in trips], [t for _, t in trips], 1)[0]) if len(trips) > 3 else 0.0
+    return {"trips": [t for _, t in trips], "sent": len(sent) - heard_from, "slope": slope,
+            "room_ms": status["latency_p50_ms"], "tick_ms": status["tick_p50_ms"], "browser_jitter_ms": jitter}
+
+
+def round_trip(code: str, root: Path, mode: str, calls: int, seconds: float, mic_wav: Path, work: Path,
+               cache_dir: Path) -> dict:
     args = ["--slots", "2"] + (["--media-workers", "2"] if mode == "media workers" else [])
-    with launched_app(work / f"app-loop-{mode.replace(' ', '-')}", cache_dir, args=args,
-                      entry="bench/loopback_app.py") as app, chromium(work / f"udd-{mode}", mic_wav) as ctx:
-        page = ctx.new_page()
-        for script in (RECORD_PCS, CALL_TIMING, CLICK_MICROPHONE):
-            page.add_init_script(script)
-        page.goto(app.base_url + "/", wait_until="networkidle")
-        start_call(page, timeout_ms=30_000)
-        page.wait_for_function("document.querySelector('#status-line').innerText.startsWith('Live')", timeout=30_000)
-        page.wait_for_timeout(int(seconds * 1000))
-        clicks, onsets = page.evaluate("window.__clicks"), page.evaluate("window.__onsets")
-        self_onsets = page.evaluate("window.__selfOnsets")
-        jitter = page.evaluate(JITTER_BUFFER_MS)
-        room = app.status()["latency_p50_ms"]
-        stop_call(page)
-    now = max(onsets) if onsets else 0.0
-    sent = [c for c in clicks if c < now - 1.0]
-    trips = np.array(round_trips(sent, onsets)) * 1e3
-    heard_from = next((i for i, c in enumerate(sent) if round_trips([c], onsets)), len(sent))
-    own = np.array(round_trips(sent, self_onsets, longest=0.2)) * 1e3
-    return {"mode": mode, "trips": trips, "sent": len(sent) - heard_from, "room_ms": room,
-            "own_ms": float(np.median(own)) if len(own) else 0.0, "browser_jitter_ms": jitter}
+    name = f"{code}-{mode}".replace(" ", "-")
+    with launched_app(work / f"app-{name}", cache_dir, args=args, entry=str(root / "bench" / "loopback_app.py")) \
+            as app, chromium(work / f"udd-{name}", mic_wav) as ctx:
+        results = [one_round_trip_call(ctx, app, seconds) for _ in range(calls)]
+    trips = np.array([t for r in results for t in r["trips"]])
+    row = {"code": code, "mode": mode, "calls": calls, "trips": trips, "floor_ms": loopback_floor_ms(root),
+           "sent": sum(r["sent"] for r in results), "slopes": [r["slope"] for r in results]}
+    for key in ("room_ms", "tick_ms", "browser_jitter_ms"):
+        row[key] = float(np.median([r[key] for r in results]))
+    log.info("%s, %s: round trip p50 %.0f ms over %d clicks", code, mode,
+             float(np.median(trips)) if trips.size else float("nan"), trips.size)
+    return row
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3, help="cached calls after the cold one")
-    ap.add_argument("--seconds", type=float, default=20.0, help="of clicks per round-trip case")
+    ap.add_argument("--calls", type=int, default=6, help="calls per round-trip case")
+    ap.add_argument("--seconds", type=float, default=20.0, help="of clicks per round-trip call")
+    ap.add_argument("--before", type=Path, help="another checkout of the app, measured in the same run")
     ap.add_argument("--write", action="store_true", help="write the section of BENCHMARKS.md")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    codes = [("before", a.before.resolve())] if a.before else []
+    codes.append(("this", ROOT))
     with tempfile.TemporaryDirectory(prefix="browser-call-") as tmp:
         work = Path(tmp)
         cache_dir = work / "hf"
         mic_wav = make_mic_wav(work)
         rows = first_audio(a.runs, mic_wav, work, cache_dir)
-        loops = [round_trip(mode, a.seconds, mic_wav, work, cache_dir) for mode in ("embedded", "media workers")]
+        loops = [round_trip(code, root, mode, a.calls, a.seconds, mic_wav, work, cache_dir)
+                 for mode in ("embedded", "media workers") for code, root in codes]
     body = report(rows, loops)
     print(body)
     if a.write:
@@ -176,16 +208,17 @@ def report(rows: list[dict], loops: list[dict]) -> str:
     loop_rows = []
     for r in loops:
         if not len(r["trips"]):
-            loop_rows.append([r["mode"], 0, r["sent"], *["-"] * 7])
+            loop_rows.append([r["code"], r["mode"], r["calls"], 0, r["sent"], *["-"] * 9])
             continue
         p50 = float(np.median(r["trips"]))
-        rest = p50 - r["own_ms"] - FLOOR_MS - r["room_ms"] - PREFETCH_MS - r["browser_jitter_ms"]
-        loop_rows.append([r["mode"], len(r["trips"]), r["sent"], f"{p50:.0f}", f"{np.percentile(r['trips'], 95):.0f}",
-                          f"{r['own_ms']:.0f}", f"{r['room_ms']:.0f}", PREFETCH_MS,
-                          f"{r['browser_jitter_ms']:.0f}", f"{rest:.0f}"])
-    loop = md_table(["media path", "clicks back", "of clicks sent", "round trip p50 (ms)", "p95 (ms)",
-                     "the measurement's own (ms)", "room latency p50 (ms)", "server jitter buffer (ms)",
-                     "Chromium jitter buffer (ms)", "the rest (ms)"], loop_rows)
+        overhead = p50 - r["floor_ms"] - r["tick_ms"]
+        loop_rows.append([r["code"], r["mode"], r["calls"], len(r["trips"]), r["sent"], f"{p50:.0f}",
+                          f"{np.percentile(r['trips'], 95):.0f}", f"{statistics.median(r['slopes']):+.2f}",
+                          f"{max(r['slopes'], key=abs):+.2f}", f"{r['floor_ms']:.0f}", f"{r['tick_ms']:.0f}",
+                          f"{overhead:.0f}", f"{r['room_ms']:.0f}", f"{r['browser_jitter_ms']:.0f}"])
+    loop = md_table(["code", "media path", "calls", "clicks back", "of clicks sent", "round trip p50 (ms)", "p95 (ms)",
+                     "slope, median (ms/s)", "slope, largest (ms/s)", "model floor (ms)", "tick p50 (ms)",
+                     "overhead p50 (ms)", "room latency p50 (ms)", "Chromium jitter buffer (ms)"], loop_rows)
     cached_total, cached_server = median("cached", lambda r: r["total"]), median("cached", lambda r: r["server"])
     reading = (f"For a cached (voice, persona) the first sound plays {cached_total:.2f} s after the click "
                f"(goal: under 1 s), of which the server's share, from the offer to the first audible frame "
@@ -193,12 +226,14 @@ def report(rows: list[dict], loops: list[dict]) -> str:
                "page's: its `connect` is the page's offer, answer and ICE + DTLS, seen from the other side. "
                "`first_tick` is one step plus the wait for it: in an empty room, as here, the tick that "
                "prefilled stepped nobody and keeps no schedule, so the next comes 20 ms later; a caller "
-               "joining a busy room waits for the room's next tick (up to 80 ms). Round trip: a click goes out "
-               "in the page's 40 ms packets, waits in the "
-               "server's jitter buffer, waits for the tick that takes it (the room latency), comes back "
-               "160 ms later (the floor, the model's own delay), is paced out and waits in Chromium's "
-               "jitter buffer; \"the rest\" is what the page's capture, encoding, playout and Web Audio add, "
-               "which the page cannot split further.")
+               "joining a busy room waits for the room's next tick (up to 80 ms). Round trip: the clicks the page's "
+               "microphone sends and those that come back, both read with MediaStreamTrackProcessor; the model "
+               "floor is the loopback engine's answer (one step after the tick that took the frame, the "
+               "engine's own causal delay: docs/engine.md § Causal delay) plus the frame's own 80 ms; the "
+               "overhead is the round trip less that floor and the tick's compute: what the serving path and "
+               "the browser add. `before` is the app as it was before the latency budget of docs/serving.md, "
+               "whose loopback answered one step later (a 240 ms floor); its overhead is measured against its "
+               "own floor.")
     return (f"### Time to first audio\n\n{first}\n\n### Round trip through the browser (loopback engine)\n\n"
             f"{loop}\n\n{reading}\n")
 

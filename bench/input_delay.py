@@ -6,7 +6,7 @@ fastrtc does and notes when each loud frame comes out. The delay covers Opus pac
 the loopback network, aiortc's jitter buffer and its decoder thread; not the engine. Cases, in
 one run and interleaved: 20 ms packets (aiortc's default) and 40 ms packets (what the app asks
 browsers for), each with aiortc's own jitter buffer (4 packets held back) and with
-`rtc_audio.TimedJitterBuffer` (80 ms held back), the one the app installs.
+`rtc/audio.py`'s `ArrivalJitterBuffer` (each packet released as it arrives), the one the app installs.
 
     python bench/input_delay.py [--seconds 10] [--rounds 2] [--write]
 """
@@ -117,13 +117,13 @@ def main() -> None:
     for _ in range(a.rounds):
         for packet_ms, timed in cases:
             got = asyncio.run(one_run(packet_ms, timed, a.seconds))
-            log.info("%d ms packets, %s buffer: %s ms", packet_ms, "timed" if timed else "aiortc's",
+            log.info("%d ms packets, %s buffer: %s ms", packet_ms, "arrival" if timed else "aiortc's",
                      [round(1e3 * d) for d in got])
             delays[(packet_ms, timed)] += got
     rows = []
     for packet_ms, timed in cases:
         d = 1e3 * np.array(delays[(packet_ms, timed)])
-        rows.append([f"{packet_ms} ms", "80 ms held back (the app's)" if timed else "aiortc's: 4 packets held back",
+        rows.append([f"{packet_ms} ms", "released on arrival (the app's)" if timed else "aiortc's: 4 packets held back",
                      len(d), f"{np.median(d):.0f}", f"{d.min():.0f}-{d.max():.0f}"])
     body = md_table(["packets", "jitter buffer", "sounds", "delay median (ms)", "range (ms)"], rows)
     print(body)

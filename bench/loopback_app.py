@@ -1,11 +1,12 @@
 """The app with a loopback engine, for measuring the round trip through the browser.
 
-Each caller hears their own microphone back, two frames (160 ms, the model's own delay between
-what it hears and what it says) after the room received it. Everything else is the app as it is
-served: the model still runs every tick (so a tick costs what it costs), the pool, the media
-path (embedded or in media workers), the page. A click sent from the browser therefore comes
-back after 160 ms plus everything the serving path adds. This is a measuring tool, never a model
-the app offers.
+Each caller hears their own microphone back one frame (80 ms of audio) after the tick that took
+it: the engine's own causal delay, measured on the lockstep engine (an input frame first changes
+the output of the next step, from its first sample: docs/engine.md § Causal delay).
+Everything else is the app as it is served: the model still runs every tick (so a tick costs what
+it costs), the pool, the media path (embedded or in media workers), the page. A click sent from
+the browser therefore comes back after the model's floor (160 ms: its frame, then the next) plus
+everything the serving path adds. This is a measuring tool, never a model the app offers.
 
     python bench/loopback_app.py --model tiny [app flags]
 
@@ -26,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-LOOPBACK_FRAMES = 2  # 160 ms
+LOOPBACK_FRAMES = 1  # the engine's own causal delay: one step (docs/engine.md § Causal delay)
 
 
 def loop_back(engine) -> None:

@@ -453,7 +453,7 @@ def run_engine_only(n: int, slots: int, seconds: float, settle: float, cache_dir
         t, k = time.monotonic(), 0
         while time.monotonic() < stop_at:
             k += 1
-            call.push_frame(frame)
+            call.push_audio(frame)
             while (out := await call.next_output(0.0)) is not None:
                 del out
             await asyncio.sleep(max(0.0, t + k * 0.08 - time.monotonic()))

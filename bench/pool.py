@@ -129,7 +129,7 @@ async def caller(pool: SlotPool, voice: str, seconds: float, phase: float, rng: 
     start = loop.time()
     k = 0
     while loop.time() - start < seconds:
-        call.push_frame((rng.standard_normal(FRAME) * 0.01).astype(np.float32))
+        call.push_audio((rng.standard_normal(FRAME) * 0.01).astype(np.float32))
         k += 1
         await asyncio.sleep(max(0.0, start + k * TICK - loop.time()))
     call.release()

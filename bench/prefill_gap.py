@@ -55,7 +55,7 @@ def one_round(policy: int, tag: str) -> dict:
     def feed() -> None:  # every caller sends its 80 ms frames, as a browser would
         while not stop.is_set():
             for c in list(calls):
-                c.push_frame(frame)
+                c.push_audio(frame)
             time.sleep(0.08)
 
     feeder = threading.Thread(target=feed, daemon=True)

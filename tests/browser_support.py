@@ -86,15 +86,37 @@ CALL_TIMING = """
 })();
 """
 
-# A microphone of clicks, in place of the fake device: a 10 ms 1 kHz burst every second from
-# half a second after the call asks for the microphone, with each one's AudioContext time in
-# window.__clicks. Goes after CALL_TIMING (same AudioContext as the onsets). The same stream is
-# also listened to in the page (window.__selfOnsets): what the measurement itself adds to a click
-# that never leaves the page.
-CLICK_MICROPHONE = """
+# The round trip of a click, read without Web Audio: each sharp onset in the microphone's stream
+# and in the received track, as MediaStreamTrackProcessor hands their audio to the page
+# (performance.now(), ms, less the samples after the onset). A ScriptProcessor's FIFO against the
+# audio element's clock only ratchets up, so it measured part of its own delay; here both ends
+# are read the same way, and what the reading adds cancels out. window.__clickSent gets the
+# microphone's clicks, window.__clickBack what came back (window.__trackProcessor false: the
+# browser has no MediaStreamTrackProcessor). The microphone is a 10 ms 1 kHz burst every second
+# from half a second after the call asks for it, in place of the fake device. Goes after
+# RECORD_PCS and CALL_TIMING (its AudioContext).
+CLICK_ROUND_TRIP = """
 (() => {
-  window.__clicks = [];
-  window.__selfOnsets = [];
+  window.__clickSent = [];
+  window.__clickBack = [];
+  window.__trackProcessor = typeof MediaStreamTrackProcessor !== "undefined";
+  const watch = async (track, out) => {
+    if (!window.__trackProcessor) return;
+    const reader = new MediaStreamTrackProcessor({track}).readable.getReader();
+    let quietUntil = 0;
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) return;
+      const now = performance.now(), n = value.numberOfFrames, rate = value.sampleRate;
+      const x = new Float32Array(n);
+      try { value.copyTo(x, {planeIndex: 0, format: "f32-planar"}); } finally { value.close(); }
+      let onset = -1;
+      for (let i = 0; i < n; i++) if (Math.abs(x[i]) > 0.1) { onset = i; break; }
+      if (onset < 0) continue;
+      const t = now - 1000 * (n - onset) / rate;
+      if (t > quietUntil) { out.push(t); quietUntil = t + 300; }
+    }
+  };
   navigator.mediaDevices.getUserMedia = async () => {
     const ctx = window.__audioCtx();
     const dest = ctx.createMediaStreamDestination();
@@ -106,23 +128,31 @@ CLICK_MICROPHONE = """
       s.buffer = buf;
       s.connect(dest);
       s.start(t0 + k);
-      window.__clicks.push(t0 + k);
     }
-    window.__listen(dest.stream, window.__selfOnsets, false);
+    watch(dest.stream.getAudioTracks()[0], window.__clickSent);
     return dest.stream;
   };
+  const O = window.RTCPeerConnection;
+  window.RTCPeerConnection = function (...args) {
+    const pc = new O(...args);
+    pc.addEventListener("track", (e) => { if (e.track.kind === "audio") watch(e.track, window.__clickBack); });
+    return pc;
+  };
+  window.RTCPeerConnection.prototype = O.prototype;
+  Object.setPrototypeOf(window.RTCPeerConnection, O);
 })();
 """
 
 
-def round_trips(clicks: Sequence[float], onsets: Sequence[float], longest: float = 0.9) -> list[float]:
-    """Seconds from each click sent to its return: the first onset within `longest` after it."""
-    trips = []
-    for click in clicks:
-        back = [t - click for t in onsets if 0.0 < t - click < longest]
-        if back:
-            trips.append(min(back))
-    return trips
+def click_trips(sent: Sequence[float], back: Sequence[float], longest_ms: float = 900.0) -> list[tuple[float, float]]:
+    """(when each click went out, its round trip), in ms, for the clicks that came back: the first
+    onset within `longest_ms` after it."""
+    out = []
+    for click in sent:
+        came = [t - click for t in back if 0.0 < t - click < longest_ms]
+        if came:
+            out.append((click, min(came)))
+    return out
 
 
 INBOUND_BYTES = """

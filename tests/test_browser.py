@@ -93,8 +93,11 @@ def test_a_call_in_chromium(mode, request, mic_wav, tmp_path):
                                timeout=5_000)
         figures = page.locator("#call-figures").inner_text()
         assert figures.startswith("This call first sound after"), figures
-        page.wait_for_function("document.querySelector('#call-figures').innerText.includes('latency')",
+        page.wait_for_function("document.querySelector('#call-figures').innerText.includes('share')",
                                timeout=5_000)  # once the room has answered the caller's audio
+        # The round trip as this caller lives it: the server's part plus this browser's own buffer.
+        page.wait_for_function("/round trip \\d+ ms \\(browser buffer \\d+ ms\\)/"
+                               ".test(document.querySelector('#call-figures').innerText)", timeout=20_000)
         page.screenshot(path=str(ARTIFACTS / f"browser-call{shot}.png"), full_page=True)
         stop_call(page)
         stopped = time.monotonic()

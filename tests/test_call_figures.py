@@ -60,7 +60,10 @@ def test_the_page_line_changes_at_once_for_the_first_sound_then_at_most_every_fe
     f.output(out(LOUD), 1.5)
     assert f.due(1.5) == "**This call** first sound after 1.50 s"
     f.output(out(LOUD, latency=0.1), 1.6)
-    assert f.due(1.6).startswith("**This call** first sound after 1.50 s · latency 100 ms")  # a new figure
+    # A new figure: the round trip as the server sees it (the model's 160 ms and the room's 100 ms;
+    # the page adds its browser's buffer in place of the last words), and the room's share.
+    assert f.due(1.6).startswith("**This call** first sound after 1.50 s · round trip 260 ms + browser buffer · "
+                                 "the room's share 100 ms")
     f.output(out(LOUD, latency=0.3), 2.0)
     assert f.due(2.0) is None  # changed, but not due yet
     later = 1.6 + FIGURES_SECONDS
@@ -80,7 +83,7 @@ class FakePC:
 def test_packet_counts_come_from_the_peer_connection_both_ways():
     stats = [SimpleNamespace(type="inbound-rtp", kind="audio", packetsReceived=990, packetsLost=10),
              SimpleNamespace(type="outbound-rtp", kind="audio", packetsSent=500),
-             SimpleNamespace(type="remote-inbound-rtp", kind="audio", packetsLost=5),
+             SimpleNamespace(type="remote-inbound-rtp", kind="audio", packetsLost=5, roundTripTime=0.03),
              SimpleNamespace(type="transport", packetsSent=1, packetsReceived=1)]
     counts = asyncio.run(read_packets(FakePC(stats)))
     assert (counts.received, counts.lost_in, counts.sent, counts.lost_out) == (990, 10, 500, 5)
@@ -91,3 +94,6 @@ def test_packet_counts_come_from_the_peer_connection_both_ways():
     f.mark("live", 0.0)
     f.packets = counts
     assert "1.0 % packets lost in · 1.0 % packets lost out" in f.line()
+    f.output(out(LOUD, latency=0.02), 1.0)
+    assert "round trip 210 ms + browser buffer" in f.line()  # 160 + 20 + the network's 30 ms
+    assert f.as_dict()["round_trip_ms"] == {"server_side": 210.0, "model_floor": 160.0, "network": 30.0}

@@ -53,7 +53,7 @@ async def talk(call, seconds: float) -> list:
     t0 = time.monotonic()
     n = 0
     while time.monotonic() - t0 < seconds:
-        call.push_frame(TONE)
+        call.push_audio(TONE)
         n += 1
         while (out := await call.next_output(timeout=max(0.0, t0 + n * 0.08 - time.monotonic()))) is not None:
             outs.append(out)
@@ -74,7 +74,7 @@ async def test_a_remote_call_talks_queues_refuses_and_frees_its_slot(runtimes, t
         await call.wait_live(10)
         assert call.slot == 0 and 59 < call.time_left() <= 60
         with pytest.raises(AudioFormatError):
-            call.push_frame(np.zeros(100, np.int16))
+            call.push_audio(np.zeros(100, np.int32))  # not 16-bit or float samples
         outs = await talk(call, 2.0)
         assert len(outs) >= 8 and all(o.pcm.shape == (1920,) and o.pcm.dtype == np.float32 for o in outs)
         assert "".join(o.text for o in outs)  # the tiny model babbles
@@ -128,7 +128,7 @@ async def test_the_router_fills_free_slots_on_every_engine_before_queueing(runti
         assert (room.slots_total, room.slots_live, room.queue_length) == (2, 2, 1)
         assert [s["name"] for s in router.engine_status()] == ["e0", "e1"]
         for call in calls[:2]:
-            call.push_frame(TONE)
+            call.push_audio(TONE)
         await asyncio.sleep(0.7)
         assert ticks and all(seconds > 0 for seconds, _ in ticks) and any(latencies for _, latencies in ticks)
         for call in calls:

@@ -189,7 +189,7 @@ def talk(pool: SlotPool, calls, turns: int) -> None:
     for _ in range(turns):
         for call in calls:
             if call.state == "live":
-                call.push_frame(frame(0.1))
+                call.push_audio(frame(0.1))
         run_for(pool, 1)
 
 

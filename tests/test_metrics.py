@@ -53,8 +53,8 @@ async def test_metrics_during_and_after_calls(runtime):
             await asyncio.gather(a.wait_live(10), b.wait_live(10))
             frame = (0.1 * np.sin(np.arange(1920) / 10)).astype(np.float32)
             for _ in range(25):  # 2 s of microphone audio for each call, in real time
-                a.push_frame(frame)
-                b.push_frame(frame)
+                a.push_audio(frame)
+                b.push_audio(frame)
                 await asyncio.sleep(0.08)
                 while await a.next_output(0) is not None or await b.next_output(0) is not None:
                     pass

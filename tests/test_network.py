@@ -25,11 +25,14 @@ import pytest
 from . import netns
 from .browser_support import (
     ARTIFACTS,
+    CALL_TIMING,
     CHROMIUM,
+    CLICK_ROUND_TRIP,
     INBOUND_BYTES,
     RECORD_PCS,
     SELECTED_ROUTE,
     chromium,
+    click_trips,
     launched_app,
     make_mic_wav,
     missing_tools,
@@ -119,13 +122,14 @@ def turn_side(tmp_path_factory):
             turn.stop()
 
 
-def hosted_app(link: netns.Link, work: Path, cache_dir: Path, turn_port: int = 3478):
+def hosted_app(link: netns.Link, work: Path, cache_dir: Path, turn_port: int = 3478, entry: str = "app.py"):
     """The app on the server side, with that TURN server and relay-only ICE on both ends."""
     ice_servers = [{"urls": f"turn:{link.server_ip}:{turn_port}?transport=udp", "username": TURN_USER,
                     "credential": TURN_PASSWORD}]
     env = {"PERSONAPLEX_ICE_SERVERS": json.dumps(ice_servers), "PERSONAPLEX_ICE_RELAY_ONLY": "1"}
     return launched_app(work, cache_dir, args=["--slots", "1"], env=env, host=link.server_ip,
-                        prefix=link.exec_prefix(link.server_ns), call=link.in_server_ns, loopback=False)
+                        prefix=link.exec_prefix(link.server_ns), call=link.in_server_ns, loopback=False,
+                        entry=entry)
 
 
 def caller_browser(link: netns.Link, app, mic: Path, user_dir: Path):
@@ -194,10 +198,13 @@ def test_a_call_over_a_lossy_jittery_link(turn_side, tiny_cache_dir, tmp_path):
                                   enter=lambda: netns.enter_namespace(link.server_ns))
     forwarder.start()
     try:
-        with hosted_app(link, tmp_path / "app", tiny_cache_dir, FORWARDER_PORT) as app, \
+        # The loopback engine (each caller hears their own microphone one step later) and a
+        # microphone of clicks, so that the round trip can be followed through the losses.
+        with hosted_app(link, tmp_path / "app", tiny_cache_dir, FORWARDER_PORT, entry="bench/loopback_app.py") as app, \
                 caller_browser(link, app, mic, tmp_path / "udd") as ctx:
             page = ctx.new_page()
-            page.add_init_script(RECORD_PCS)
+            for script in (RECORD_PCS, CALL_TIMING, CLICK_ROUND_TRIP):
+                page.add_init_script(script)
             page.goto(app.base_url + "/", wait_until="networkidle")
             start_call(page, timeout_ms=30_000)
             page.wait_for_function("document.querySelector('#status-line').innerText.startsWith('Live')",
@@ -211,6 +218,7 @@ def test_a_call_over_a_lossy_jittery_link(turn_side, tiny_cache_dir, tmp_path):
                 if not scraped and time.monotonic() - began > CALL_SECONDS / 2:
                     scraped = app.metrics()  # scraped during the call
             samples = page.evaluate("clearInterval(window.__sampler), window.__audio")
+            trips = click_trips(page.evaluate("window.__clickSent"), page.evaluate("window.__clickBack"))
             assert page.evaluate("window.__pcs.at(-1).connectionState") == "connected"
             status = app.status()
             stop_call(page)
@@ -225,10 +233,12 @@ def test_a_call_over_a_lossy_jittery_link(turn_side, tiny_cache_dir, tmp_path):
     assert status["calls_ended"].get("idle", 0) == 0, status["calls_ended"]
 
     coverage, lost, concealed = audio_coverage(samples)
+    windows = trip_windows(trips)
     report = (f"{NETEM} ({'tc netem' if kernel_netem else 'UDP forwarder'}): agent audio in {coverage:.1%} of "
               f"200 ms windows, {lost:.1%} packets lost, {concealed:.1%} of playout concealed; pool underruns "
               f"{status['underruns']}, input drops {status['input_drops']}; tick mean "
-              f"{status['realtime_factor']:.2f} of the budget, resyncs {status['resyncs']}")
+              f"{status['realtime_factor']:.2f} of the budget, resyncs {status['resyncs']}; round trip p50 by "
+              f"5 s of the call (ms): {', '.join(f'{w:.0f}' for w in windows)} ({len(trips)} clicks back)")
     (work / "netem-report.txt").write_text(report + "\n" + shaping)
     (work / "netem-samples.json").write_text(json.dumps(samples))
     print(report)
@@ -245,8 +255,25 @@ def test_a_call_over_a_lossy_jittery_link(turn_side, tiny_cache_dir, tmp_path):
         # A host that cannot tick even one call in real time (several times slower than these
         # machines, or busy): the call still holds and the agent's audio keeps coming.
         assert coverage >= 0.5, report
+    # The round trip through the losses: it does not settle further behind as losses add up (a
+    # receiver stuck behind a lost packet added 560 ms). The browser's own jitter buffer moves it
+    # by a hundred milliseconds or so on such a link, both ways.
+    assert len(trips) >= CALL_SECONDS // 2 and len(windows) >= 4, report
+    half = len(windows) // 2
+    assert sorted(windows[half:])[len(windows[half:]) // 2] <= max(windows[:half]) + 100, report
     assert re.search(r"^personaplex_slots_live 1\.0$", scraped, re.M), scraped[:2000]
     assert re.search(r"^personaplex_frame_latency_seconds_count [1-9]", scraped, re.M)
+
+
+def trip_windows(trips: list[tuple[float, float]], seconds: float = 5.0) -> list[float]:
+    """The median round trip (ms) of the clicks in each `seconds` of the call, in order."""
+    if not trips:
+        return []
+    start = trips[0][0]
+    windows: dict[int, list[float]] = {}
+    for sent, trip in trips:
+        windows.setdefault(int((sent - start) / 1000 / seconds), []).append(trip)
+    return [sorted(w)[len(w) // 2] for _, w in sorted(windows.items())]
 
 
 def audio_coverage(samples: list) -> tuple[float, float, float]:

@@ -55,6 +55,7 @@ class FakeEngine:
         self.ended: list[int] = []
         self.steps = 0
         self.step_times: list[float] = []
+        self.inputs: list[np.ndarray] = []  # every step's input, [batch, FRAME]
         self.threads: set[int] = set()
         self.cached: set[tuple[str, str]] | None = None  # None: every prompt is in the prefix cache
 
@@ -93,6 +94,7 @@ class FakeEngine:
         assert pcm.shape == (self.batch_size, FRAME) and pcm.dtype == np.float32
         self.steps += 1
         self.step_times.append(self.clock.monotonic())
+        self.inputs.append(pcm.copy())
         if self.on_step is not None:
             self.on_step(self.steps)
         self.clock.sleep(self.step_seconds + self.step_delays.get(self.steps, 0.0))
@@ -246,8 +248,8 @@ def test_routing_latency_and_underruns():
     a, b, c = (pool.admit("NATF0", "p") for _ in range(3))
     pool.tick_once()  # all three prefilled and live
     clock.advance(0.010)
-    a.push_frame(frame(7))
-    c.push_frame(frame(9))
+    a.push_audio(frame(7))
+    c.push_audio(frame(9))
     clock.advance(0.020)
     pool.tick_once()
 
@@ -268,40 +270,45 @@ def test_routing_latency_and_underruns():
 
 
 def test_input_backlog_drops_the_oldest_frames():
-    pool, _, _ = make(batch=1, input_buffer_frames=25)
+    pool, _, _ = make(batch=1, input_buffer_seconds=2.0)
     a = live_call(pool)
     for k in range(30):
-        a.push_frame(frame(k))
+        a.push_audio(frame(k))
     assert pool.snapshot().input_drops == 5 and a.counters.input_drops == 5
     pool.tick_once()
     pool.tick_once()
     assert [o.pcm[1] for o in drain(a)] == [5, 6]
 
 
-def test_push_frame_formats_and_states():
+def test_push_audio_formats_and_states():
     pool, _, _ = make(batch=1)
     early = pool.admit("NATF0", "p")
-    early.push_frame(frame(1))  # not live yet: dropped, not an error
+    early.push_audio(frame(1))  # not live yet: dropped, not an error
     assert early.counters.frames_pushed == 0
     pool.tick_once()
 
-    early.push_frame(np.full(FRAME, 16384, dtype=np.int16))
+    early.push_audio(np.full(FRAME, 16384, dtype=np.int16))
     pool.tick_once()
     (out,) = drain(early)
     assert out.pcm[1] == pytest.approx(0.5)
-    with pytest.raises(AudioFormatError, match="1920 samples"):
-        early.push_frame(np.zeros(960, dtype=np.int16))
+    with pytest.raises(AudioFormatError, match="1 to 24000 samples"):
+        early.push_audio(np.zeros(0, dtype=np.int16))
+    with pytest.raises(AudioFormatError, match="1 to 24000 samples"):
+        early.push_audio(np.zeros(24001, dtype=np.int16))
+    with pytest.raises(AudioFormatError, match="mono"):
+        early.push_audio(np.zeros((2, 960), dtype=np.int16))
     with pytest.raises(AudioFormatError, match="int16 or float32"):
-        early.push_frame(np.zeros(FRAME, dtype=np.int32))
-    early.push_frame(np.zeros((1, FRAME), dtype=np.float64))  # any float, any shape of 1920 samples
-    assert early.counters.frames_pushed == 2
+        early.push_audio(np.zeros(FRAME, dtype=np.int32))
+    early.push_audio(np.zeros((1, FRAME), dtype=np.float64))  # any float, any one-channel shape
+    early.push_audio(np.zeros(7, dtype=np.int16))  # any length: the room cuts the frames
+    assert early.counters.frames_pushed == 3
 
 
 def test_slow_consumer_loses_oldest_outputs_and_never_blocks_the_ticker():
     pool, engine, clock = make(batch=1, output_queue_frames=50)
     a = live_call(pool)
     for k in range(60):
-        a.push_frame(frame(k))
+        a.push_audio(frame(k))
         pool.tick_once()
         clock.advance(0.08)
     assert engine.steps == 60
@@ -365,14 +372,14 @@ def test_far_behind_resynchronises_and_cuts_the_backlog():
     def feed(step: int) -> None:  # the caller keeps sending while the ticker is stuck
         if step == 3:
             for k in range(20):
-                a.push_frame(frame(k))
+                a.push_audio(frame(k))
 
     engine.on_step = feed
     run_for(pool, 6)
     assert engine.step_times == pytest.approx([0.02, 0.10, 0.18, 1.68, 1.76])
     m = pool.snapshot()
-    assert (m.overruns, m.resyncs, m.input_drops) == (1, 1, 18)
-    assert [o.pcm[1] for o in drain(a)][-2:] == [18, 19]  # the newest two frames were kept
+    assert (m.overruns, m.resyncs, m.input_drops) == (1, 1, 19)
+    assert [o.pcm[1] for o in drain(a)][-2:] == [19, 0]  # the newest frame was kept, then nothing came
 
 
 # ---- limits -------------------------------------------------------------------------------------
@@ -383,7 +390,7 @@ def test_idle_release_after_two_seconds_without_input():
     a = live_call(pool)
     clock.advance(1.9)
     pool.tick_once()
-    a.push_frame(frame(1))  # t = 1.9
+    a.push_audio(frame(1))  # t = 1.9
     clock.advance(1.99)
     pool.tick_once()
     assert a.state == "live"
@@ -428,7 +435,7 @@ def test_exception_in_one_tick_ends_those_calls_and_the_pool_keeps_serving(caplo
     assert len(errors) == 1 and errors[0].exc_info is not None
     assert (waiting.state, waiting.slot) == ("live", 0)  # the freed slot went to the queue's head
 
-    waiting.push_frame(frame(3))
+    waiting.push_audio(frame(3))
     pool.tick_once()
     (out,) = drain(waiting)
     assert out.pcm[1] == 3
@@ -496,7 +503,7 @@ def test_double_release_frees_once():
 def test_shutdown_ends_everything_and_refuses_new_calls():
     pool, engine, _ = make(batch=1)
     a = live_call(pool)
-    a.push_frame(frame(1))
+    a.push_audio(frame(1))
     pool.tick_once()
     q = pool.admit("NATF0", "p")
     pool.shutdown()
@@ -540,7 +547,7 @@ def test_awaiting_never_blocks_the_loop_and_wakes_across_threads():
 
         def ticker_side() -> None:  # another thread produces the output the loop is awaiting
             time.sleep(0.05)
-            a.push_frame(frame(4))
+            a.push_audio(frame(4))
             pool.tick_once()
 
         threading.Thread(target=ticker_side).start()
@@ -609,7 +616,7 @@ def test_real_clock_several_callers_no_leak_and_audio_every_live_tick():
         start = loop.time()
         k = 0
         while loop.time() - start < talk_seconds:
-            call.push_frame(frame(k))
+            call.push_audio(frame(k))
             k += 1
             await asyncio.sleep(max(0.0, start + k * 0.08 - loop.time()))
         call.release()

@@ -11,7 +11,6 @@ from av import AudioFrame
 
 from personaplex_demo.rtc.audio import (
     PACKET_MS,
-    PREFETCH_MS,
     answering_with_packet_time,
     make_encoder_class,
     make_jitter_buffer_class,
@@ -33,9 +32,10 @@ def test_packets_carry_40_ms_and_decode_to_the_same_tone():
         frame = AudioFrame.from_ndarray(np.repeat(mono, 2).reshape(1, -1), format="s16", layout="stereo")
         frame.sample_rate, frame.pts, frame.time_base = 24000, n * step, fractions.Fraction(1, 24000)
         payloads, timestamp = encoder.encode(frame)
+        assert len(payloads) == 1, n  # each 40 ms is a packet at once: nothing waits for the next frame
         packets += payloads
         stamps += [timestamp] * len(payloads)
-    assert 48 <= len(packets) <= 50  # one packet per 40 ms (the resampler holds back a few samples)
+    assert stamps[0] == 0
     assert set(np.diff(stamps)) == {48000 * PACKET_MS // 1000}  # RTP timestamps advance 40 ms a packet
     frames = [f for p, ts in zip(packets, stamps) for f in decoder.decode(JitterFrame(data=p, timestamp=ts))]
     assert {f.samples for f in frames} == {48000 * PACKET_MS // 1000}
@@ -138,44 +138,55 @@ def test_install_makes_the_sender_use_the_numpy_level():
         rtp.compute_audio_level_dbov = before
 
 
-def _held_back_ms(buffer_class, packet_ms: int, packets: int = 12) -> list[int]:
-    """Feed `packets` RTP packets of `packet_ms` each into an audio jitter buffer built as
-    aiortc's receiver builds it; for each frame that comes out, how much later audio had arrived."""
+def _released(buffer, seqs: list[int], step: int = 48 * PACKET_MS) -> list[int]:
+    """Feed RTP packets with these sequence numbers (timestamps to match) into an audio jitter
+    buffer built as aiortc's receiver builds it; after each one, the sequence numbers of the
+    packets released, -1 for none."""
     from aiortc.rtp import RtpPacket
 
-    buffer, step, out = buffer_class(capacity=16, prefetch=4), 48 * packet_ms, []
-    for n in range(packets):
-        packet = RtpPacket(payload_type=111, sequence_number=1000 + n, timestamp=7 + n * step, payload=b"\x01")
+    out = []
+    for seq in seqs:
+        packet = RtpPacket(payload_type=111, sequence_number=seq & 0xFFFF, timestamp=(7 + seq * step) & 0xFFFFFFFF,
+                           payload=b"\x01")
         packet._data = packet.payload  # what aiortc's receiver does after depacketizing
         _, frame = buffer.add(packet)
-        if frame is not None:
-            out.append((n * step - frame.timestamp + 7) // 48)
+        out.append(-1 if frame is None else ((frame.timestamp - 7) // step) & 0xFFFF)
     return out
 
 
-def test_the_callers_audio_is_held_back_80_ms_whatever_the_packet_length():
+def test_the_callers_packets_are_released_as_they_arrive_and_a_loss_holds_nothing_back():
     from aiortc.jitterbuffer import JitterBuffer
 
-    timed = make_jitter_buffer_class()
-    # aiortc holds back 4 packets: 80 ms at WebRTC's usual 20 ms, but 160 ms at the 40 ms asked for.
-    assert set(_held_back_ms(JitterBuffer, 20)) == {80} and set(_held_back_ms(JitterBuffer, 40)) == {160}
-    for packet_ms in (20, 40, 80):
-        held = _held_back_ms(timed, packet_ms)
-        assert set(held) == {PREFETCH_MS}, (packet_ms, held)
-        assert len(held) == 12 - PREFETCH_MS // packet_ms  # every later packet releases one frame
-    assert set(_held_back_ms(timed, 60)) == {120}  # never less than PREFETCH_MS: 2 packets of 60 ms
+    arrival = make_jitter_buffer_class()
+    clean = list(range(1000, 1012))
+    assert _released(arrival(capacity=16, prefetch=4), clean) == clean  # nothing held
+    # aiortc's own holds back 4 packets on a clean link: 160 ms at the 40 ms asked for...
+    assert _released(JitterBuffer(capacity=16, prefetch=4), clean)[:4] == [-1] * 4
+    # ...and after one lost packet it releases nothing until 16 packets wait, then one per arrival:
+    lost = [s for s in range(1000, 1040) if s != 1005]
+    stuck = _released(JitterBuffer(capacity=16, prefetch=4), lost)
+    assert stuck[5:19] == [-1] * 14  # 560 ms without a packet (and the 4 held ones never come out)
+    assert [arrived - out for arrived, out in zip(lost[-10:], stuck[-10:])] == [14] * 10  # 560 ms behind for good
+    assert _released(arrival(capacity=16, prefetch=4), lost) == lost  # here: each one as it arrives
+    # A late packet (after a later one went) is dropped, a repeat too; the numbers wrap at 2**16.
+    assert _released(arrival(capacity=16, prefetch=4), [10, 12, 11, 12, 13]) == [10, 12, -1, -1, 13]
+    assert _released(arrival(capacity=16, prefetch=4), [65534, 65535, 65536, 65537]) == [65534, 65535, 0, 1]
+    # A sender that restarts its numbering far behind is followed, not dropped for ever.
+    assert _released(arrival(capacity=16, prefetch=4), [5000, 5001, 100, 101]) == [5000, 5001, 100, 101]
 
 
-def test_install_gives_receivers_the_timed_jitter_buffer_for_audio_only():
+def test_install_gives_receivers_the_arrival_jitter_buffer_for_audio_only():
     import aiortc.rtcrtpreceiver as receiver
 
     before = receiver.JitterBuffer
     try:
         install_jitter_buffer()
-        timed = receiver.JitterBuffer
+        arrival = receiver.JitterBuffer
         install_jitter_buffer()  # idempotent
-        assert receiver.JitterBuffer is timed and timed is not before
-        assert not timed(capacity=512, is_video=True)._timed and timed(capacity=16, prefetch=4)._timed
+        assert receiver.JitterBuffer is arrival and arrival is not before
+        assert _released(arrival(capacity=16, prefetch=4), [1, 2]) == [1, 2]
+        video = arrival(capacity=512, is_video=True)
+        assert video.add(__import__("aiortc.rtp").rtp.RtpPacket(sequence_number=1))[1] is None  # aiortc's own
     finally:
         receiver.JitterBuffer = before
 
@@ -202,3 +213,103 @@ def test_a_patch_of_another_version_is_named_in_the_log(monkeypatch, caplog):
         assert "aioice 0.13.0 is installed; this app's patches of it were written for 0.0.1" in caplog.text
     finally:
         patches.written_for.cache_clear()
+
+
+def _decoded(seconds: float, packet_ms: int = PACKET_MS, rate: int = 48000):
+    """What aiortc's Opus decoder hands fastrtc: s16 stereo frames of one packet each, with their
+    RTP time (pts, 1/48000 s); a ramp in both channels, so that every sample can be followed."""
+    step = rate * packet_ms // 1000
+    out = []
+    for n in range(int(seconds * 1000 / packet_ms)):
+        ramp = (np.arange(step) + n * step) % 20000
+        frame = AudioFrame.from_ndarray(np.repeat(ramp.astype(np.int16), 2).reshape(1, -1), format="s16",
+                                        layout="stereo")
+        frame.sample_rate, frame.pts, frame.time_base = rate, n * step, fractions.Fraction(1, rate)
+        out.append(frame)
+    return out
+
+
+def test_the_callers_audio_comes_out_of_the_resampler_as_it_goes_in_and_a_lost_packet_keeps_its_place():
+    from av import AudioResampler
+
+    from personaplex_demo.rtc.input_audio import InputResampler
+
+    frames = _decoded(2.0)
+    ours = InputResampler(24000)
+    out = [np.concatenate([f.to_ndarray().reshape(-1) for f in ours.resample(frame)]) for frame in frames]
+    assert out[0].size > 900 and all(o.size == 960 for o in out[1:])  # at once, less the filter's ~16 samples
+    # fastrtc's own (a fixed frame size) holds each packet until the next one is decoded:
+    fixed = AudioResampler(format="s16", layout="mono", rate=24000, frame_size=frames[0].samples // 2)
+    assert [sum(f.samples for f in fixed.resample(frame)) for frame in frames[:3]] == [0, 960, 960]
+    # The same samples as one resampling of the whole, so none dropped or repeated.
+    whole = AudioResampler(format="s16", layout="mono", rate=24000)
+    once = np.concatenate([f.to_ndarray().reshape(-1) for frame in frames for f in whole.resample(frame)])
+    assert np.array_equal(np.concatenate(out), once)
+    # A lost packet: its 40 ms come out as silence, in its place; what follows is on time.
+    lossy = InputResampler(24000)
+    kept = frames[:10] + frames[11:]
+    got = [np.concatenate([f.to_ndarray().reshape(-1) for f in lossy.resample(frame)]) for frame in kept]
+    assert [g.size for g in got[9:11]] == [960, 960 + 960] and not got[10][:960].any()
+    assert lossy.filled_samples == 960 and sum(g.size for g in got) == sum(o.size for o in out)
+    # A pause longer than MAX_FILL_SECONDS (a sender that stopped, a stalled link) is not filled.
+    paused = InputResampler(24000)
+    for frame in frames[:5] + frames[30:]:
+        list(paused.resample(frame))
+    assert paused.filled_samples == 0
+
+
+def test_agent_packets_are_spaced_40_ms_apart_without_an_anchor_a_late_first_frame_sets():
+    """The outgoing track: an engine frame's two packets 40 ms apart, each later frame as it
+    comes. fastrtc's own pacing anchors on the first frame: when the first frames come late and
+    together (a slow first tick, then the catch-up), it paces them out at real time, and every
+    later packet waits behind them for the rest of the call."""
+    import asyncio
+    import time
+
+    from fastrtc.tracks import AudioCallback
+
+    from personaplex_demo.rtc.audio import make_paced_callback_class
+
+    def track(cls):
+        cb = cls.__new__(cls)
+        super(AudioCallback, cb).__init__()  # aiortc's AudioStreamTrack: a live track
+        cb.event_handler = type("Handler", (), {"channel_set": asyncio.Event(), "channel": None,
+                                                 "output_frame_size": 960, "output_sample_rate": 24000})()
+        cb.event_handler.channel_set.set()
+        cb.queue, cb._start, cb.last_timestamp, cb.channel = asyncio.Queue(), None, 0, None
+
+        async def started():
+            return None
+
+        cb.start = started
+        return cb
+
+    def packet(n: int) -> AudioFrame:
+        frame = AudioFrame.from_ndarray(np.zeros((1, 1920), np.int16), format="s16", layout="stereo")
+        frame.sample_rate, frame.pts, frame.time_base = 24000, n * 960, fractions.Fraction(1, 24000)
+        return frame
+
+    async def sent_after_produced(cls) -> list[float]:
+        """Four engine frames (two packets each) at 0.2 s, then one every 80 ms: how long each
+        frame's first packet waited on the track."""
+        cb, begin = track(cls), time.monotonic()
+        produced, waited = [0.2] * 4 + [0.2 + 0.08 * k for k in range(1, 5)], []
+
+        async def engine():
+            for k, at in enumerate(produced):
+                await asyncio.sleep(max(0.0, begin + at - time.monotonic()))
+                cb.queue.put_nowait(packet(2 * k))
+                cb.queue.put_nowait(packet(2 * k + 1))
+
+        feeding = asyncio.create_task(engine())
+        for k in range(len(produced)):
+            await cb.recv()
+            waited.append(time.monotonic() - begin - produced[k])
+            await cb.recv()
+        await feeding
+        return waited
+
+    ours = asyncio.run(sent_after_produced(make_paced_callback_class()))
+    theirs = asyncio.run(sent_after_produced(AudioCallback))
+    assert max(ours) < 0.03, ours  # each frame leaves as it comes (0.03: a loaded host's slack)
+    assert min(theirs[4:]) > 0.2, theirs  # fastrtc's: 240 ms behind the first frames, for good

@@ -15,9 +15,11 @@ class RealtimeConfig:
     max_sockets_per_client: int = 4  # open sockets per client address: one script cannot take the room
     # Audio a client may send ahead of real time; the door hands it to the room at the room's pace.
     input_buffer_seconds: float = 5.0
-    # Frames handed to the room beyond the outputs read back: enough to cover one tick's jitter,
-    # few enough that a client sending faster than real time does not add latency in the room.
-    feed_lead_frames: int = 2
+    # Frames handed to the room beyond the outputs read back. One: each frame reaches the room
+    # right after the tick before the one that takes it (an output is read back at once), so
+    # it waits there no longer than it must, and the room's inbox sees no standing backlog to cut
+    # (serving/inbox.py).
+    feed_lead_frames: int = 1
     # A client that pauses its audio: after `fill_after_seconds` without any the door plays
     # silence into the call (the model keeps listening and answering) for up to
     # `fill_silence_seconds`; then the room's idle release ends the call.

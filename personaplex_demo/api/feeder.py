@@ -53,6 +53,6 @@ class Feeder:
                 if self.in_flight or not filling:
                     return
                 frame = SILENCE
-            call.push_frame(frame)
+            call.push_audio(frame)
             self.in_flight += 1
             self.frames_in += 1

@@ -13,7 +13,7 @@ Three conversations, each over a `channel.Channel` (one pickled batch per write)
         main -> worker     Offer, Input, RecordingQuery, Relink, Stop
         worker -> main     WorkerReady, Reply, Outputs, Closed, Waiting
 
-A receiver matches on the type (`match message: case Push(rid=rid, frame=frame): ...`), never on a
+A receiver matches on the type (`match message: case Push(rid=rid, samples=samples): ...`), never on a
 position. The records hold plain values and numpy arrays only, so that either side can be another
 version of this code, or later another machine, without sharing any class but these. `rid`
 names a call (or a request) and is chosen by the side that starts it.
@@ -58,7 +58,7 @@ class Start:
 @dataclass(frozen=True, slots=True)
 class Push:
     rid: int
-    frame: np.ndarray  # one input frame [FRAME_SAMPLES], int16 (half the bytes of float32) or float32
+    samples: np.ndarray  # the caller's audio as it arrived (any length), int16 (half the bytes of float32) or float32
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ authkey either way). Each client process (a media
 worker, or the main process when the engines run elsewhere) gets one `channel.Channel`; the
 messages are `messages.py`'s (Start, Push, Release in; Hello, Started, Refused, StateChange, Out,
 RoomFigures out). Frames from a client go straight into the pool from the
-channel's reader thread (`Call.push_frame` is thread-safe and never blocks); one event loop in a
+channel's reader thread (`Call.push_audio` is thread-safe and never blocks); one event loop in a
 thread of its own awaits each call's outputs and state changes and sends them back.
 
 A client that goes away (its process died) has all its calls released: their slots are freed at
@@ -62,9 +62,9 @@ class _Client:
         """The channel's reader thread: frames and releases at once, starts through the pool."""
         for message in batch:
             match message:
-                case msg.Push(rid=rid, frame=frame):
+                case msg.Push(rid=rid, samples=samples):
                     if (call := self.calls.get(rid)) is not None:
-                        self.push(call, frame)
+                        self.push(call, samples)
                 case msg.Release(rid=rid, reason=reason):
                     if (call := self.calls.get(rid)) is not None:
                         call.release(reason)
@@ -75,11 +75,11 @@ class _Client:
                 case _:
                     log.warning("%s: unexpected %s ignored", self.name, type(message).__name__)
 
-    def push(self, call: Call, frame: np.ndarray) -> None:
+    def push(self, call: Call, samples: np.ndarray) -> None:
         try:
-            call.push_frame(frame)
+            call.push_audio(samples)
         except CallerError as exc:
-            log.warning("%s: call %s sent a bad frame (%s); ending it", self.name, call.id, exc)
+            log.warning("%s: call %s sent bad audio (%s); ending it", self.name, call.id, exc)
             call.release(EndReason.error(exc))
 
     def start(self, start: msg.Start) -> None:

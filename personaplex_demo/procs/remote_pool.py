@@ -7,7 +7,7 @@ other processes (`pool_server.PoolServer` serves each):
 - `RemotePool`: one engine's SlotPool, over one `channel.Channel` (an AF_UNIX socket, or TCP
   to an engine on another machine, with an authkey);
 - `RemoteCall`: a call on it, a `CallHandle` (state, queue_position, slot, end_reason,
-  time_left, push_frame, next_output, wait_live, release);
+  time_left, push_audio, next_output, wait_live, release);
 - (`pool_router.PoolRouter` makes several RemotePools one room; to try one engine without
   queueing, it calls that RemotePool's `acquire(..., queue=False)`, as `SlotPool.admit(...,
   queue=False)` does in process.)
@@ -32,9 +32,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import CallerError
-from ..frame import FRAME_SAMPLES
 from ..sampling_params import SamplingParams
-from ..serving.call import CallView, checked_frame
+from ..serving.call import MAX_PUSH_SAMPLES, CallView, checked_audio
 from ..serving.config import PoolConfig
 from ..serving.metrics import PoolMetrics, tell_listeners
 from ..serving.room import (
@@ -81,9 +80,9 @@ class RemoteCall(CallView):
             return None
         return max(0.0, self._deadline - time.monotonic())
 
-    def push_frame(self, frame: np.ndarray) -> None:
-        """Queue one 1920-sample frame for the engine. Dropped unless live; never blocks."""
-        arr = checked_frame(frame, FRAME_SAMPLES)  # sent as it is: int16 is half the bytes of float32
+    def push_audio(self, samples: np.ndarray) -> None:
+        """Send the caller's audio to the engine as it arrived. Dropped unless live; never blocks."""
+        arr = checked_audio(samples, MAX_PUSH_SAMPLES)  # sent as it is: int16 is half the bytes of float32
         if self.state != CallState.LIVE:
             return
         self.frames_pushed += 1

@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..frame import FRAME_SAMPLES
 from ..sampling_params import SamplingParams
-from ..serving.call import checked_frame
+from ..serving.call import MAX_PUSH_SAMPLES, checked_audio
 from ..serving.headroom import WAIT_SLOTS
 from ..serving.room import CallEnded, CallState, EndReason, SlotOutput
 
@@ -86,11 +85,11 @@ class RoutedCall:
 
     # ---- the door's side -----------------------------------------------------------------------
 
-    def push_frame(self, frame: np.ndarray) -> None:
+    def push_audio(self, samples: np.ndarray) -> None:
         if self.inner is not None:
-            self.inner.push_frame(frame)
+            self.inner.push_audio(samples)
         else:
-            checked_frame(frame, FRAME_SAMPLES)  # a bad frame is the caller's error at any time
+            checked_audio(samples, MAX_PUSH_SAMPLES)  # bad audio is the caller's error at any time
 
     def time_left(self) -> float | None:
         return self.inner.time_left() if self.inner is not None else None

@@ -1,4 +1,5 @@
-"""Audio on the wire in 40 ms Opus packets instead of WebRTC's usual 20 ms, both ways.
+"""Audio on the wire in 40 ms Opus packets instead of WebRTC's usual 20 ms, both ways, and
+nothing held on the way that need not be.
 
 Every outgoing packet costs the one event loop that all callers share a fixed amount of work
 besides the codec itself: fastrtc's real-time pacing wakes up once per frame, aiortc hands each
@@ -7,15 +8,27 @@ frame to a thread-pool executor to encode and back, computes its audio level, en
 produces audio in 80 ms frames anyway, so 40 ms packets halve that work and add no delay: the
 whole 80 ms frame is there at once, and a 40 ms packet leaves as soon as its 40 ms are paced
 out. Browsers decode any Opus frame length (RFC 6716); the codec is still libopus through PyAV,
-as in aiortc, with aiortc's own settings but for the frame length.
+as in aiortc, with aiortc's own settings but for the frame length. The caller's side costs the
+same per packet; `a=ptime:40` in the SDP answer asks the browser for 40 ms packets, and Chromium
+honours it.
 
-The caller's side costs the same per packet (decrypting, a hop to aiortc's decoder thread and
-back, fastrtc's resampler, a `receive` call). `a=ptime:40` in the SDP answer asks the browser for
-40 ms packets, and Chromium honours it. An engine frame (80 ms) is complete when its last packet
-arrives, whatever the packet length. aiortc's receiver, though, holds back 4 packets in its audio
-jitter buffer before it decodes one, which is 80 ms at 20 ms a packet but 160 ms at 40 ms: the
-receivers here hold back `PREFETCH_MS` of audio instead (`TimedJitterBuffer`), whatever the
-packet length, so the longer packets add no delay.
+Three holds of aiortc 1.16 and fastrtc 0.0.34 are gone (docs/serving.md § Latency budget):
+
+- **The receiver's jitter buffer** (aiortc's `JitterBuffer`: 4 packets held back, released one
+  per arriving packet, and after a loss stuck ~14 packets behind for the rest of the call).
+  `ArrivalJitterBuffer` releases each audio packet the moment it arrives, in order, and drops one
+  that comes after a later one was released. Jitter is absorbed once, where the frames are cut
+  (serving/inbox.py: a margin that follows the call's measured jitter and shrinks back), and a
+  lost packet's hole is filled with silence of its length (rtc/input_audio.py).
+- **The encoder's resampler** (aiortc's `OpusEncoder` converts to 48 kHz with a fixed frame size,
+  and libswresample's filter then keeps one whole packet waiting). `PacketOpusEncoder` hands
+  libopus the frames at their own rate (24 kHz is one of Opus's input rates; the packets and the
+  RTP clock are 48 kHz whatever the input), so each 40 ms of audio is a packet at once.
+- **fastrtc's output pacing** (`AudioCallback.recv` releases each frame against the wall-clock
+  time of the call's first one, forever: a first frame that came late delays every later one).
+  `PacedAudioCallback` spaces the two packets of an engine frame 40 ms apart and otherwise
+  releases a packet as soon as it is there; a backlog (after a stall) goes out at once and the
+  browser's own jitter buffer, which adapts, takes it up.
 
 aiortc also measures every outgoing frame's audio level (the RTP header extension browsers use
 to show who speaks) in a Python loop over the samples: about a tenth of the event loop's busy
@@ -33,8 +46,10 @@ log = logging.getLogger(__name__)
 
 PACKET_MS = 40
 OPUS_RATE = 48000  # Opus on the wire is always 48 kHz (RTP clock)
-# What aiortc's audio jitter buffer holds back at WebRTC's usual packet length: 4 packets of 20 ms.
-PREFETCH_MS = 80
+OPUS_INPUT_RATES = (8000, 12000, 16000, 24000, 48000)  # what libopus encodes without resampling
+# aiortc's receivers drop a packet older than the last one released by more than this many
+# (its MAX_MISORDER): beyond it, the sender's numbering restarted.
+RESTART_DISTANCE = 100
 
 
 def output_frame_samples(sample_rate: int) -> int:
@@ -83,17 +98,50 @@ def answering_with_packet_time(handle_offer):
 
 
 def make_encoder_class():
+    import fractions
+
     from aiortc.codecs.opus import OpusEncoder
-    from av import AudioResampler
+    from av import AudioFifo, AudioResampler, CodecContext
 
     class PacketOpusEncoder(OpusEncoder):
-        """aiortc's Opus encoder with `PACKET_MS` frames: one packet per 40 ms of audio."""
+        """aiortc's Opus encoder with `PACKET_MS` packets, encoding at the frames' own rate so that
+        nothing waits in a resampler (the module docstring). Frames at a rate libopus does not
+        take are resampled to 48 kHz, with no fixed frame size either."""
 
         def __init__(self) -> None:
             super().__init__()
-            self.codec.options = {"application": "voip", "frame_duration": str(PACKET_MS)}
-            self.resampler = AudioResampler(format="s16", layout="stereo", rate=OPUS_RATE,
-                                            frame_size=OPUS_RATE * PACKET_MS // 1000)
+            self._fifo: AudioFifo | None = None
+            self._packet_samples = 0
+            self._rtp_per_sample = fractions.Fraction(1)
+            self._packets = 0
+
+        def _open(self, frame) -> None:
+            rate = frame.sample_rate if frame.sample_rate in OPUS_INPUT_RATES else OPUS_RATE
+            layout = "stereo" if frame.layout.name == "stereo" else "mono"
+            codec = CodecContext.create("libopus", "w")
+            codec.bit_rate, codec.format, codec.layout, codec.sample_rate = self.codec.bit_rate, "s16", layout, rate
+            codec.time_base = fractions.Fraction(1, rate)
+            codec.options = {"application": "voip", "frame_duration": str(PACKET_MS)}
+            self.codec = codec
+            self.resampler = AudioResampler(format="s16", layout=layout, rate=rate)  # format only at that rate
+            self._fifo = AudioFifo()
+            self._packet_samples = rate * PACKET_MS // 1000
+            self._rtp_per_sample = fractions.Fraction(OPUS_RATE, rate)
+
+        def encode(self, frame, force_keyframe: bool = False) -> tuple[list[bytes], int | None]:
+            if self._fifo is None:
+                self._open(frame)
+            for converted in self.resampler.resample(frame):
+                converted.pts = None  # the FIFO cuts packets; their RTP times are counted below
+                self._fifo.write(converted)
+            payloads: list[bytes] = []
+            first = self._packets
+            while self._fifo.samples >= self._packet_samples:
+                payloads += [bytes(p) for p in self.codec.encode(self._fifo.read(self._packet_samples))]
+                self._packets += 1
+            if not payloads:
+                return [], None
+            return payloads, int(first * self._packet_samples * self._rtp_per_sample)
 
     return PacketOpusEncoder
 
@@ -113,34 +161,77 @@ def audio_level_dbov(frame) -> int:
     return -127
 
 
-def prefetch_packets(packet_samples: int) -> int:
-    """Packets to hold back so that they cover `PREFETCH_MS` of audio: 4 of 20 ms, 2 of 40 ms."""
-    return max(1, -(-OPUS_RATE * PREFETCH_MS // 1000 // packet_samples))
-
-
 def make_jitter_buffer_class():
-    from aiortc.jitterbuffer import JitterBuffer
+    from aiortc.jitterbuffer import JitterBuffer, JitterFrame
+    from aiortc.utils import uint16_add
 
-    class TimedJitterBuffer(JitterBuffer):
-        """aiortc's jitter buffer, holding back `PREFETCH_MS` of audio rather than 4 packets.
-
-        The packet length is read off the RTP timestamps of consecutive packets (48 kHz clock),
-        so a browser that ignores `a=ptime` still gets aiortc's usual 80 ms. Video buffers (no
-        prefetch) are aiortc's own."""
+    class ArrivalJitterBuffer(JitterBuffer):
+        """aiortc's jitter buffer for video; for audio, each packet released as it arrives (the
+        module docstring). A packet older than one already released is dropped: its place on
+        the timeline has been filled with silence (rtc/input_audio.py)."""
 
         def __init__(self, capacity: int, prefetch: int = 0, is_video: bool = False) -> None:
             super().__init__(capacity, prefetch, is_video)
-            self._timed = prefetch > 0 and not is_video
-            self._last_timestamp: int | None = None
+            self._last: int | None = None  # sequence number of the last packet released
 
         def add(self, packet):
-            if self._timed:
-                if self._last_timestamp is not None:
-                    step = (packet.timestamp - self._last_timestamp) & 0xFFFFFFFF
-                    # Opus packets carry 2.5 to 120 ms; anything else is a loss or reordering.
-                    if 0 < step <= OPUS_RATE * 120 // 1000:
-                        self._prefetch = prefetch_packets(step)
-                self._last_timestamp = packet.timestamp
-            return super().add(packet)
+            if self._is_video:
+                return super().add(packet)
+            seq = packet.sequence_number
+            if self._last is not None:
+                behind = uint16_add(self._last, -seq)
+                if behind < RESTART_DISTANCE and uint16_add(seq, -self._last) >= 0x8000 or seq == self._last:
+                    return False, None  # late or repeated
+            self._last = seq
+            if not packet._data:
+                return False, None
+            return False, JitterFrame(data=packet._data, timestamp=packet.timestamp)
 
-    return TimedJitterBuffer
+    return ArrivalJitterBuffer
+
+
+def make_paced_callback_class():
+    import asyncio
+    import time
+
+    from aiortc.mediastreams import MediaStreamError
+    from fastrtc.tracks import AudioCallback, CloseStream
+    from fastrtc.utils import create_message, current_channel
+
+    class PacedAudioCallback(AudioCallback):
+        """fastrtc's outgoing audio track, paced without an anchor (the module docstring): a
+        packet waits only for the previous one's 40 ms, and only while nothing queues behind it."""
+
+        _next_due: float | None = None
+        _peeked = None  # a frame that came in while the one before it waited its turn
+
+        async def recv(self):  # the preamble is fastrtc 0.0.34's own
+            try:
+                if self.readyState != "live":
+                    raise MediaStreamError
+                if not self.event_handler.channel_set.is_set():
+                    await self.event_handler.channel_set.wait()
+                if current_channel.get() != self.event_handler.channel:
+                    current_channel.set(self.event_handler.channel)
+                await self.start()
+                frame, self._peeked = (self._peeked if self._peeked is not None else await self.queue.get()), None
+                if isinstance(frame, CloseStream):
+                    self.channel.send(create_message("end_stream", frame.msg))
+                    self.stop()
+                    raise MediaStreamError  # the sender stops here, as it did on fastrtc's None
+                now = time.monotonic()
+                if self._next_due is not None and now < self._next_due and self.queue.empty():
+                    try:  # wait for its turn, unless more audio comes meanwhile: then it is a backlog
+                        self._peeked = await asyncio.wait_for(self.queue.get(), self._next_due - now)
+                    except TimeoutError:
+                        pass
+                    now = time.monotonic()
+                self._next_due = now + frame.samples / frame.sample_rate
+                return frame
+            except MediaStreamError:
+                raise
+            except Exception as exc:  # fastrtc logs it and its sender stops; say so, then stop
+                log.warning("outgoing audio stopped: %s", exc, exc_info=True)
+                raise MediaStreamError from exc
+
+    return PacedAudioCallback

@@ -2,9 +2,10 @@
 written for.
 
 They replace a module attribute or a setting that the library looks up at run time, so that the
-app needs no fork: aiortc's Opus encoder, audio level and jitter buffer (rtc/audio.py says why),
-aioice's host addresses and consent checks, Gradio's record of past events, and the offer handling
-of fastrtc's WebRTC component (one instance at a time, never its class). Each one first
+app needs no fork: aiortc's Opus encoder, audio level and jitter buffer, fastrtc's outgoing audio
+track (rtc/audio.py says why), aioice's host addresses and consent checks, Gradio's record of past
+events, and the offer handling of fastrtc's WebRTC component (one instance at a time, never its
+class). Each one first
 asks `written_for`, which logs a warning when the installed version is not the one the patch was
 read against: the patch still applies (each checks that what it replaces is there), but its
 premise is then unchecked, and tests/test_rtc_audio.py and tests/test_gradio_queue.py are the
@@ -20,11 +21,11 @@ from typing import Any
 
 from .audio import (
     PACKET_MS,
-    PREFETCH_MS,
     answering_with_packet_time,
     audio_level_dbov,
     make_encoder_class,
     make_jitter_buffer_class,
+    make_paced_callback_class,
 )
 
 log = logging.getLogger(__name__)
@@ -89,18 +90,33 @@ def install_packet_encoder() -> None:
 
 
 def install_jitter_buffer() -> None:
-    """Make aiortc's receivers in this process use `TimedJitterBuffer`. Idempotent.
+    """Make aiortc's receivers in this process use `ArrivalJitterBuffer`. Idempotent.
 
     aiortc's `RTCRtpReceiver` builds its jitter buffer from the name `JitterBuffer` in its own
     module, once per receiver."""
     import aiortc.rtcrtpreceiver as receiver
 
-    written_for("aiortc")
-    if getattr(receiver.JitterBuffer, "prefetch_ms", None) == PREFETCH_MS:
+    _replace_class(receiver, "JitterBuffer", "aiortc", make_jitter_buffer_class)
+
+
+def install_output_pacing() -> None:
+    """Make fastrtc's connections in this process send audio through `PacedAudioCallback`.
+    Idempotent. fastrtc builds each connection's outgoing track from the name `AudioCallback` in
+    its `webrtc_connection_mixin` module."""
+    import fastrtc.webrtc_connection_mixin as mixin
+
+    _replace_class(mixin, "AudioCallback", "fastrtc", make_paced_callback_class)
+
+
+def _replace_class(module: Any, name: str, package: str, make: Any) -> None:
+    """`module.<name>` (a class of `package` that the library looks up there at run time) replaced
+    by the subclass `make()` returns; once only."""
+    written_for(package)
+    if getattr(getattr(module, name), "patched_here", False):
         return
-    buffer_class = make_jitter_buffer_class()
-    buffer_class.prefetch_ms = PREFETCH_MS
-    receiver.JitterBuffer = buffer_class
+    cls = make()
+    cls.patched_here = True
+    setattr(module, name, cls)
 
 
 # ---- fastrtc (one component or host instance, never the class) -----------------------------------

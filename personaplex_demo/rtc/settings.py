@@ -15,9 +15,16 @@ def loopback_requested() -> bool:
 
 def apply_media_settings(loopback: bool) -> None:
     """The app's WebRTC settings, in every process that holds peers (rtc/patches.py)."""
-    from .patches import install_audio_level, install_ice_settings, install_jitter_buffer, install_packet_encoder
+    from .patches import (
+        install_audio_level,
+        install_ice_settings,
+        install_jitter_buffer,
+        install_output_pacing,
+        install_packet_encoder,
+    )
 
     install_ice_settings(loopback)
-    install_packet_encoder()  # agent audio in 40 ms Opus packets: half the per-packet work per caller
+    install_packet_encoder()  # agent audio in 40 ms Opus packets, each encoded as soon as its audio is there
     install_audio_level()  # each packet's RTP audio level, the same value without a Python loop
-    install_jitter_buffer()  # the callers' audio held back 80 ms, not 4 packets (160 ms at 40 ms)
+    install_jitter_buffer()  # the callers' packets released as they arrive, never stuck behind a loss
+    install_output_pacing()  # agent packets 40 ms apart, with no anchor that a late first frame sets

@@ -25,6 +25,7 @@ from ..sampling_params import SamplingParams
 from .clock import Clock
 from .config import PoolConfig
 from .counters import CallCounters, PoolCounters
+from .inbox import Inbox, InboxConfig
 from .room import DOOR_PAGE, CallEnded, CallState, EndReason, SlotOutput
 
 
@@ -40,21 +41,27 @@ class CallContext:
     release: Callable[[Call, str], None]  # the pool's end-of-call: takes the lock, leaves the queue
 
 
-def checked_frame(frame: np.ndarray, size: int) -> np.ndarray:
-    """`frame` as a flat array of `size` int16 or float samples, or AudioFormatError."""
-    arr = np.asarray(frame)
-    if arr.size != size:
-        raise AudioFormatError(
-            f"an input frame must hold {size} samples (80 ms at 24 kHz mono), got shape {arr.shape}")
+def checked_audio(samples: np.ndarray, most: int) -> np.ndarray:
+    """`samples` as a flat array of 1 to `most` int16 or float samples, or AudioFormatError."""
+    arr = np.asarray(samples)
+    if arr.ndim > 1 and sorted(arr.shape)[-2] != 1:
+        raise AudioFormatError(f"input audio must be mono (one channel), got shape {arr.shape}")
+    if not 0 < arr.size <= most:
+        raise AudioFormatError(f"one push of input audio must hold 1 to {most} samples (24 kHz mono), "
+                               f"got shape {arr.shape}")
     if arr.dtype != np.int16 and arr.dtype.kind != "f":
-        raise AudioFormatError(f"an input frame must be int16 or float32 samples, got {arr.dtype}")
-    return arr.reshape(size)
+        raise AudioFormatError(f"input audio must be int16 or float32 samples, got {arr.dtype}")
+    return arr.reshape(arr.size)
 
 
-def input_frame(frame: np.ndarray, size: int) -> np.ndarray:
-    """One checked frame as a fresh float32 array (the sender may reuse its buffer)."""
-    arr = checked_frame(frame, size)
+def input_audio(samples: np.ndarray, most: int) -> np.ndarray:
+    """Checked samples as a fresh float32 array (the sender may reuse its buffer)."""
+    arr = checked_audio(samples, most)
     return arr.astype(np.float32) / 32768.0 if arr.dtype == np.int16 else arr.astype(np.float32, copy=True)
+
+
+# One push holds at most this much audio (one second): a door hands audio on as it arrives.
+MAX_PUSH_SAMPLES = 24_000
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -91,7 +98,8 @@ class Call(CallView):
         self.sampling = sampling
         self.counters = CallCounters()
         self._ctx = ctx
-        self._inbox: collections.deque[tuple[float, np.ndarray]] = collections.deque()  # (push time, frame)
+        self._inbox = Inbox(InboxConfig(frame=ctx.frame_size, bound_seconds=ctx.config.input_buffer_seconds,
+                                        margin_seconds=ctx.config.input_margin_seconds))
         self._outbox: collections.deque[SlotOutput] = collections.deque()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._live_since: float | None = None
@@ -109,20 +117,19 @@ class Call(CallView):
                 return None
             return max(0.0, limit - (self._ctx.clock.monotonic() - self._live_since))
 
-    def push_frame(self, frame: np.ndarray) -> None:
-        """Queue one 1920-sample frame (int16 or float, 24 kHz mono). Dropped unless live."""
-        samples = input_frame(frame, self._ctx.frame_size)
+    def push_audio(self, samples: np.ndarray) -> None:
+        """Queue the caller's audio as it arrived (any length up to `MAX_PUSH_SAMPLES`, int16 or
+        float, 24 kHz mono); the tick cuts frames from it (serving/inbox.py). Dropped unless live."""
+        audio = input_audio(samples, MAX_PUSH_SAMPLES)
         with self._ctx.lock:
             if self.state != CallState.LIVE:
                 return  # audio before the call is live or after it ended has nowhere to go
             now = self._ctx.clock.monotonic()
             self._last_input = now
             self.counters.frames_pushed += 1
-            if len(self._inbox) >= self._ctx.config.input_buffer_frames:
-                # Keep the newest audio: the conversation is real time, stale frames only add delay.
-                self._inbox.popleft()
-                self._count_input_drops(1)
-            self._inbox.append((now, samples))
+            # Beyond the bound the oldest audio goes: the conversation is real time.
+            if self._inbox.push(audio, now):
+                self._count_input_drops()
 
     def release(self, reason: str = EndReason.HANGUP) -> None:
         """End the call. Idempotent; works while queued, in prefill or live. The ticker frees the slot."""
@@ -208,14 +215,15 @@ class Call(CallView):
         return True
 
     def take_frame(self) -> tuple[float | None, np.ndarray | None]:
-        """(push time, frame) of the oldest input, or (None, None): silence stands in. Only the
-        missing frames after the caller's first count as underruns; before it, this is start-up."""
-        if self._inbox:
-            return self._inbox.popleft()
-        if self.counters.frames_pushed:
+        """(arrival of its newest sample, frame) for this tick, or (None, None): silence stands
+        in. A frame that came short (the caller's audio came late) counts as an underrun, once
+        the caller has filled one whole frame; before that, it is start-up."""
+        took = self._inbox.take(self._ctx.clock.monotonic())
+        self._count_input_drops()  # the inbox may have cut a standing backlog
+        if took.short:
             self.counters.underruns += 1
             self._ctx.counters.underruns += 1
-        return None, None
+        return took.stamp, took.frame
 
     def deliver(self, out: SlotOutput) -> bool:
         """Queue one output for the caller; False (nothing queued) unless live. A full outbox
@@ -233,12 +241,11 @@ class Call(CallView):
         return True
 
     def trim_backlog(self, keep: int) -> int:
-        """Drop all but the `keep` newest input frames (a resync); how many were dropped."""
-        dropped = max(0, len(self._inbox) - keep)
-        for _ in range(dropped):
-            self._inbox.popleft()
-        self._count_input_drops(dropped)
-        return dropped
+        """Drop all but the `keep` newest input frames (a resync); how many frames' worth were dropped."""
+        before = self.counters.input_drops
+        self._inbox.trim(keep * self._ctx.frame_size)
+        self._count_input_drops()
+        return self.counters.input_drops - before
 
     def expiry(self, now: float) -> str | None:
         """The reason a live call must end now (time limit, or no input for a while), or None."""
@@ -264,9 +271,12 @@ class Call(CallView):
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _count_input_drops(self, n: int) -> None:
-        self.counters.input_drops += n
-        self._ctx.counters.input_drops += n
+    def _count_input_drops(self) -> None:
+        """Count the input the inbox dropped (its bound, a cut backlog, a resync) in whole frames."""
+        frames = self._inbox.dropped // self._ctx.frame_size - self.counters.input_drops
+        if frames:
+            self.counters.input_drops += frames
+            self._ctx.counters.input_drops += frames
 
     def _register(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = loop.create_future()

@@ -15,14 +15,18 @@ ADMISSIONS = ("headroom", "slots")
 @dataclass(frozen=True)
 class PoolConfig:
     tick_seconds: float = 0.08
-    input_buffer_frames: int = 25  # per-slot jitter buffer bound (2 s); beyond it the OLDEST frames are dropped
+    # A live call's input (serving/inbox.py): at most this much held, beyond it the OLDEST goes;
+    # at a tick, at least `input_margin_seconds` beyond the frame taken, more while the caller's
+    # audio arrives late, and a standing excess is cut.
+    input_buffer_seconds: float = 2.0
+    input_margin_seconds: float = 0.01
     output_queue_frames: int = 50  # per-slot output bound; a slow consumer loses its OLDEST outputs
     idle_release_seconds: float = 2.0  # a LIVE call with no input frame for this long is released ("idle")
     time_limit_seconds: float | None = 300.0  # per-call limit from going live ("time_limit")
     max_queue: int | None = 32  # callers waiting for a slot beyond this are refused (PoolFullError)
     resync_after_seconds: float = 1.0  # further behind than this, the ticker skips ahead instead of bursting
     catch_up_gap_seconds: float = 0.04  # shortest gap between two steps while catching up after an overrun
-    resync_keep_frames: int = 2  # on a resync each caller's backlog is cut to this many newest frames
+    resync_keep_frames: int = 1  # on a resync each caller's backlog is cut to this many newest frames
     idle_sleep_seconds: float = 0.02  # ticker nap when no call holds a slot
     prefill_budget_seconds: float = 0.04  # prefills per gap between steps stop after this (at least one runs)
     cold_prefills_per_gap: int = 1  # prompts computed (not in the prefix cache) per gap; 0: only the budget limits

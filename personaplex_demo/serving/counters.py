@@ -16,7 +16,7 @@ class FrameCounters:
 
 @dataclass
 class CallCounters(FrameCounters):
-    frames_pushed: int = 0
+    frames_pushed: int = 0  # pushes of input audio (one per chunk a door handed on)
     frames_out: int = 0
 
 

@@ -84,8 +84,8 @@ class SlotOutput:
     pcm: np.ndarray  # float32, one frame of agent audio at 24 kHz
     text: str  # transcript text that became final this tick ("" if none)
     tick: int
-    # Seconds from the caller's input frame reaching the room to this answer to it; None when
-    # no input frame was there and silence stood in for it.
+    # Seconds from the newest sample of the caller's input frame reaching the room to this answer
+    # to it; None when no input was there and silence stood in for it.
     latency: float | None = None
     input_drops: int = 0  # the call's input frames dropped so far (a full buffer, a resync)
 
@@ -101,8 +101,9 @@ class CallHandle(Protocol):
     slot: int | None
     end_reason: str | None  # once ENDED
 
-    def push_frame(self, frame: np.ndarray) -> None:
-        """Queue one input frame (int16 or float, 24 kHz mono); dropped unless LIVE."""
+    def push_audio(self, samples: np.ndarray) -> None:
+        """Queue the caller's audio as it arrived: any number of samples up to a second (int16 or
+        float, 24 kHz mono); the room cuts its frames at each tick. Dropped unless LIVE."""
         ...
 
     async def next_output(self, timeout: float) -> SlotOutput | None:

@@ -22,6 +22,11 @@ from ..serving.room import SlotOutput
 log = logging.getLogger(__name__)
 
 FIGURES_SECONDS = 15.0  # the page's line of call figures changes at most this often
+# The model's own part of a round trip: a sound at a frame's start is answered once the next frame
+# is complete (docs/engine.md § Causal delay). With the network's round trip, the room's latency and
+# the browser's jitter buffer it makes the mouth-to-ear figure (docs/serving.md § Latency budget).
+MODEL_FLOOR_MS = 160.0
+TRIP_PENDING = " + browser buffer"  # what the page's script replaces once it has its own figure
 LATENCY_WINDOW = 250  # the latest answers (20 s of them) whose latencies the figures report
 
 # The start of a call, in order; each part of the time to first audio ends at one of them.
@@ -43,6 +48,7 @@ class PacketCounts:
     lost_in: int = 0  # the caller's packets that never arrived
     sent: int = 0  # the agent's packets sent
     lost_out: int = 0  # of those, lost on the way, as the caller's RTCP reports say
+    round_trip_time: float | None = None  # seconds there and back, from the caller's RTCP reports
 
     @staticmethod
     def loss(lost: int, total: int) -> float | None:
@@ -78,6 +84,8 @@ async def read_packets(pc) -> PacketCounts | None:
                 seen = True
             case "remote-inbound-rtp":
                 counts.lost_out += max(0, stats.packetsLost)
+                if getattr(stats, "roundTripTime", None) is not None:
+                    counts.round_trip_time = stats.roundTripTime
     return counts if seen else None
 
 
@@ -156,6 +164,15 @@ class CallFigures:
         parts = ", ".join(f"{k} {v:.3f}" for k, v in self.parts().items())
         return f"{self.first_audio_seconds:.2f} s after the offer ({parts})"
 
+    def round_trip_ms(self) -> float | None:
+        """Mouth to ear as the server sees this call: the model's floor, the room's latency p50 and
+        the network's round trip; the page adds its browser's jitter buffer (web/page.py)."""
+        room = self.latency_ms(0.5)
+        if room is None:
+            return None
+        rtt = self.packets.round_trip_time if self.packets is not None else None
+        return MODEL_FLOOR_MS + room + 1e3 * (rtt or 0.0)
+
     def latency_ms(self, q: float) -> float | None:
         return 1e3 * float(np.quantile(np.fromiter(self.latencies, float), q)) if self.latencies else None
 
@@ -174,6 +191,9 @@ class CallFigures:
             "queued": self.queued,
             "latency_ms": {"p50": _round(self.latency_ms(0.5)), "p95": _round(self.latency_ms(0.95)),
                            "answers": len(self.latencies)},
+            "round_trip_ms": {"server_side": _round(self.round_trip_ms()), "model_floor": MODEL_FLOOR_MS,
+                              "network": _round(None if packets is None or packets.round_trip_time is None
+                                                else 1e3 * packets.round_trip_time)},
             "outputs": self.outputs,
             "underruns": self.underruns,
             "input_drops": self.input_drops,
@@ -189,7 +209,8 @@ class CallFigures:
         first = self.first_audio_seconds
         bits = [f"first sound after {first:.2f} s" if first is not None else "no sound from the agent yet"]
         if (p50 := self.latency_ms(0.5)) is not None:
-            bits.append(f"latency {p50:.0f} ms")
+            # The page's script adds its jitter buffer to the first figure (web/page.py TRIP_SCRIPT).
+            bits.append(f"round trip {self.round_trip_ms():.0f} ms{TRIP_PENDING} · the room's share {p50:.0f} ms")
         lost = []
         if (late := self.late_share) is not None:
             lost.append(f"{100 * late:.1f} % of your audio late")

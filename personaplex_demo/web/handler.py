@@ -1,7 +1,9 @@
 """The fastrtc call handler: browser audio in, agent audio and transcript out, one per call.
 
-fastrtc resamples the browser's Opus to 24 kHz and calls `receive` with 40 ms chunks; two of
-them make one engine frame. The handler never touches torch and never blocks the event loop:
+fastrtc hands each decoded Opus packet to `resample` (rtc/input_audio.py: 24 kHz mono at once,
+lost packets filled with silence) and what comes out to `receive`, which passes it on to the room
+as it is: the room cuts its 80 ms frames at each tick (serving/inbox.py). The handler never
+touches torch and never blocks the event loop:
 it only moves numpy arrays to and from its call, a `CallHandle` of the room (serving/room.py),
 whichever back end holds it.
 
@@ -32,8 +34,9 @@ import numpy as np
 from fastrtc import AdditionalOutputs, AsyncStreamHandler, CloseStream, get_current_context
 
 from ..errors import CallerError
-from ..frame import FRAME_SAMPLES, SAMPLE_RATE
+from ..frame import SAMPLE_RATE
 from ..rtc.audio import output_frame_samples
+from ..rtc.input_audio import InputResampler
 from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
 from ..serving.headroom import WAIT_CAPACITY
 from ..serving.loop_lag import ensure_probe
@@ -130,9 +133,9 @@ class CallHandler(AsyncStreamHandler):
         self.close_message: str | None = None  # FAILING: why; CLOSING: what CloseStream says
         self.recording: CallRecording | None = None
         self.transcript = ""
-        self.frames_in = 0
+        self.packets_in = 0
         self.frames_out = 0
-        self._pending = np.zeros(0, np.int16)
+        self._input = InputResampler(SAMPLE_RATE)
         self._started = asyncio.Event()  # set when STARTING is over
         self._throttle = PageThrottle()
         self._connected_at = time.monotonic()
@@ -187,6 +190,9 @@ class CallHandler(AsyncStreamHandler):
 
     # ---- microphone -------------------------------------------------------------------------
 
+    def resample(self, frame):  # fastrtc's hook for each decoded frame (rtc/input_audio.py)
+        return self._input.resample(frame)
+
     async def receive(self, frame: tuple[int, np.ndarray]) -> None:
         sr, audio = frame
         self._last_receive = time.monotonic()
@@ -203,19 +209,16 @@ class CallHandler(AsyncStreamHandler):
             return
         if audio.ndim == 2 and min(audio.shape) > 1:  # more than one channel: average them
             audio = audio.mean(axis=0 if audio.shape[0] < audio.shape[1] else 1).astype(np.int16)
-        if call.state != CallState.LIVE:
+        if call.state != CallState.LIVE or not audio.size:
             # Prefill or queue: the model is not listening yet, so this audio is dropped (not
             # buffered: played late it would only add delay to the conversation).
-            self._pending = np.zeros(0, np.int16)
             return
-        self.echo.caller(audio.reshape(-1), self._last_receive)
-        self._pending = np.concatenate([self._pending, audio.reshape(-1)])
-        while self._pending.size >= FRAME_SAMPLES:
-            chunk, self._pending = self._pending[:FRAME_SAMPLES], self._pending[FRAME_SAMPLES:]
-            call.push_frame(chunk)
-            self.frames_in += 1
-            if self.recording is not None:
-                self.recording.add_caller(chunk)
+        audio = audio.reshape(-1)
+        self.echo.caller(audio, self._last_receive)
+        call.push_audio(audio)
+        self.packets_in += 1
+        if self.recording is not None:
+            self.recording.add_caller(audio)
 
     # ---- agent audio and page updates -------------------------------------------------------
 
@@ -333,7 +336,7 @@ class CallHandler(AsyncStreamHandler):
         """fastrtc calls this when the connection closes (Stop, lost network, closed tab)."""
         if self.call is not None:
             self.call.release(EndReason.HANGUP)
-            log.info("call %s: closed after %d frames in, %d out", self.call_id, self.frames_in, self.frames_out)
+            log.info("call %s: closed after %d packets in, %d frames out", self.call_id, self.packets_in, self.frames_out)
         if self.phase not in (Phase.CLOSING, Phase.CLOSED):  # no final update went to the page yet
             self.phase = Phase.ENDED
             if self.webrtc_id is not None:

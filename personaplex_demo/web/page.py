@@ -27,6 +27,7 @@ from ..runtime.voice_names import DEFAULT_VOICE
 from ..sampling_params import SamplingParams
 from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
 from ..serving.room import Room
+from .call_figures import TRIP_PENDING
 from .deeplink import SEED_RANGE, LinkRules, NumberRule, add_deep_links, number_rule
 from .handler import CallHandler, FinalUpdates
 from .page_inputs import PageInputs
@@ -92,6 +93,53 @@ def stats_markdown(room: Room) -> str:
             f" · **real-time factor** {m.realtime_factor:.2f}")
 
 
+# The call's round trip as the caller lives it (docs/serving.md § Latency budget): the server's
+# figures line gives the model's floor, the room's latency and the network's round trip, followed
+# by TRIP_PENDING; this script reads the browser's own jitter buffer (getStats, over the last two
+# seconds) from the call's peer connection and writes the sum in its place, after every update.
+TRIP_SCRIPT = r"""
+<script>
+(() => {
+  const Peer = window.RTCPeerConnection;
+  if (!Peer) return;
+  const pcs = [];
+  window.RTCPeerConnection = function (...args) { const pc = new Peer(...args); pcs.push(pc); return pc; };
+  window.RTCPeerConnection.prototype = Peer.prototype;
+  Object.setPrototypeOf(window.RTCPeerConnection, Peer);
+  const PENDING = "__PENDING__";
+  let buffer = null, last = null, watched = null;
+  const show = () => {
+    const el = document.querySelector("#call-figures");
+    if (!el) return;
+    if (el !== watched) {
+      watched = el;
+      new MutationObserver(show).observe(el, {subtree: true, childList: true, characterData: true});
+    }
+    if (buffer === null) return;
+    const walk = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
+    for (let node = walk.nextNode(); node; node = walk.nextNode()) {
+      const m = node.data.match(/round trip (\d+) ms/);
+      if (m && node.data.includes(PENDING))
+        node.data = node.data.replace(m[0] + PENDING,
+          `round trip ${Math.round(+m[1] + buffer)} ms (browser buffer ${Math.round(buffer)} ms)`);
+    }
+  };
+  setInterval(async () => {
+    const pc = pcs.at(-1);
+    if (!pc || pc.connectionState !== "connected") { last = null; return; }
+    (await pc.getStats()).forEach((r) => {
+      if (r.type !== "inbound-rtp" || r.kind !== "audio" || !r.jitterBufferEmittedCount) return;
+      if (last && r.jitterBufferEmittedCount > last[1])
+        buffer = 1e3 * (r.jitterBufferDelay - last[0]) / (r.jitterBufferEmittedCount - last[1]);
+      last = [r.jitterBufferDelay, r.jitterBufferEmittedCount];
+    });
+    show();
+  }, 2000);
+})();
+</script>
+""".replace('"__PENDING__"', json.dumps(TRIP_PENDING))
+
+
 def page_values(transcript: str, status: str, call_id: str, files=None, figures: str = "") -> tuple[str, ...]:
     """A handler update (`AdditionalOutputs(transcript, status, call_id, files, figures)`) as the
     relay's outputs: the call's id goes into `ended_call` once its recording is written."""
@@ -128,7 +176,7 @@ class Page:
     def build(self) -> gr.Blocks:
         options = self.options
         limit_text = f"Calls last up to {int(options.time_limit // 60)} min. " if options.time_limit else ""
-        with gr.Blocks(title=options.title) as demo:
+        with gr.Blocks(title=options.title, head=TRIP_SCRIPT) as demo:
             # Gradio 5.50 deprecates Blocks(css=...) and its launch() takes no css yet; the page config reads this.
             demo.css = CSS
             gr.Markdown(f"# {options.title}\nTalk out loud with NVIDIA PersonaPlex-7B, a full-duplex speech model: "

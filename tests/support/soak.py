@@ -100,7 +100,7 @@ async def _caller(pool: SlotPool, voices: list[str], rng: random.Random, stop_at
             talk_until = time.monotonic() + rng.uniform(0.5, 4.0)
             vanish = rng.random() < 0.15
             while time.monotonic() < talk_until:
-                call.push_frame(frame)
+                call.push_audio(frame)
                 out = await call.next_output(0.12)
                 if out is not None:
                     rep.frames_out += 1
