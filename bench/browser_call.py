@@ -168,6 +168,8 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=6, help="calls per round-trip case")
     ap.add_argument("--seconds", type=float, default=20.0, help="of clicks per round-trip call")
     ap.add_argument("--before", type=Path, help="another checkout of the app, measured in the same run")
+    ap.add_argument("--modes", nargs="+", default=["embedded", "media workers"], choices=["embedded", "media workers"],
+                    help="media paths of the round trip")
     ap.add_argument("--write", action="store_true", help="write the section of BENCHMARKS.md")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -179,7 +181,7 @@ def main() -> int:
         mic_wav = make_mic_wav(work)
         rows = first_audio(a.runs, mic_wav, work, cache_dir)
         loops = [round_trip(code, root, mode, a.calls, a.seconds, mic_wav, work, cache_dir)
-                 for mode in ("embedded", "media workers") for code, root in codes]
+                 for mode in a.modes for code, root in codes]
     body = report(rows, loops)
     print(body)
     if a.write:

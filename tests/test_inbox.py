@@ -157,3 +157,33 @@ def test_frames_are_cut_from_chunks_of_any_length(chunk):
         inbox.push(sent[start:start + chunk], 0.0)
     frames = [inbox.take(0.0).frame for _ in range(20)]
     assert np.array_equal(np.concatenate(frames), sent)
+
+
+def test_the_tick_moves_to_just_after_the_callers_packets_without_costing_anybody_a_frame():
+    # Packets 3 ms after each tick: each frame would wait 37 ms for the next one.
+    arrivals = [0.003 + 0.04 * k for k in range(250)]  # 10 s
+    outputs, heard, pool = caller_room(arrivals, seconds=arrivals[-1] - 0.05)
+    ticks, waited = delays(outputs)
+    assert waited[ticks < 1.5].min() > 0.03
+    assert waited[ticks > 3.0].max() < 0.012  # the guard (5 ms) and what the move left over
+    assert pool.snapshot().underruns == 0
+
+
+def test_with_two_callers_the_tick_moves_only_as_far_as_the_later_ones_packets_allow():
+    clock = ScheduledClock()
+    engine = FakeEngine(2, clock)
+    pool = SlotPool(engine, PoolConfig(), clock)
+    calls = [pool.admit("NATF0", "p") for _ in range(2)]
+    pool.tick_once()
+    for call, phase in zip(calls, (0.003, 0.021), strict=True):  # 37 and 19 ms before the next tick
+        for k in range(250):
+            clock.at(phase + 0.04 * k, lambda call=call, k=k: call.push_audio(np.full(PACKET, k + 1.0, np.float32)))
+    outs: list[list] = [[], []]
+    while clock.monotonic() < 9.9:
+        pool.iterate()
+        for got, call in zip(outs, calls, strict=True):
+            got += drain(call)
+    later = [np.array([o.latency for o in got if o.tick * 0.08 > 3.0 and o.latency is not None]) for got in outs]
+    assert later[1].max() < 0.012  # the later caller's packets now come just before the tick
+    assert 0.015 < later[0].min() and later[0].max() < 0.03  # the other caller gained as much
+    assert pool.snapshot().underruns == 0

@@ -214,6 +214,11 @@ class Call(CallView):
         self._wake()
         return True
 
+    def arrival_age(self, now: float) -> float | None:
+        """How long the caller's newest audio has been here, once it has filled a frame (else None)."""
+        inbox = self._inbox
+        return now - inbox.newest if inbox.filled and inbox.newest is not None else None
+
     def take_frame(self) -> tuple[float | None, np.ndarray | None]:
         """(arrival of its newest sample, frame) for this tick, or (None, None): silence stands
         in. A frame that came short (the caller's audio came late) counts as an underrun, once

@@ -19,7 +19,7 @@ class PoolConfig:
     # at a tick, at least `input_margin_seconds` beyond the frame taken, more while the caller's
     # audio arrives late, and a standing excess is cut.
     input_buffer_seconds: float = 2.0
-    input_margin_seconds: float = 0.01
+    input_margin_seconds: float = 0.0
     output_queue_frames: int = 50  # per-slot output bound; a slow consumer loses its OLDEST outputs
     idle_release_seconds: float = 2.0  # a LIVE call with no input frame for this long is released ("idle")
     time_limit_seconds: float | None = 300.0  # per-call limit from going live ("time_limit")

@@ -37,8 +37,11 @@ _QUIET_BLOCK = SAMPLE_RATE // 200  # 5 ms: the grain at which the quietest stret
 class InboxConfig:
     frame: int = FRAME_SAMPLES
     bound_seconds: float = 2.0  # beyond it the OLDEST samples are dropped (a stalled room)
-    margin_seconds: float = 0.01  # the least slack aimed for on a clean link
-    most_margin_seconds: float = 0.05  # the target never grows past this: the margin and one 40 ms packet
+    # The least slack aimed for on a clean link. None is needed: the tick's phase follows the
+    # packets (serving/pacing.py `PhaseAligner`), and a margin shorter than a packet would not
+    # save a packet that comes late anyway.
+    margin_seconds: float = 0.0
+    most_margin_seconds: float = 0.05  # the target never grows past this: the margin and a 40 ms packet and more
     window_seconds: float = 1.0  # slack must stay above the target this long before it is cut
     tolerance_seconds: float = 0.01  # ...and by at least this much
     memory_seconds: float = 3.0  # a shortfall keeps the target up this long
@@ -74,6 +77,7 @@ class Inbox:
         self._window_start: float | None = None
         self._window_min: int | None = None
         self.filled = False  # a whole frame was taken at least once (before it: start-up, no shortfall)
+        self.newest: float | None = None  # when the newest audio arrived
         self.dropped = 0  # samples dropped in all: the bound, shrinking, trims
 
     # ---- the door's side ---------------------------------------------------------------------
@@ -83,6 +87,7 @@ class Inbox:
         if samples.size:
             self._chunks.append((now, samples))
             self.size += samples.size
+            self.newest = now
         excess = self.size - self._bound
         return self._drop_oldest(excess) if excess > 0 else 0
 

@@ -6,6 +6,12 @@ that piled up meanwhile. Further behind than `resync_after`, the schedule restar
 the pool cuts every caller's backlog, so that nobody stays seconds behind. A tick that stepped
 nobody (no call was live yet) keeps no schedule: the next one comes `idle_gap` later, so a call
 that has just gone live takes its first step at once rather than a whole tick later.
+
+The schedule's phase follows the callers (`PhaseAligner`): a caller's audio comes in packets (40 ms
+from a browser), and a tick that comes 30 ms after the newest packet keeps that caller's frame
+waiting 30 ms for nothing. Whenever every live caller's newest packet has been in the room at
+least `guard` longer than needed over a window of ticks, the next tick comes that much earlier
+(`TickPacer.advance`), never so early that anybody's packet would miss it.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class TickPacer:
         self.idle_gap = idle_gap
         self._deadline: float | None = None
         self._last_start: float | None = None
+        self._advance = 0.0  # seconds to bring the next step forward (`advance`)
 
     def stop(self) -> None:
         """Nothing to step: the next step starts a fresh schedule."""
@@ -46,16 +53,57 @@ class TickPacer:
             self.clock.sleep(due - now)
         self._last_start = self.clock.monotonic()
 
+    def advance(self, seconds: float) -> None:
+        """Bring the next step forward by `seconds` (the phase of the schedule, not its rate),
+        but never to before the current step has finished: moving the phase is no overrun."""
+        self._advance = max(0.0, seconds)
+
     def stepped(self, rows: int = 1) -> Lateness:
         """The step that `wait` let start has finished, having stepped `rows` calls: move the
         deadline on by one tick (by `idle_gap` from now when it stepped nobody)."""
         assert self._deadline is not None, "stepped() without wait()"
         if not rows:
-            self._deadline, self._last_start = self.clock.monotonic() + self.idle_gap, None
+            self._deadline, self._last_start, self._advance = self.clock.monotonic() + self.idle_gap, None, 0.0
             return Lateness(0.0, False)
         self._deadline += self.tick
+        if self._advance:
+            self._deadline = max(self._deadline - self._advance, self.clock.monotonic())
+            self._advance = 0.0
         late = self.clock.monotonic() - self._deadline
         resync = late > self.resync_after
         if resync:
             self._deadline = self.clock.monotonic()
         return Lateness(late, resync)
+
+
+class PhaseAligner:
+    """How far to bring the next tick forward so that it comes right after the live callers'
+    packets (see the module docstring). Fed each tick's packet ages: for every live call, how long
+    its newest audio had been in the room when the tick took its frame."""
+
+    def __init__(self, window_ticks: int = 25, guard: float = 0.005, least: float = 0.002,
+                 most: float = 0.04) -> None:
+        self.window_ticks = window_ticks  # ticks over which the youngest packet age is taken (2 s)
+        self.guard = guard  # the least age kept: jitter of the packets and of the ticker's wake-up
+        self.least = least  # smaller moves are not worth a tick out of step
+        self.most = most  # one packet's spacing: beyond it the previous packet would do as well
+        self._youngest: float | None = None
+        self._ticks = 0
+        self.moved = 0.0  # seconds brought forward in all, for the figures
+
+    def observe(self, ages: list[float]) -> float:
+        """One tick's packet ages; the seconds to bring the next tick forward (0.0: none)."""
+        if not ages:  # nobody's audio to follow: start over
+            self._youngest, self._ticks = None, 0
+            return 0.0
+        youngest = min(ages)
+        self._youngest = youngest if self._youngest is None else min(self._youngest, youngest)
+        self._ticks += 1
+        if self._ticks < self.window_ticks:
+            return 0.0
+        spare, self._youngest, self._ticks = self._youngest - self.guard, None, 0
+        if spare < self.least:
+            return 0.0
+        move = min(spare, self.most)
+        self.moved += move
+        return move

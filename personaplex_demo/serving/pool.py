@@ -30,7 +30,7 @@ from .clock import Clock, RealClock
 from .config import PoolConfig
 from .counters import PoolCounters
 from .metrics import PoolMetrics, PoolWindows, TickListener
-from .pacing import TickPacer
+from .pacing import PhaseAligner, TickPacer
 from .prefill import gap_prefills
 from .room import DOOR_PAGE, CallState, EndReason, PoolClosedError, SlotOutput
 from .slot_table import SlotTable
@@ -78,6 +78,7 @@ class SlotPool:
         self._admission = Admission(config, self._clock, self._table, self._counters)
         self._pacer = TickPacer(self._clock, config.tick_seconds, config.catch_up_gap_seconds,
                                 config.resync_after_seconds, config.idle_sleep_seconds)
+        self._phase = PhaseAligner()
         self._last_summary = self._clock.monotonic()
 
     @property
@@ -204,8 +205,10 @@ class SlotPool:
         clock = self._clock
         start = clock.monotonic()
         pcm = np.zeros((self.slots_total, self.frame_size), dtype=np.float32)
+        ages: list[float] = []
         with self._lock:
-            rows = self._table.take_frames(pcm)
+            rows = self._table.take_frames(pcm, start, ages)
+        self._pacer.advance(self._phase.observe(ages))
         if not rows:
             return 0
         step_start = clock.monotonic()

@@ -72,11 +72,14 @@ class SlotTable:
     def seated(self, state: CallState) -> Iterator[tuple[int, Call]]:
         return ((slot, c) for slot, c in enumerate(self.slots) if c is not None and c.state == state)
 
-    def take_frames(self, pcm: np.ndarray) -> list[tuple[int, Call, float | None]]:
+    def take_frames(self, pcm: np.ndarray, now: float, ages: list[float]) -> list[tuple[int, Call, float | None]]:
         """Each live call's oldest input frame into its row of `pcm` (silence stays where none
-        came): the rows to step, as (slot, call, push time of its frame)."""
+        came): the rows to step, as (slot, call, push time of its frame). `ages` gets how long
+        each call's newest audio had been here at `now`."""
         rows = []
         for slot, call in self.seated(CallState.LIVE):
+            if (age := call.arrival_age(now)) is not None:
+                ages.append(age)
             stamp, frame = call.take_frame()
             if frame is not None:
                 pcm[slot] = frame
