@@ -131,7 +131,7 @@ def one_round_trip_call(ctx, app, seconds: float) -> dict:
     start_call(page, timeout_ms=30_000)
     page.wait_for_function("document.querySelector('#status-line').innerText.startsWith('Live')", timeout=30_000)
     page.wait_for_timeout(int(seconds * 1000))
-    sent, back = page.evaluate("window.__clickSent"), page.evaluate("window.__clickBack")
+    sent, back = page.evaluate("window.__clickSent()"), page.evaluate("window.__clickBack")
     jitter = page.evaluate(JITTER_BUFFER_MS)
     status = app.status()
     stop_call(page)

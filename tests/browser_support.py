@@ -90,16 +90,22 @@ CALL_TIMING = """
 # and in the received track, as MediaStreamTrackProcessor hands their audio to the page
 # (performance.now(), ms, less the samples after the onset). A ScriptProcessor's FIFO against the
 # audio element's clock only ratchets up, so it measured part of its own delay; here both ends
-# are read the same way, and what the reading adds cancels out. window.__clickSent gets the
-# microphone's clicks, window.__clickBack what came back (window.__trackProcessor false: the
+# are read the same way, and what the reading adds cancels out. window.__clickSent() gives the
+# clicks of the microphone the call sends, window.__clickBack what came back (window.__trackProcessor false: the
 # browser has no MediaStreamTrackProcessor). The microphone is a 10 ms 1 kHz burst every second
 # from half a second after the call asks for it, in place of the fake device. Goes after
 # RECORD_PCS and CALL_TIMING (its AudioContext).
 CLICK_ROUND_TRIP = """
 (() => {
-  window.__clickSent = [];
+  window.__clickSentBy = {};  // by microphone track: the page may ask for a microphone more than once
   window.__clickBack = [];
   window.__trackProcessor = typeof MediaStreamTrackProcessor !== "undefined";
+  // The clicks of the microphone the call sends (its peer connection's audio sender).
+  window.__clickSent = () => {
+    const pc = window.__pcs.at(-1);
+    const sender = pc && pc.getSenders().find((s) => s.track && s.track.kind === "audio");
+    return sender ? (window.__clickSentBy[sender.track.id] || []) : [];
+  };
   const watch = async (track, out) => {
     if (!window.__trackProcessor) return;
     const reader = new MediaStreamTrackProcessor({track}).readable.getReader();
@@ -129,7 +135,8 @@ CLICK_ROUND_TRIP = """
       s.connect(dest);
       s.start(t0 + k);
     }
-    watch(dest.stream.getAudioTracks()[0], window.__clickSent);
+    const track = dest.stream.getAudioTracks()[0];
+    watch(track, window.__clickSentBy[track.id] = []);
     return dest.stream;
   };
   const O = window.RTCPeerConnection;

@@ -218,7 +218,7 @@ def test_a_call_over_a_lossy_jittery_link(turn_side, tiny_cache_dir, tmp_path):
                 if not scraped and time.monotonic() - began > CALL_SECONDS / 2:
                     scraped = app.metrics()  # scraped during the call
             samples = page.evaluate("clearInterval(window.__sampler), window.__audio")
-            trips = click_trips(page.evaluate("window.__clickSent"), page.evaluate("window.__clickBack"))
+            trips = click_trips(page.evaluate("window.__clickSent()"), page.evaluate("window.__clickBack"))
             assert page.evaluate("window.__pcs.at(-1).connectionState") == "connected"
             status = app.status()
             stop_call(page)
