@@ -168,11 +168,15 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=6, help="calls per round-trip case")
     ap.add_argument("--seconds", type=float, default=20.0, help="of clicks per round-trip call")
     ap.add_argument("--before", type=Path, help="another checkout of the app, measured in the same run")
+    ap.add_argument("--long", type=float, default=0.0, metavar="SECONDS",
+                    help="instead, one call this long (embedded): the round trip over it, minute by minute")
     ap.add_argument("--modes", nargs="+", default=["embedded", "media workers"], choices=["embedded", "media workers"],
                     help="media paths of the round trip")
     ap.add_argument("--write", action="store_true", help="write the section of BENCHMARKS.md")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if a.long:
+        return long_call(a.long, a.write)
     codes = [("before", a.before.resolve())] if a.before else []
     codes.append(("this", ROOT))
     with tempfile.TemporaryDirectory(prefix="browser-call-") as tmp:
@@ -186,6 +190,25 @@ def main() -> int:
     print(body)
     if a.write:
         replace_section("A call in the browser: time to first audio and the round trip", body)
+    return 0
+
+
+def long_call(seconds: float, write: bool) -> int:
+    """One long call through the loopback engine: whether the round trip grows over it."""
+    with tempfile.TemporaryDirectory(prefix="browser-call-") as tmp:
+        work = Path(tmp)
+        r = round_trip("this", ROOT, "embedded", 1, seconds, make_mic_wav(work), work, work / "hf")
+    trips, minute = r["trips"], 60
+    rows = [[f"{k + 1}", len(part), f"{np.median(part):.0f}", f"{np.percentile(part, 95):.0f}"]
+            for k, part in enumerate(np.array_split(trips, max(1, round(len(trips) / minute))))]
+    body = (md_table(["minute", "clicks back", "round trip p50 (ms)", "p95 (ms)"], rows) +
+            f"\n\nOne call of {seconds:.0f} s, embedded, loopback engine: {len(trips)} clicks back of {r['sent']} sent; "
+            f"the round trip's slope over the call {r['slopes'][0]:+.3f} ms per second (goal: at most 0.2); "
+            f"model floor {r['floor_ms']:.0f} ms, tick p50 {r['tick_ms']:.0f} ms, room latency p50 "
+            f"{r['room_ms']:.0f} ms, Chromium jitter buffer {r['browser_jitter_ms']:.0f} ms at the end.\n")
+    print(body)
+    if write:
+        replace_section("A long call in the browser: the round trip over minutes", body)
     return 0
 
 

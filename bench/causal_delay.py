@@ -124,9 +124,12 @@ def main() -> int:
 
 
 def _summary(values: list[int | None]) -> str:
+    """"1 (11 trials), 2 (1)": each value seen and in how many trials (greedy decoding can pick
+    the same tokens for a different input, so a later step is the first change in some)."""
     seen = sorted({v for v in values if v is not None})
     missing = sum(v is None for v in values)
-    return ", ".join(map(str, seen)) + (f" ({missing} unchanged)" if missing else "")
+    counts = [f"{v} ({values.count(v)}{' trials' if k == 0 else ''})" for k, v in enumerate(seen)]
+    return ", ".join(counts) + (f", unchanged ({missing})" if missing else "")
 
 
 if __name__ == "__main__":
