@@ -287,7 +287,7 @@ async def test_time_limit_ends_the_call_with_a_message_and_the_downloads(runtime
         transcript, status, call_id, files, figures = updates[-1]
         assert status.startswith("Call ended: Time is up") and call_id == h.call_id
         # This call's own figures stay on the page after the end.
-        assert figures.startswith("**This call** first sound after") and "latency" in figures, figures
+        assert figures.startswith("**This call** first sound after") and "round trip" in figures, figures
         assert transcript == h.transcript and transcript  # the tiny model babbles text every few ticks
         wav_path, json_path = files
         with wave.open(wav_path) as w:

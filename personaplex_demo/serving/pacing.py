@@ -37,6 +37,7 @@ class TickPacer:
         self._deadline: float | None = None
         self._last_start: float | None = None
         self._advance = 0.0  # seconds to bring the next step forward (`advance`)
+        self.aligner = PhaseAligner()
 
     def stop(self) -> None:
         """Nothing to step: the next step starts a fresh schedule."""
@@ -52,6 +53,10 @@ class TickPacer:
         if now < due:
             self.clock.sleep(due - now)
         self._last_start = self.clock.monotonic()
+
+    def follow(self, ages: list[float]) -> None:
+        """This tick's packet ages (`PhaseAligner.observe`): the next tick may come earlier."""
+        self.advance(self.aligner.observe(ages))
 
     def advance(self, seconds: float) -> None:
         """Bring the next step forward by `seconds` (the phase of the schedule, not its rate),

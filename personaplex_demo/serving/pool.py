@@ -30,7 +30,7 @@ from .clock import Clock, RealClock
 from .config import PoolConfig
 from .counters import PoolCounters
 from .metrics import PoolMetrics, PoolWindows, TickListener
-from .pacing import PhaseAligner, TickPacer
+from .pacing import TickPacer
 from .prefill import gap_prefills
 from .room import DOOR_PAGE, CallState, EndReason, PoolClosedError, SlotOutput
 from .slot_table import SlotTable
@@ -78,7 +78,6 @@ class SlotPool:
         self._admission = Admission(config, self._clock, self._table, self._counters)
         self._pacer = TickPacer(self._clock, config.tick_seconds, config.catch_up_gap_seconds,
                                 config.resync_after_seconds, config.idle_sleep_seconds)
-        self._phase = PhaseAligner()
         self._last_summary = self._clock.monotonic()
 
     @property
@@ -175,9 +174,8 @@ class SlotPool:
                 return
             self._pacer.wait()
             late = self._pacer.stepped(self.tick_once())
-            if late.seconds > 0:
-                with self._lock:
-                    self._counters.overruns += 1
+            with self._lock:
+                self._counters.overruns += late.seconds > 0
             if late.resync:
                 self._resync(late.seconds)
             self._maybe_log_summary()
@@ -205,10 +203,9 @@ class SlotPool:
         clock = self._clock
         start = clock.monotonic()
         pcm = np.zeros((self.slots_total, self.frame_size), dtype=np.float32)
-        ages: list[float] = []
         with self._lock:
-            rows = self._table.take_frames(pcm, start, ages)
-        self._pacer.advance(self._phase.observe(ages))
+            rows, ages = self._table.take_frames(pcm, start)
+        self._pacer.follow(ages)
         if not rows:
             return 0
         step_start = clock.monotonic()

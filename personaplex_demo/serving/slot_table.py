@@ -72,11 +72,11 @@ class SlotTable:
     def seated(self, state: CallState) -> Iterator[tuple[int, Call]]:
         return ((slot, c) for slot, c in enumerate(self.slots) if c is not None and c.state == state)
 
-    def take_frames(self, pcm: np.ndarray, now: float, ages: list[float]) -> list[tuple[int, Call, float | None]]:
+    def take_frames(self, pcm: np.ndarray, now: float) -> tuple[list[tuple[int, Call, float | None]], list[float]]:
         """Each live call's oldest input frame into its row of `pcm` (silence stays where none
-        came): the rows to step, as (slot, call, push time of its frame). `ages` gets how long
-        each call's newest audio had been here at `now`."""
-        rows = []
+        came): the rows to step, as (slot, call, push time of its frame), and how long each
+        call's newest audio had been here at `now` (`Call.arrival_age`)."""
+        rows, ages = [], []
         for slot, call in self.seated(CallState.LIVE):
             if (age := call.arrival_age(now)) is not None:
                 ages.append(age)
@@ -84,7 +84,7 @@ class SlotTable:
             if frame is not None:
                 pcm[slot] = frame
             rows.append((slot, call, stamp))
-        return rows
+        return rows, ages
 
     def trim_backlogs(self, keep: int) -> int:
         """Cut every live call's input backlog to its `keep` newest frames; how many were dropped."""

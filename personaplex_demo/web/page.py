@@ -176,9 +176,10 @@ class Page:
     def build(self) -> gr.Blocks:
         options = self.options
         limit_text = f"Calls last up to {int(options.time_limit // 60)} min. " if options.time_limit else ""
-        with gr.Blocks(title=options.title, head=TRIP_SCRIPT) as demo:
-            # Gradio 5.50 deprecates Blocks(css=...) and its launch() takes no css yet; the page config reads this.
-            demo.css = CSS
+        with gr.Blocks(title=options.title) as demo:
+            # Gradio 5.50 deprecates Blocks(css=..., head=...) and its launch() takes neither yet; the
+            # page config reads these.
+            demo.css, demo.head = CSS, TRIP_SCRIPT
             gr.Markdown(f"# {options.title}\nTalk out loud with NVIDIA PersonaPlex-7B, a full-duplex speech model: "
                         "it listens and speaks at the same time. Pick a voice and a persona, then press **Record**. "
                         f"{limit_text}")
