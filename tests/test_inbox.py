@@ -187,3 +187,22 @@ def test_with_two_callers_the_tick_moves_only_as_far_as_the_later_ones_packets_a
     assert later[1].max() < 0.012  # the later caller's packets now come just before the tick
     assert 0.015 < later[0].min() and later[0].max() < 0.03  # the other caller gained as much
     assert pool.snapshot().underruns == 0
+
+
+def test_a_caller_paced_by_the_room_does_not_pull_the_tick_forward_for_ever():
+    """A socket door hands over its next frame right after each output (api/feeder.py): its audio
+    follows the tick, so its age says nothing of a phase. One move shows it; after that the room
+    keeps 12.5 ticks a second."""
+    clock = ScheduledClock()
+    engine = FakeEngine(1, clock, step_seconds=0.03)
+    pool = SlotPool(engine, PoolConfig(), clock)
+    call = pool.admit("NATF0", "p")
+    pool.tick_once()
+    engine.on_step = lambda _: clock.at(clock.monotonic() + 0.031, lambda: call.push_audio(np.ones(FRAME, np.float32)))
+    call.push_audio(np.ones(FRAME, np.float32))
+    while clock.monotonic() < 30.0:
+        pool.iterate()
+        drain(call)
+    assert pool._pacer.aligner.followers == {call.id}
+    assert pool._pacer.aligner.moved <= 0.04 + 1e-9  # the one move that showed it
+    assert abs(engine.steps - 30.0 / 0.08) <= 2  # no faster than real time

@@ -54,7 +54,7 @@ class TickPacer:
             self.clock.sleep(due - now)
         self._last_start = self.clock.monotonic()
 
-    def follow(self, ages: list[float]) -> None:
+    def follow(self, ages: dict[str, float]) -> None:
         """This tick's packet ages (`PhaseAligner.observe`): the next tick may come earlier."""
         self.advance(self.aligner.observe(ages))
 
@@ -83,8 +83,13 @@ class TickPacer:
 
 class PhaseAligner:
     """How far to bring the next tick forward so that it comes right after the live callers'
-    packets (see the module docstring). Fed each tick's packet ages: for every live call, how long
-    its newest audio had been in the room when the tick took its frame."""
+    packets (see the module docstring). Fed each tick's packet ages: for every live call (by id),
+    how long its newest audio had been in the room when the tick took its frame.
+
+    A caller whose audio is paced by the room itself (a socket door that hands over a frame after
+    each output) shows the same age however the tick moves: after a move, a call whose youngest
+    age did not drop by about as much follows the room, and is left out from then on. Without
+    that, such a caller would pull the tick forward window after window: a room that runs fast."""
 
     def __init__(self, window_ticks: int = 25, guard: float = 0.005, least: float = 0.002,
                  most: float = 0.04) -> None:
@@ -92,23 +97,35 @@ class PhaseAligner:
         self.guard = guard  # the least age kept: jitter of the packets and of the ticker's wake-up
         self.least = least  # smaller moves are not worth a tick out of step
         self.most = most  # one packet's spacing: beyond it the previous packet would do as well
-        self._youngest: float | None = None
+        self._youngest: dict[str, float] = {}  # this window's youngest age of each call
+        self._before: dict[str, float] = {}  # ...and of the window before the last move
+        self._last_move = 0.0
         self._ticks = 0
+        self._settle = 0  # ticks right after a move, not counted: a follower has not followed yet
+        self.followers: set[str] = set()  # calls whose audio follows the room's ticks
         self.moved = 0.0  # seconds brought forward in all, for the figures
 
-    def observe(self, ages: list[float]) -> float:
+    def observe(self, ages: dict[str, float]) -> float:
         """One tick's packet ages; the seconds to bring the next tick forward (0.0: none)."""
         if not ages:  # nobody's audio to follow: start over
-            self._youngest, self._ticks = None, 0
+            self._youngest, self._before, self._last_move, self._ticks = {}, {}, 0.0, 0
             return 0.0
-        youngest = min(ages)
-        self._youngest = youngest if self._youngest is None else min(self._youngest, youngest)
+        if self._settle:
+            self._settle -= 1
+            return 0.0
+        for call, age in ages.items():
+            self._youngest[call] = min(age, self._youngest.get(call, age))
         self._ticks += 1
         if self._ticks < self.window_ticks:
             return 0.0
-        spare, self._youngest, self._ticks = self._youngest - self.guard, None, 0
-        if spare < self.least:
-            return 0.0
-        move = min(spare, self.most)
-        self.moved += move
-        return move
+        window, self._youngest, self._ticks = self._youngest, {}, 0
+        if self._last_move >= 2 * self.least:  # who moved with the tick last time?
+            self.followers |= {c for c, age in window.items()
+                               if c in self._before and self._before[c] - age < self._last_move / 2}
+        self.followers &= set(window)  # calls that ended are forgotten
+        free = [age for c, age in window.items() if c not in self.followers]
+        spare = min(free) - self.guard if free else 0.0
+        self._before, self._last_move = window, (min(spare, self.most) if spare >= self.least else 0.0)
+        self.moved += self._last_move
+        self._settle = 2 if self._last_move else 0
+        return self._last_move

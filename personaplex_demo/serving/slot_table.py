@@ -72,14 +72,15 @@ class SlotTable:
     def seated(self, state: CallState) -> Iterator[tuple[int, Call]]:
         return ((slot, c) for slot, c in enumerate(self.slots) if c is not None and c.state == state)
 
-    def take_frames(self, pcm: np.ndarray, now: float) -> tuple[list[tuple[int, Call, float | None]], list[float]]:
+    def take_frames(self, pcm: np.ndarray, now: float) -> tuple[list[tuple[int, Call, float | None]], dict[str, float]]:
         """Each live call's oldest input frame into its row of `pcm` (silence stays where none
         came): the rows to step, as (slot, call, push time of its frame), and how long each
         call's newest audio had been here at `now` (`Call.arrival_age`)."""
-        rows, ages = [], []
+        rows: list[tuple[int, Call, float | None]] = []
+        ages: dict[str, float] = {}
         for slot, call in self.seated(CallState.LIVE):
             if (age := call.arrival_age(now)) is not None:
-                ages.append(age)
+                ages[call.id] = age
             stamp, frame = call.take_frame()
             if frame is not None:
                 pcm[slot] = frame
