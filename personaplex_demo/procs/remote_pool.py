@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import CallerError
 from ..sampling_params import SamplingParams
-from ..serving.call import MAX_PUSH_SAMPLES, CallView, checked_audio
+from ..serving.call import CallView, checked_audio
 from ..serving.config import PoolConfig
 from ..serving.metrics import PoolMetrics, tell_listeners
 from ..serving.room import (
@@ -82,7 +82,7 @@ class RemoteCall(CallView):
 
     def push_audio(self, samples: np.ndarray) -> None:
         """Send the caller's audio to the engine as it arrived. Dropped unless live; never blocks."""
-        arr = checked_audio(samples, MAX_PUSH_SAMPLES)  # sent as it is: int16 is half the bytes of float32
+        arr = checked_audio(samples)  # sent as it is: int16 is half the bytes of float32
         if self.state != CallState.LIVE:
             return
         self.frames_pushed += 1

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..sampling_params import SamplingParams
-from ..serving.call import MAX_PUSH_SAMPLES, checked_audio
+from ..serving.call import checked_audio
 from ..serving.headroom import WAIT_SLOTS
 from ..serving.room import CallEnded, CallState, EndReason, SlotOutput
 
@@ -89,7 +89,7 @@ class RoutedCall:
         if self.inner is not None:
             self.inner.push_audio(samples)
         else:
-            checked_audio(samples, MAX_PUSH_SAMPLES)  # bad audio is the caller's error at any time
+            checked_audio(samples)  # bad audio is the caller's error at any time
 
     def time_left(self) -> float | None:
         return self.inner.time_left() if self.inner is not None else None

@@ -178,10 +178,9 @@ def make_jitter_buffer_class():
             if self._is_video:
                 return super().add(packet)
             seq = packet.sequence_number
-            if self._last is not None:
-                behind = uint16_add(self._last, -seq)
-                if behind < RESTART_DISTANCE and uint16_add(seq, -self._last) >= 0x8000 or seq == self._last:
-                    return False, None  # late or repeated
+            # Late or repeated: at most RESTART_DISTANCE behind the last one released (modulo 2**16).
+            if self._last is not None and uint16_add(self._last, -seq) < RESTART_DISTANCE:
+                return False, None
             self._last = seq
             if not packet._data:
                 return False, None

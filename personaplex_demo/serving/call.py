@@ -41,27 +41,27 @@ class CallContext:
     release: Callable[[Call, str], None]  # the pool's end-of-call: takes the lock, leaves the queue
 
 
-def checked_audio(samples: np.ndarray, most: int) -> np.ndarray:
-    """`samples` as a flat array of 1 to `most` int16 or float samples, or AudioFormatError."""
+# One push holds at most this much audio (one second): a door hands audio on as it arrives.
+MAX_PUSH_SAMPLES = 24_000
+
+
+def checked_audio(samples: np.ndarray) -> np.ndarray:
+    """`samples` as a flat array of 1 to MAX_PUSH_SAMPLES int16 or float samples, or AudioFormatError."""
     arr = np.asarray(samples)
     if arr.ndim > 1 and sorted(arr.shape)[-2] != 1:
         raise AudioFormatError(f"input audio must be mono (one channel), got shape {arr.shape}")
-    if not 0 < arr.size <= most:
-        raise AudioFormatError(f"one push of input audio must hold 1 to {most} samples (24 kHz mono), "
+    if not 0 < arr.size <= MAX_PUSH_SAMPLES:
+        raise AudioFormatError(f"one push of input audio must hold 1 to {MAX_PUSH_SAMPLES} samples (24 kHz mono), "
                                f"got shape {arr.shape}")
     if arr.dtype != np.int16 and arr.dtype.kind != "f":
         raise AudioFormatError(f"input audio must be int16 or float32 samples, got {arr.dtype}")
     return arr.reshape(arr.size)
 
 
-def input_audio(samples: np.ndarray, most: int) -> np.ndarray:
+def input_audio(samples: np.ndarray) -> np.ndarray:
     """Checked samples as a fresh float32 array (the sender may reuse its buffer)."""
-    arr = checked_audio(samples, most)
+    arr = checked_audio(samples)
     return arr.astype(np.float32) / 32768.0 if arr.dtype == np.int16 else arr.astype(np.float32, copy=True)
-
-
-# One push holds at most this much audio (one second): a door hands audio on as it arrives.
-MAX_PUSH_SAMPLES = 24_000
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -120,7 +120,7 @@ class Call(CallView):
     def push_audio(self, samples: np.ndarray) -> None:
         """Queue the caller's audio as it arrived (any length up to `MAX_PUSH_SAMPLES`, int16 or
         float, 24 kHz mono); the tick cuts frames from it (serving/inbox.py). Dropped unless live."""
-        audio = input_audio(samples, MAX_PUSH_SAMPLES)
+        audio = input_audio(samples)
         with self._ctx.lock:
             if self.state != CallState.LIVE:
                 return  # audio before the call is live or after it ended has nowhere to go

@@ -103,7 +103,7 @@ class PhaseAligner:
         self._ticks = 0
         self._settle = 0  # ticks right after a move, not counted: a follower has not followed yet
         self.followers: set[str] = set()  # calls whose audio follows the room's ticks
-        self.moved = 0.0  # seconds brought forward in all, for the figures
+        self.moved = 0.0  # seconds brought forward in all
 
     def observe(self, ages: dict[str, float]) -> float:
         """One tick's packet ages; the seconds to bring the next tick forward (0.0: none)."""

@@ -164,10 +164,11 @@ class CallFigures:
         parts = ", ".join(f"{k} {v:.3f}" for k, v in self.parts().items())
         return f"{self.first_audio_seconds:.2f} s after the offer ({parts})"
 
-    def round_trip_ms(self) -> float | None:
-        """Mouth to ear as the server sees this call: the model's floor, the room's latency p50 and
-        the network's round trip; the page adds its browser's jitter buffer (web/page.py)."""
-        room = self.latency_ms(0.5)
+    def round_trip_ms(self, room: float | None = None) -> float | None:
+        """Mouth to ear as the server sees this call: the model's floor, the room's latency p50
+        (`room`, when the caller has it at hand) and the network's round trip; the page adds its
+        browser's jitter buffer (web/page.py)."""
+        room = room if room is not None else self.latency_ms(0.5)
         if room is None:
             return None
         rtt = self.packets.round_trip_time if self.packets is not None else None
@@ -210,7 +211,7 @@ class CallFigures:
         bits = [f"first sound after {first:.2f} s" if first is not None else "no sound from the agent yet"]
         if (p50 := self.latency_ms(0.5)) is not None:
             # The page's script adds its jitter buffer to the first figure (web/page.py TRIP_SCRIPT).
-            bits.append(f"round trip {self.round_trip_ms():.0f} ms{TRIP_PENDING} · the room's share {p50:.0f} ms")
+            bits.append(f"round trip {self.round_trip_ms(p50):.0f} ms{TRIP_PENDING} · the room's share {p50:.0f} ms")
         lost = []
         if (late := self.late_share) is not None:
             lost.append(f"{100 * late:.1f} % of your audio late")
