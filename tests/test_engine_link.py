@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import threading
 import time
 
 import numpy as np
@@ -20,11 +21,12 @@ from personaplex_demo.procs.pool_server import PoolServer
 from personaplex_demo.procs.remote_pool import ENGINE_LOST, RemotePool
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 from personaplex_demo.serving.config import PoolConfig
-from personaplex_demo.serving.headroom import WAIT_CAPACITY
+from personaplex_demo.serving.headroom import WaitReason
 from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.serving.room import CallEnded, PoolFullError
 
 from .callers import wait_all_free
+from .support.waiting import eventually
 
 KEY = secrets.token_bytes(16)
 TONE = (0.3 * 32767 * np.sin(2 * np.pi * 220 * np.arange(1920) / 24000)).astype(np.int16)
@@ -123,20 +125,21 @@ async def test_the_router_fills_free_slots_on_every_engine_before_queueing(runti
         assert calls[2].state == "queued"
         for call in calls[:2]:
             await call.wait_live(10)
-        await asyncio.sleep(0.7)  # the engines' room figures arrive twice a second
+        # The engines' figures arrive twice a second.
+        await eventually(lambda: router.snapshot().slots_live == 2, "both engines' figures")
         room = router.snapshot()
         assert (room.slots_total, room.slots_live, room.queue_length) == (2, 2, 1)
         assert [s["name"] for s in router.engine_status()] == ["e0", "e1"]
         for call in calls[:2]:
             call.push_audio(TONE)
-        await asyncio.sleep(0.7)
-        assert ticks and all(seconds > 0 for seconds, _ in ticks) and any(latencies for _, latencies in ticks)
+        await eventually(lambda: any(latencies for _, latencies in ticks), "ticks with their frames' latencies")
+        assert all(seconds > 0 for seconds, _ in ticks)
         for call in calls:
             call.release()
         for pool in pools:
             await wait_all_free(pool)
-        await asyncio.sleep(0.7)
-        assert router.snapshot().calls_ended == {"hangup": 3}  # counts by reason add up across engines
+        # Counts by reason add up across engines (and the router's own queue).
+        await eventually(lambda: router.snapshot().calls_ended == {"hangup": 3}, "three hang-ups counted")
         router.close()
 
 
@@ -154,7 +157,7 @@ async def test_a_lagging_client_holds_new_calls_with_the_reason_until_it_recover
                 await asyncio.sleep(0.05)
             assert pool.snapshot().media_lag_ms == pytest.approx(400)
             second = await remote.acquire("NATM1", "")
-            assert (second.state, second.queue_position, second.wait_reason) == ("queued", 1, WAIT_CAPACITY)
+            assert (second.state, second.queue_position, second.wait_reason) == ("queued", 1, WaitReason.CAPACITY)
             with pytest.raises(PoolFullError, match="capacity"):
                 await remote.acquire("NATF2", "", queue=False)  # what the router asks first: no seat here
             remote.report_media_lag(0.0)
@@ -207,11 +210,13 @@ async def test_a_call_that_goes_live_before_the_server_relays_it_is_still_report
     with served(runtimes[0], str(tmp_path / "e.sock"), "busy") as (pool, server):
         engine = RemotePool(str(tmp_path / "e.sock"), KEY)
         try:
-            server.loop.call_soon_threadsafe(time.sleep, 1.0)  # holds the relay loop for a second
+            held = threading.Event()
+            server.loop.call_soon_threadsafe(held.wait, 10.0)  # holds the relay loop until released
             call = await engine.acquire("NATF2", "", SamplingParams(seed=1))
             assert call.state == "prefill"
-            await asyncio.sleep(1.0)
-            assert pool.snapshot().slots_live == 1  # live on the engine before its relay looked
+            await eventually(lambda: pool.snapshot().slots_live == 1, "the call live on the engine")
+            assert call.state == "prefill"  # its relay has not looked yet
+            held.set()
             await call.wait_live(5)
             assert await talk(call, 0.5)
             call.release()

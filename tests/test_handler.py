@@ -22,9 +22,9 @@ from personaplex_demo.rtc.patches import BoundedEventLog
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.pool import SlotPool
-from personaplex_demo.serving.room import EndReason
+from personaplex_demo.serving.room import END_MESSAGES, EndReason
 from personaplex_demo.web.echo import WARNING as ECHO_WARNING
-from personaplex_demo.web.handler import END_MESSAGES, CallHandler, FinalUpdates, end_message
+from personaplex_demo.web.handler import CallHandler, FinalUpdates, end_message
 from personaplex_demo.web.page_inputs import PageInputs
 from personaplex_demo.web.recording import RecordingStore
 
@@ -333,23 +333,26 @@ async def test_a_full_room_refuses_with_a_clear_message(runtime, recordings):
         await wait_all_free(pool)
 
 
-async def test_queued_callers_are_told_when_the_wait_is_over_or_dropped_when_gone(runtime, recordings, monkeypatch):
-    import personaplex_demo.web.handler as handler_module
-
-    monkeypatch.setattr(handler_module, "QUEUED_SILENCE_SECONDS", 0.6)
-    with started_pool(runtime) as pool:
+async def test_the_room_ends_a_queued_call_that_waited_too_long_or_whose_audio_stopped(runtime, recordings):
+    """The queue's rules are the room's (PoolConfig): the page only shows what the room decided."""
+    with started_pool(runtime, max_wait_seconds=1.5, queued_silence_seconds=0.5, idle_release_seconds=10) as pool:
         holders = [await direct_call(pool, recordings) for _ in range(2)]
-        patient = await direct_call(pool, recordings, max_wait_seconds=1.0)
-        gone = await direct_call(pool, recordings)  # its tab is closed: no audio ever arrives
-        assert (patient.call.state, patient.call.queue_position) == ("queued", 1)
-        assert (gone.call.state, gone.call.queue_position) == ("queued", 2)
-        feeder = asyncio.ensure_future(feed_tone(patient, 3.0))
-        patient_outs, gone_outs = await asyncio.gather(emit_until_closed(patient, 3.0), emit_until_closed(gone, 3.0))
-        feeder.cancel()
+        patient = await direct_call(pool, recordings)
+        gone = await direct_call(pool, recordings)  # its tab closes after a moment of audio
+        silent = await direct_call(pool, recordings)  # never sent audio: not known to have gone
+        assert [(h.call.state, h.call.queue_position) for h in (patient, gone, silent)] == [
+            ("queued", 1), ("queued", 2), ("queued", 3)]
+        feeders = [asyncio.ensure_future(feed_tone(patient, 3.0)), asyncio.ensure_future(feed_tone(gone, 0.3))]
+        patient_outs, gone_outs = await asyncio.gather(emit_until_closed(patient, 4.0), emit_until_closed(gone, 4.0))
+        for feeder in feeders:
+            feeder.cancel()
         assert "number 1 in the queue" in page_updates(patient_outs)[0][1]
         assert isinstance(patient_outs[-1], CloseStream) and "no place in the room" in patient_outs[-1].msg
-        assert isinstance(gone_outs[-1], CloseStream) and "no microphone audio" in gone_outs[-1].msg
-        assert gone.call.end_reason == "idle" and pool.snapshot().queue_length == 0
+        assert isinstance(gone_outs[-1], CloseStream) and "No audio arrived" in gone_outs[-1].msg
+        assert (patient.call.end_reason, gone.call.end_reason) == ("queue_timeout", "idle")
+        await asyncio.sleep(0.2)
+        assert silent.call.state == "ended" and silent.call.end_reason == "queue_timeout"
+        assert pool.snapshot().queue_length == 0
         for h in holders:
             h.shutdown()
         await wait_all_free(pool)
@@ -424,4 +427,4 @@ def test_a_failure_reads_as_what_failed_and_what_to_do():
         "The call ended: the engine on 10.0.0.7 stopped. Please press Record to call again.")
     assert end_message(ENGINE_LOST).startswith("The call ended: the engine process stopped. Please")
     assert end_message(EndReason.SHUTDOWN) == END_MESSAGES[EndReason.SHUTDOWN]
-    assert end_message("error") == "The call ended: error"
+    assert end_message("error") == "The call ended: error. Please press Record to call again."

@@ -19,7 +19,7 @@ from personaplex_demo.procs.pool_router import PoolRouter
 from personaplex_demo.sampling_params import SamplingParams
 from personaplex_demo.serving.call import Call
 from personaplex_demo.serving.config import PoolConfig
-from personaplex_demo.serving.headroom import WAIT_CAPACITY, WAIT_SLOTS, HeadroomConfig, HeadroomPolicy
+from personaplex_demo.serving.headroom import HeadroomConfig, HeadroomPolicy, WaitReason
 from personaplex_demo.serving.loop_lag import ensure_probe, probe
 from personaplex_demo.serving.metrics import PoolMetrics
 from personaplex_demo.serving.pool import SlotPool
@@ -29,6 +29,7 @@ from personaplex_demo.web.prometheus import metrics_routes
 from personaplex_demo.web.status import RoomMetrics, status_line
 
 from .support.fake_clock import FakeClock
+from .support.waiting import eventually
 from .test_metrics import scrape
 from .test_pool import FakeEngine, frame, run_for
 
@@ -206,7 +207,7 @@ def test_callers_beyond_the_measured_headroom_wait_with_the_reason_and_get_in_wh
     first, second, third = (join(pool, calls) for _ in range(3))
     assert [c.state for c in calls] == ["live"] * 3  # 25, 45, 65 ms: each predicted, each fits in 68
     fourth = join(pool, calls)  # 4 rows are predicted at 85 ms
-    assert (fourth.state, fourth.queue_position, fourth.wait_reason) == ("queued", 1, WAIT_CAPACITY)
+    assert (fourth.state, fourth.queue_position, fourth.wait_reason) == ("queued", 1, WaitReason.CAPACITY)
     m = pool.snapshot()
     assert (m.slots_free, m.queue_length, m.calls_held_back, m.admitting) == (3, 1, 1, 0)
     assert m.headroom_ms == pytest.approx(80 - 85)
@@ -228,7 +229,7 @@ def test_the_page_and_the_status_say_why_a_caller_waits():
         join(pool, calls)
     runtime = types.SimpleNamespace(model_name="tiny", is_tiny=True, banner=None, capacity=None)
     payload = status_payload(runtime, pool)
-    assert (payload["admission"], payload["queue_reason"], payload["queue_length"]) == ("headroom", WAIT_CAPACITY, 1)
+    assert (payload["admission"], payload["queue_reason"], payload["queue_length"]) == ("headroom", WaitReason.CAPACITY, 1)
     assert payload["calls_held_back"] == 1 and payload["admitting"] == 0
     line = status_line(calls[3], pool)
     assert line.startswith("The room is at capacity on this machine: you are number 1 in the queue"), line
@@ -263,7 +264,7 @@ def test_a_slot_freed_a_moment_ago_is_not_a_lack_of_capacity():
             pool._table.vacate(first.slot)  # between a slot's release and the ticker seating the head
             newcomer = Call(pool._ctx, "NATF0", "p", SamplingParams())
             pool._admission.place(newcomer, True)
-        assert (newcomer.state, newcomer.queue_position, newcomer.wait_reason) == ("queued", 2, WAIT_SLOTS)
+        assert (newcomer.state, newcomer.queue_position, newcomer.wait_reason) == ("queued", 2, WaitReason.SLOTS)
         assert pool.snapshot().calls_held_back == 0, admission
 
 
@@ -272,7 +273,7 @@ def test_a_full_queue_with_slots_free_says_the_room_is_at_capacity():
     calls: list = []
     for _ in range(4):
         join(pool, calls)  # three live, the fourth waits for headroom
-    with pytest.raises(PoolFullError, match=f"^{WAIT_CAPACITY} and the queue of 1 is full"):
+    with pytest.raises(PoolFullError, match=f"^{WaitReason.CAPACITY} and the queue of 1 is full"):
         pool.admit("NATF0", "p")
 
 
@@ -281,7 +282,7 @@ def test_a_full_room_says_its_slots_are_busy():
     calls: list = []
     join(pool, calls)
     waiting = join(pool, calls)
-    assert (waiting.state, waiting.wait_reason) == ("queued", WAIT_SLOTS)
+    assert (waiting.state, waiting.wait_reason) == ("queued", WaitReason.SLOTS)
     assert pool.snapshot().calls_held_back == 0
 
 
@@ -302,7 +303,7 @@ def test_when_the_tick_stays_over_budget_the_newest_call_is_shed_first():
     talk(pool, calls, 100)  # the first caller is never shed: 50 ms alone fits
     assert calls[0].state == "live" and pool.snapshot().calls_ended["overloaded"] == 2
     latecomer = join(pool, calls)  # and nobody new joins while two would not fit
-    assert (latecomer.state, latecomer.wait_reason) == ("queued", WAIT_CAPACITY)
+    assert (latecomer.state, latecomer.wait_reason) == ("queued", WaitReason.CAPACITY)
 
 
 def test_with_shedding_off_every_call_stays_however_late_the_tick():
@@ -319,7 +320,7 @@ def test_before_any_tick_the_pool_seats_the_trusted_number_of_callers_at_once():
     pool, _ = costly_pool(batch=6, headroom_prior_rows=2)
     calls = [pool.admit("NATF0", "p") for _ in range(4)]
     assert [c.state for c in calls] == ["prefill", "prefill", "queued", "queued"]
-    assert [c.wait_reason for c in calls[2:]] == [WAIT_CAPACITY, WAIT_CAPACITY]
+    assert [c.wait_reason for c in calls[2:]] == [WaitReason.CAPACITY, WaitReason.CAPACITY]
     talk(pool, calls, 60)  # measured, then one at a time as each predicted tick fits
     assert [c.state for c in calls] == ["live"] * 3 + ["queued"]
 
@@ -330,7 +331,7 @@ def test_the_media_side_lagging_holds_new_callers():
     join(pool, calls)
     pool.report_media_lag(0.3, "page")
     waiting = join(pool, calls)
-    assert (waiting.state, waiting.wait_reason) == ("queued", WAIT_CAPACITY)
+    assert (waiting.state, waiting.wait_reason) == ("queued", WaitReason.CAPACITY)
     assert pool.snapshot().media_lag_ms == pytest.approx(300)
     pool.report_media_lag(0.01, "page")
     talk(pool, calls, 3)
@@ -412,7 +413,7 @@ class StubEngine:
     async def acquire(self, voice, persona, sampling=None, door="page", *, queue=True):
         self.asked.append(queue)
         if not queue and (self.refuses or not self.room.admitting or self.seats == 0):
-            raise PoolFullError(WAIT_CAPACITY)
+            raise PoolFullError(WaitReason.CAPACITY)
         self.seats = None if self.seats is None else self.seats - 1
         return types.SimpleNamespace(name=self.name, state=CallState.PREFILL, slot=0, end_reason=None)
 
@@ -436,25 +437,24 @@ async def test_with_no_engine_admitting_callers_wait_in_the_routers_one_queue_fo
     router = PoolRouter([a, b])
     first = await router.acquire("NATF0", "p")
     second = await router.acquire("NATF1", "p")
-    assert (first.state, first.queue_position, first.wait_reason) == ("queued", 1, WAIT_SLOTS)
+    assert (first.state, first.queue_position, first.wait_reason) == ("queued", 1, WaitReason.SLOTS)
     assert (second.state, second.queue_position) == ("queued", 2)
     # Each engine was asked for a seat once, for the first caller; nobody queues at one engine.
     assert (a.asked, b.asked) == ([False], [False])
     assert router.snapshot().queue_length == 2
     # A slot frees on b, but its tick has no headroom: the queue says why it still waits.
     b.room = dataclasses.replace(b.room, slots_free=1)
-    await asyncio.sleep(0.3)
-    assert (first.wait_reason, second.wait_reason) == (WAIT_CAPACITY, WAIT_CAPACITY)
+    await eventually(lambda: (first.wait_reason, second.wait_reason) == (WaitReason.CAPACITY,) * 2, "the reason")
     assert router.snapshot().calls_held_back == 2  # each caller held back counts once
     # It admits: the head takes the seat there, and the second moves up.
     b.room, b.seats = dataclasses.replace(b.room, admitting=1), 1
-    await asyncio.sleep(0.3)
+    await eventually(lambda: first.inner is not None, "the head seated")
     assert first.inner.name == "b" and first.queue_position is None
     assert (second.state, second.queue_position) == ("queued", 1)
     # The second hangs up while waiting: it leaves the queue, counted as a hang-up.
     second.release()
-    await asyncio.sleep(0.3)
-    assert router.snapshot().queue_length == 0 and router.snapshot().calls_ended == {"hangup": 1}
+    await eventually(lambda: router.snapshot().calls_ended == {"hangup": 1}, "the hang-up counted")
+    assert router.snapshot().queue_length == 0
     with pytest.raises(CallEnded):
         await second.wait_live(1)
 

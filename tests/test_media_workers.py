@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -175,29 +176,86 @@ async def test_four_callers_on_two_media_workers_and_a_killed_worker_ends_only_i
         await newcomer.hang_up()
 
 
+def place(caller: PageCaller) -> int | None:
+    """The caller's place in the queue, as its page shows it."""
+    found = re.search(r"you are number (\d+) in the queue", caller.status)
+    return int(found.group(1)) if found else None
+
+
+ONE_QUEUE_ARGS = ["--slots", "1", "--media-workers", "2", "--admission", "slots"]
+
+
+async def test_one_queue_for_page_callers_on_two_media_workers_and_a_realtime_socket(tiny_cache_dir, tmp_path):
+    with launched_app(tmp_path, tiny_cache_dir, args=["--devices", "cpu,cpu", *ONE_QUEUE_ARGS]) as app:
+        await one_queue_for_everyone(app)
+
+
+async def one_queue_for_everyone(app: LaunchedApp) -> None:
+    """Two engines of one slot, two media workers: six page callers 0.3 s apart and one Realtime
+    socket wait in one queue, kept by the main process, each in its own place in order of
+    arrival; every hang-up seats the head of it."""
+    await until(lambda: sum(w["alive"] for w in app.status()["media_workers"]) == 2, 90, "both workers")
+    async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http, SdkCaller(app.base_url, None) as sdk:
+        page = await PageConfig.fetch(http)
+        callers: list[PageCaller] = []
+        for i in range(6):
+            caller = PageCaller(http, page, VOICES[i % 4], PERSONAS[i % 4], seed=i)
+            await caller.offer(200.0 + 70 * i)
+            await caller.wait_connected()
+            callers.append(caller)
+            await asyncio.sleep(0.3)  # the next caller arrives 0.3 s later
+        assert sorted(w["calls"] for w in app.status()["media_workers"]) == [3, 3]
+        await sdk.configure("VARF4", "You are a wise and friendly teacher.", seed=9)
+        await until(lambda: all(is_live(c) for c in callers[:2]), 30, "the first two callers live")
+        await until(lambda: [place(c) for c in callers[2:]] == [1, 2, 3, 4], 10,
+                    f"places 1 to 4 in order of arrival (pages: {[c.status for c in callers[2:]]})")
+        queued = await sdk.wait_event("personaplex.queue")
+        assert queued.position == 5
+        assert app.status()["queue_length"] == 5
+        # Each hang-up of a live caller seats the head of the one queue, whichever worker holds it.
+        for n in range(2):
+            await callers[n].hang_up()
+            await until(lambda n=n: is_live(callers[n + 2]), 30, f"caller {n + 2} seated after a hang-up")
+            behind = callers[3 + n:]
+            await until(lambda b=behind, n=n: [place(c) for c in b] == list(range(1, 4 - n)), 10,
+                        f"the callers behind moving up (pages: {[c.status for c in behind]})")
+        await sdk.wait_for(lambda: any(getattr(e, "position", None) == 3 for _, e in sdk.events
+                                       if e.type == "personaplex.queue"), 10, "the socket at place 3")
+        assert app.status()["queue_length"] == 3
+        for caller in callers[2:]:
+            await caller.hang_up()
+        await sdk.wait_live(30)  # the socket's turn comes once the page callers have gone
+        await sdk.conn.close()
+        await until(lambda: app.status()["slots_free"] == 2 and app.status()["queue_length"] == 0, 10,
+                    "an empty room")
+
+
 async def test_two_cpu_engines_with_int8_weights_each_take_a_call(tiny_cache_dir, tmp_path):
-    args = ["--devices", "cpu,cpu", "--slots", "1", "--weights", "int8"]
+    args = ["--devices", "cpu,cpu", "--slots", "2", "--weights", "int8", "--admission", "slots"]
     with launched_app(tmp_path, tiny_cache_dir, args=args) as app:
         status = app.status()
         assert [e["name"] for e in status["engines"]] == ["engine-0 (cpu)", "engine-1 (cpu)"]
         # The engines hold their LM's transformer weights as int8, and the page's banner says so.
         assert status["weights"] == "int8" and "int8 weights" in status["banner"]
         assert "loaded 151 tensors from model.safetensors (92 as int8)" in app.log_text()
-        assert status["slots_total"] == 2 and status["media_workers"] == []
+        assert status["slots_total"] == 4 and status["media_workers"] == []
         async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http:
-            callers = await call_all(http, 2)
+            # A second caller, once the first shows in the engines' figures, goes to the engine
+            # with more room: the other one (both on one engine would fit as well).
+            callers = await call_all(http, 1)
+            await until(lambda: sum(e["slots_live"] for e in app.status()["engines"]) == 1, 30, "the first call")
+            callers += await call_all(http, 1, first=1)
             await until(lambda: all(is_live(c) for c in callers), 30, "two live calls")
-            await asyncio.sleep(1.0)  # the engines' figures reach the main process twice a second
-            engines = app.status()["engines"]
-            assert [e["slots_live"] for e in engines] == [1, 1]  # one call on each engine
+            await until(lambda: sum(e["slots_live"] for e in app.status()["engines"]) == 2, 5, "the engines' figures")
+            assert [e["slots_live"] for e in app.status()["engines"]] == [1, 1]
             assert callers[0].transcript != callers[1].transcript
             # /metrics adds up both engines, and their ticks reach its histograms.
             metrics = dict(line.rsplit(" ", 1) for line in app.metrics().splitlines() if line[:1] not in ("#", ""))
-            assert float(metrics["personaplex_slots"]) == 2 and float(metrics["personaplex_slots_live"]) == 2
+            assert float(metrics["personaplex_slots"]) == 4 and float(metrics["personaplex_slots_live"]) == 2
             assert float(metrics["personaplex_tick_seconds_count"]) > 0
             for caller in callers:
                 await caller.hang_up()
-            await until(lambda: app.status()["slots_free"] == 2, 5, "both slots free")
+            await until(lambda: app.status()["slots_free"] == 4, 5, "every slot free")
 
 
 def test_devices_and_the_default_number_of_media_workers(monkeypatch):

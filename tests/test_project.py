@@ -160,7 +160,7 @@ def test_readme_documents_every_transcript_field(tmp_path) -> None:
 
     from personaplex_demo.cli.offline import Conversation, transcript_json
     from personaplex_demo.engine.pcm import SamplingParams
-    from personaplex_demo.web.handler import END_MESSAGES
+    from personaplex_demo.serving.room import END_MESSAGES
     from personaplex_demo.web.page_inputs import CallRequest
     from personaplex_demo.web.recording import CallRecording
 
@@ -175,4 +175,4 @@ def test_readme_documents_every_transcript_field(tmp_path) -> None:
     assert not _documented(section, [*page, *page["sampling"], *page["segments"][0]])
     assert json.dumps(page["channels"]) in section
     # How a call can end: a queued call that times out never goes live, so it has no recording.
-    assert not _documented(section, ["hangup", *END_MESSAGES.keys() - {"queue_timeout"}])
+    assert not _documented(section, ["hangup", *END_MESSAGES.keys() - {"queue_timeout", "not_reading"}])

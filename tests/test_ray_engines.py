@@ -119,10 +119,18 @@ async def test_four_callers_spread_over_two_ray_engines_on_two_nodes(app):
     assert len({r["node_id"] for r in rows}) == 2  # one engine on each node
     assert app.status()["slots_total"] == 4
     async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http:
-        callers = await call_all(http, 4)
+        # A second caller, once the first shows in the engines' figures, goes to the engine with
+        # more room: the other node (both on one engine would fit too: this is placement).
+        callers = await call_all(http, 1)
         await all_live(app, callers)
-        await asyncio.sleep(1.0)  # the engines' figures reach the app four times a second
-        assert [r["slots_live"] for r in engines(app)] == [2, 2]  # placement: the engine with more room
+        await until(lambda: sum(r["slots_live"] for r in engines(app)) == 1, 5, "the engines' figures")
+        callers += await call_all(http, 1, first=1)
+        await all_live(app, callers)
+        await until(lambda: sum(r["slots_live"] for r in engines(app)) == 2, 5, "the engines' figures")
+        assert [r["slots_live"] for r in engines(app)] == [1, 1]
+        callers += await call_all(http, 2, first=2)
+        await all_live(app, callers)
+        await until(lambda: [r["slots_live"] for r in engines(app)] == [2, 2], 5, "four calls on two engines")
         transcripts = [c.transcript for c in callers]
         assert len(set(transcripts)) == 4 and all(transcripts)
         # /metrics labels every engine with its node and device.

@@ -276,7 +276,7 @@ def test_the_door_follows_its_flags_and_help_never_shows_the_key(capsys):
     from personaplex_demo.cli.app import realtime_door
     from personaplex_demo.cli.config import parse_config
 
-    topology = SimpleNamespace(pool=object(), runtime=SimpleNamespace(engine=Rules(), model_name="tiny"))
+    topology = SimpleNamespace(room=object(), runtime=SimpleNamespace(engine=Rules(), model_name="tiny"))
     assert realtime_door(parse_config(["--no-realtime"], environ={}), topology) is None
     door = realtime_door(parse_config(["--api-key", "k1", "--realtime-max-sockets", "2"], environ={}), topology)
     assert door.status()["api_key_required"] and door.status()["max_sockets_per_client"] == 2

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..frame import SOUND_DBFS
-from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
 
 
 @dataclass(frozen=True)
@@ -31,7 +30,6 @@ class RealtimeConfig:
     # An agent turn (one response) ends after this long without text or audible agent speech.
     turn_end_seconds: float = 0.8
     speech_dbfs: float = SOUND_DBFS  # agent audio louder than this (RMS) counts as speech
-    max_wait_seconds: float | None = DEFAULT_MAX_WAIT_SECONDS  # in the queue, as on the page
     start_timeout_seconds: float = 60.0  # a socket that starts no call by then is closed
     # Take the client's address from X-Forwarded-For (its last hop): only behind a proxy that sets
     # it, such as a Hugging Face Space's; elsewhere a client could name any address it likes.

@@ -16,13 +16,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from typing import Any
 
 from starlette.websockets import WebSocket
 
 from ..errors import CallerError, PersonaTooLongError, UnknownVoiceError
-from ..serving.room import DOOR_REALTIME, CallEnded, CallHandle, CallState, EndReason, PoolClosedError, PoolFullError, Room
+from ..serving.room import (
+    DOOR_REALTIME,
+    CallEnded,
+    CallHandle,
+    CallState,
+    EndReason,
+    PoolClosedError,
+    PoolFullError,
+    Room,
+    end_message,
+)
 from . import errors as e
 from .audio_in import decode_pcm16
 from .client_events import ClientEvent, field, parse
@@ -39,16 +48,9 @@ log = logging.getLogger(__name__)
 
 CLOSE_SECONDS = 2.0  # for the last events to leave and the close handshake, before giving up on a client
 
-# How a call's end reads to a client, and the WebSocket close code it comes with.
-END_MESSAGES = {
-    EndReason.TIME_LIMIT: (1000, "the call reached its time limit"),
-    EndReason.IDLE: (1000, "no audio arrived for a while; the slot was freed"),
-    EndReason.QUEUE_TIMEOUT: (1013, "no slot came free in time; try again in a few minutes"),
-    EndReason.OVERLOADED: (1013, "the room could no longer keep every call in real time, so the newest call "
-                                 "was ended; try again in a few minutes"),
-    EndReason.SHUTDOWN: (1001, "the server is restarting; try again in a minute"),
-    EndReason.NOT_READING: (1008, "the client stopped reading its audio"),
-}
+# The WebSocket close code a call's end comes with (the words are the room's: serving/room.py).
+CLOSE_CODES = {EndReason.TIME_LIMIT: 1000, EndReason.IDLE: 1000, EndReason.QUEUE_TIMEOUT: 1013,
+               EndReason.OVERLOADED: 1013, EndReason.SHUTDOWN: 1001, EndReason.NOT_READING: 1008}
 
 
 class RealtimeSocket:
@@ -65,7 +67,6 @@ class RealtimeSocket:
         self.outbox = Outbox()
         self.frames_out = 0
         self.dropped_before_live = 0  # samples appended while the call was not live (not heard)
-        self.queued_at = time.monotonic()  # when the call was placed (the queue wait counts from here)
         self.update_refused = False  # a session.update was refused and none taken since
         self._tasks: set[asyncio.Task] = set()
         self._reader: asyncio.Task | None = None
@@ -230,7 +231,6 @@ class RealtimeSocket:
         if self._closing:  # the socket went while the room placed the call
             self.call.release(EndReason.HANGUP)
             return
-        self.queued_at = time.monotonic()
         log.info("realtime %s: call %s (%s), voice %s", self.session_id, self.call.id, self.call.state, voice)
         self._spawn(self._run_call(self.call))
 
@@ -268,9 +268,6 @@ class RealtimeSocket:
         told: tuple | None = None
         while call.state.waiting:
             if call.state == CallState.QUEUED:
-                waited = time.monotonic() - self.queued_at
-                if self.config.max_wait_seconds is not None and waited > self.config.max_wait_seconds:
-                    call.release(EndReason.QUEUE_TIMEOUT)
                 now = ("queue", call.queue_position, call.wait_reason)
                 if now != told:
                     self.room_event("queue", position=call.queue_position, reason=call.wait_reason)
@@ -287,7 +284,7 @@ class RealtimeSocket:
         if reason == EndReason.HANGUP:
             await self.close(1000, "hang-up")
             return
-        code, message = END_MESSAGES.get(reason, (1011, f"the call ended: {reason}"))
+        code, message = CLOSE_CODES.get(reason, 1011), end_message(reason)
         if self.settings.room_events:
             self.room_event("call_ended", reason=reason, message=message)
         else:

@@ -100,12 +100,13 @@ def start_room(cfg: AppConfig, server_rtc: dict | None) -> Topology | int:
                            max_slots=cfg.max_slots, hf_repo=cfg.hf_repo, cache_dir=cache_dir,
                            context=context_frames(cfg.context, LMConfig().context)),
             PoolConfig(idle_release_seconds=cfg.idle_release, time_limit_seconds=cfg.time_limit,
-                       max_queue=cfg.max_queue, admission=cfg.admission, shed_when_overloaded=not cfg.no_shedding),
+                       max_queue=cfg.max_queue, max_wait_seconds=cfg.max_wait_seconds, admission=cfg.admission,
+                       shed_when_overloaded=not cfg.no_shedding),
             devices=tuple(devices),
             media_workers=(cfg.media_workers if cfg.media_workers is not None
                            else default_media_workers(devices, slots_total)),
             server_rtc_configuration=server_rtc, loopback_ice=loopback_requested(),
-            max_wait_seconds=cfg.max_wait_seconds, engines=cfg.engines, ray_address=cfg.ray_address), progress)
+            engines=cfg.engines, ray_address=cfg.ray_address), progress)
     except START_ERRORS as exc:  # before any model is loaded, or no room for one slot
         log.error("%s", exc)
         return EXIT_PREFLIGHT
@@ -124,7 +125,7 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
     from ..web.prometheus import EngineCollector, metrics_routes
     from ..web.recording import RecordingStore, remove_stale_recordings
 
-    runtime, room = topology.runtime, topology.pool
+    runtime, room = topology.runtime, topology.room
     door = realtime_door(cfg, topology)
     if runtime.banner:
         log.warning("%s", runtime.banner)
@@ -138,7 +139,7 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
     # them when there are any).
     recordings = topology.recordings or RecordingStore()
     demo = build_ui(runtime, room, PageOptions(time_limit=cfg.time_limit, max_queue=room.config.max_queue or 0,
-                                               max_wait_seconds=cfg.max_wait_seconds, rtc_configuration=rtc,
+                                               rtc_configuration=rtc,
                                                server_rtc_configuration=server_rtc, notice=notice), recordings)
     topology.attach(demo)
     stop = StopSignals()
@@ -181,8 +182,8 @@ def realtime_door(cfg: AppConfig, topology: Topology):
     if cfg.api_key is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("the Realtime API (/v1/realtime) is open to anyone who reaches this port: set --api-key "
                     "(PERSONAPLEX_API_KEY) to require a key, or --no-realtime to turn it off")
-    return RealtimeDoor(topology.pool, topology.runtime.engine, RealtimeConfig(
-        api_key=cfg.api_key, max_sockets_per_client=cfg.realtime_max_sockets, max_wait_seconds=cfg.max_wait_seconds,
+    return RealtimeDoor(topology.room, topology.runtime.engine, RealtimeConfig(
+        api_key=cfg.api_key, max_sockets_per_client=cfg.realtime_max_sockets,
         model_name=topology.runtime.model_name, trust_forwarded_for=bool(os.environ.get("SPACE_ID"))))
 
 

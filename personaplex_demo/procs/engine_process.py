@@ -21,7 +21,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..errors import UnknownVoiceError
 from ..runtime.build import Runtime, RuntimeOptions
+from ..sampling_params import SamplingParams
 from ..serving.config import PoolConfig
 from .channel import Channel
 from .launcher import Child, Inbox, stop_children
@@ -153,6 +155,13 @@ class EngineFacts:
         from ..engine.pcm import persona_token_ids
 
         return persona_token_ids(self.tokenizer, persona, self.max_persona_tokens)
+
+    def validate_request(self, voice: str, persona: str, sampling: SamplingParams) -> None:
+        """What the engines would refuse, refused before the caller waits (as `LockstepEngine`'s)."""
+        if voice not in self.voice_names:
+            raise UnknownVoiceError(f"unknown voice {str(voice)[:80]!r}; valid voices: {', '.join(self.voice_names)}")
+        self.persona_tokens(persona)
+        sampling.validate()
 
 
 @dataclass

@@ -4,7 +4,9 @@ The main process (see `media_workers`) keeps the page and the one public port; i
 call's offer to a worker, which answers it with its own ICE candidates, so the browser's media
 goes straight to this process's UDP ports. Here run aiortc (Opus, SRTP, RTP), fastrtc's
 resampling and the handlers, on this process's own event loop and its own share of the CPU. The
-handlers reach the engine(s) through a `remote_pool.PoolRouter` (a `Room`): frames and outputs only.
+handlers reach the engine(s) through a `desk_room.DeskRoom` (a `Room`): frames and outputs go
+straight to the engines, and with several engines who is seated where is the main process's
+decision (its one queue, queue_desk.py).
 
 Control messages with the main process (messages.py, over one `channel.Channel`):
 
@@ -13,8 +15,9 @@ Control messages with the main process (messages.py, over one `channel.Channel`)
                      RecordingQuery   a finished call's recording, for the page's Stop button
                      Relink           an engine came back at a new address (a restarted Ray actor)
                      Stop
+                     Grant, QueueNews, Dropped, Refused   the room's queue (desk_room.py)
     worker -> main   WorkerReady      once connected to the engines (and whether torch got imported)
-                     Waiting          its callers in its router's queue, on each change
+                     Admit, Placed, Leave, Heard          the room's queue (desk_room.py)
                      Reply            to an Offer (an OfferAnswer) or a RecordingQuery (RecordingPaths or None)
                      Outputs          a page update (AdditionalOutputs args)
                      Closed           the connection closed; its last page update
@@ -41,13 +44,13 @@ from fastrtc.webrtc_connection_mixin import WebRTCConnectionMixin
 from ..rtc.ice import server_configuration
 from ..rtc.patches import answer_in_packets
 from ..rtc.settings import apply_media_settings
-from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
 from ..web.handler import CallHandler, FinalUpdates
 from ..web.recording import RecordingStore
 from . import messages as msg
 from .channel import Channel
+from .desk_room import DeskRoom
 from .links import Address
-from .pool_router import PoolRouter, UnreachableEngine
+from .pool_router import UnreachableEngine
 from .remote_pool import RemotePool
 from .watchdog import SilenceWatchdog
 
@@ -63,7 +66,6 @@ class WorkerSpec:
     engines: tuple[Address, ...]  # each engine's PoolServer: an AF_UNIX path, or TCP for a Ray engine
     authkey: bytes
     recordings_dir: str
-    max_wait_seconds: float | None = DEFAULT_MAX_WAIT_SECONDS
     model_name: str | None = None
     server_rtc_configuration: dict[str, Any] | None = None
     loopback_ice: bool = False
@@ -158,22 +160,20 @@ class WorkerLoop:
     """A media worker's event loop: its calls' handlers and peers, and the main process's
     commands, until `Stop` (or until the main process goes away). Made on that loop (`serve`)."""
 
-    def __init__(self, spec: WorkerSpec, control: Connection, router: PoolRouter) -> None:
+    def __init__(self, spec: WorkerSpec, control: Connection, engines: list[RemotePool | UnreachableEngine]) -> None:
         self.spec = spec
-        self.router = router
         self.loop = asyncio.get_running_loop()
         self.stopped = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
         self.recordings = RecordingStore(spec.recordings_dir)
-        router.on_waiting = lambda count: self.channel.send(msg.Waiting(count))  # the page counts the room's queue
         self.addresses = list(spec.engines)  # where each engine was last heard of
         self.watchdog = SilenceWatchdog() if spec.watch_silence else None
-        for engine in router.engines if self.watchdog is not None else ():
+        for engine in engines if self.watchdog is not None else ():
             self.watchdog.watch(engine)
         self.channel = Channel(control, f"media-worker-{spec.index}", self.on_batch, self.on_close)
-        model_name = spec.model_name or next(e for e in router.engines if e.alive).facts.get("model_name")
-        self.host = MediaHost(CallHandler(router, self.recordings, max_wait_seconds=spec.max_wait_seconds,
-                                          model_name=model_name),
+        self.room = DeskRoom(engines, self.channel.send)
+        model_name = spec.model_name or next(e for e in engines if e.alive).facts.get("model_name")
+        self.host = MediaHost(CallHandler(self.room, self.recordings, model_name=model_name),
                               spec.server_rtc_configuration, self.channel.send)
 
     async def run(self) -> None:
@@ -182,12 +182,12 @@ class WorkerLoop:
         if self.watchdog is not None:  # engines on other machines may come back
             self.spawn(self.keep_linked())
         log.info("media worker %d ready (pid %d, engines: %s)", self.spec.index, os.getpid(),
-                 ", ".join(e.name for e in self.router.engines))
+                 ", ".join(e.name for e in self.room.engines))
         await self.stopped.wait()
         for pc in list(self.host.pcs.values()):
             await pc.close()
         await asyncio.sleep(0.1)  # let the handlers' shutdowns release their calls
-        self.router.close()
+        self.room.close()
         if self.watchdog is not None:
             self.watchdog.close()
         self.recordings.close()
@@ -220,6 +220,8 @@ class WorkerLoop:
                     self.spawn(self.relink(index))
                 case msg.Stop():
                     self.stopped.set()
+                case msg.Grant() | msg.QueueNews() | msg.Dropped() | msg.Refused():
+                    self.room.receive(message)
                 case _:
                     log.warning("media worker %d: unexpected %s ignored", self.spec.index, type(message).__name__)
 
@@ -242,7 +244,7 @@ class WorkerLoop:
         restarted: `Relink` gives its new address), every RELINK_SECONDS."""
         while True:
             await asyncio.sleep(RELINK_SECONDS)
-            for index, engine in enumerate(self.router.engines):
+            for index, engine in enumerate(self.room.engines):
                 if not engine.alive:
                     await self.relink(index)
 
@@ -253,10 +255,10 @@ class WorkerLoop:
         except Exception as exc:  # not back yet: the next round tries again
             log.debug("media worker %d: engine %d at %s not reachable: %s", self.spec.index, index, address, exc)
             return
-        if self.router.engines[index].alive:  # linked meanwhile, or never lost here
+        if self.room.engines[index].alive:  # linked meanwhile, or never lost here
             engine.close()
             return
-        self.router.replace(self.router.engines[index], engine)
+        self.room.replace(self.room.engines[index], engine)
         log.info("media worker %d: linked to engine %d again at %s", self.spec.index, index, address)
         if self.watchdog is not None:
             self.watchdog.watch(engine)
@@ -269,8 +271,8 @@ class WorkerLoop:
 
 
 async def serve(spec: WorkerSpec, control: Connection) -> None:
-    router = PoolRouter(await asyncio.to_thread(_connect, spec))  # the engines may still be loading
-    await WorkerLoop(spec, control, router).run()
+    engines = await asyncio.to_thread(_connect, spec)  # the engines may still be loading
+    await WorkerLoop(spec, control, engines).run()
 
 
 def run_worker(spec: WorkerSpec, control: Connection) -> None:

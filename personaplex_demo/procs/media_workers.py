@@ -40,6 +40,8 @@ from ..web.recording import RecordingFiles, recordings_prefix
 from . import messages as msg
 from .launcher import Child, stop_children
 from .media_worker import WorkerSpec, run_worker
+from .pool_router import PoolRouter
+from .queue_desk import QueueDesk
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +69,28 @@ class _Worker:
         self.pid: int | None = None  # as the worker reports it, once ready
         self.torch_imported: bool | None = None
         self.calls: set[str] = set()  # webrtc ids
-        self.waiting = 0  # its callers in its router's queue (several engines)
         self.pending: dict[int, concurrent.futures.Future] = {}
 
     @property
     def usable(self) -> bool:
         return self.ready.is_set() and not self.gone
+
+
+class RestartLimit:
+    """A worker that dies is restarted, unless it died MAX_RESTARTS times within RESTART_WINDOW."""
+
+    def __init__(self) -> None:
+        self._deaths: dict[int, list[float]] = {}  # worker index -> when it was last restarted
+
+    def allow(self, index: int) -> bool:
+        now = time.monotonic()
+        recent = [t for t in self._deaths.get(index, []) if now - t < RESTART_WINDOW]
+        if len(recent) >= MAX_RESTARTS:
+            log.error("media worker %d died %d times within %.0f s; not restarting it", index, len(recent) + 1,
+                      RESTART_WINDOW)
+            return False
+        self._deaths[index] = [*recent, now]
+        return True
 
 
 class MediaWorkers:
@@ -93,9 +111,10 @@ class MediaWorkers:
         self._last_update: dict[str, tuple] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
-        self._restarts: dict[int, list[float]] = {}
+        self._restarts = RestartLimit()
         self.rtc = None
         self.recordings = RemoteRecordings(self)
+        self.desk: QueueDesk | None = None  # the room's queue, for the workers' callers (several engines)
 
     # ---- processes -----------------------------------------------------------------------------
 
@@ -133,11 +152,15 @@ class MediaWorkers:
         for worker in workers:
             worker.child.send(msg.Relink(index, address))
 
-    def waiting(self) -> int:
-        """Callers waiting in the workers' own queues (with several engines each worker's router
-        keeps one; with one engine the engine's queue is everyone's and this is 0)."""
+    def serve_queue(self, router: PoolRouter) -> None:
+        """The workers' callers wait in `router`'s queue, beside everyone else's (queue_desk.py)."""
+        self.desk = QueueDesk(router, self._send_to)
+
+    def _send_to(self, generation: int, message: msg.WorkerCommand) -> None:
         with self._lock:
-            return sum(w.waiting for w in self._workers if not w.gone)
+            worker = next((w for w in self._workers if w.generation == generation and not w.gone), None)
+        if worker is not None:
+            worker.child.send(message)
 
     def status(self) -> list[dict[str, Any]]:
         """Per worker, for /api/status."""
@@ -242,6 +265,7 @@ class MediaWorkers:
     def _on_batch(self, worker: _Worker, batch: list[msg.WorkerReport]) -> None:
         """A worker's reader thread: replies and readiness here, page updates to the page's loop."""
         page: list[msg.Outputs | msg.Closed] = []
+        desk: list[msg.Admit | msg.Placed | msg.Leave | msg.Heard] = []
         for message in batch:
             match message:
                 case msg.Reply(rid=rid, value=value):
@@ -255,12 +279,14 @@ class MediaWorkers:
                     worker.ready.set()
                 case msg.Outputs() | msg.Closed():
                     page.append(message)
-                case msg.Waiting(count=count):
-                    worker.waiting = count
+                case msg.Admit() | msg.Placed() | msg.Leave() | msg.Heard():
+                    desk.append(message)
                 case _:
                     log.warning("media worker %d: unexpected %s ignored", worker.index, type(message).__name__)
         if page and self._loop is not None:
             self._loop.call_soon_threadsafe(self._mirror, page)
+        if desk and self.desk is not None:
+            self.desk.from_thread(self._loop, worker.generation, desk)
 
     def _mirror(self, messages: list[msg.Outputs | msg.Closed]) -> None:
         """On the page's loop: a worker's page updates and closed connections."""
@@ -291,27 +317,16 @@ class MediaWorkers:
                   worker.pid, worker.child.exitcode, len(worker.calls))
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._end_calls_of, worker)
-        if not self._may_restart(worker):
-            return
+        if not (self.restart and worker.ready.is_set() and self._restarts.allow(worker.index)):
+            return  # it never worked, or it keeps dying: its share stays off
         replacement = self._spawn(worker.index)
         with self._lock:
             self._workers = [replacement if w is worker else w for w in self._workers]
         log.info("media worker %d: starting a replacement", worker.index)
 
-    def _may_restart(self, worker: _Worker) -> bool:
-        """Restart a worker that had worked, unless it keeps dying (then its share stays off)."""
-        if not self.restart or not worker.ready.is_set():
-            return False
-        now = time.monotonic()
-        recent = [t for t in self._restarts.get(worker.index, []) if now - t < RESTART_WINDOW]
-        if len(recent) >= MAX_RESTARTS:
-            log.error("media worker %d died %d times within %.0f s; not restarting it", worker.index,
-                      len(recent) + 1, RESTART_WINDOW)
-            return False
-        self._restarts[worker.index] = [*recent, now]
-        return True
-
     def _end_calls_of(self, worker: _Worker) -> None:
+        if self.desk is not None:  # its callers in the room's queue leave it
+            self.desk.worker_gone(worker.generation)
         for webrtc_id in list(worker.calls):
             last = self._last_update.get(webrtc_id)
             transcript, call_id = (last[0], last[2]) if last else ("", "")

@@ -10,8 +10,9 @@ Three conversations, each over a `channel.Channel` (one pickled batch per write)
         main -> engine     EndCalls, Stop
         engine -> main     EngineReady, EngineFailed
     the main process <-> a media worker          (media_workers.py <-> media_worker.py)
-        main -> worker     Offer, Input, RecordingQuery, Relink, Stop
-        worker -> main     WorkerReady, Reply, Outputs, Closed, Waiting
+        main -> worker     Offer, Input, RecordingQuery, Relink, Stop;
+                           Grant, QueueNews, Dropped, Refused (the room's queue: queue_desk.py)
+        worker -> main     WorkerReady, Reply, Outputs, Closed; Admit, Placed, Leave, Heard
 
 A receiver matches on the type (`match message: case Push(rid=rid, samples=samples): ...`), never on a
 position. The records hold plain values and numpy arrays only, so that either side can be another
@@ -93,6 +94,7 @@ class Refused:
     rid: int
     kind: RefusalKind
     message: str  # for the caller's page
+    cause: str | None = None  # busy or full: what is short (a serving.headroom.WaitReason value)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -188,11 +190,68 @@ class WorkerReady:
     torch_imported: bool
 
 
-@dataclass(frozen=True, slots=True)
-class Waiting:
-    """How many of the worker's callers wait in its router's queue (several engines), on each change."""
+# ---- the room's one queue, kept by the main process for the media workers' callers ----------------
 
-    count: int
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """A worker's caller asks the room for a place: a seat now (a `Grant`), or one in its queue."""
+
+    rid: int
+    voice: str
+    persona: str
+    sampling: dict[str, Any]  # a SamplingParams's fields
+    door: str
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """The caller `rid` may take a seat on engine number `engine` now; the worker says `Placed`."""
+
+    rid: int
+    engine: int
+
+
+PlacedOutcome = Literal["seated", "busy", "caller", "gone"]  # seated | no seat after all | a bad request | hung up
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    rid: int
+    outcome: PlacedOutcome
+    message: str = ""  # "caller": the engine's words
+
+
+@dataclass(frozen=True, slots=True)
+class QueueNews:
+    """The caller waits in the room's queue: its place, and why it waits."""
+
+    rid: int
+    position: int
+    reason: str  # a serving.headroom.WaitReason value
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """The room ended a queued call (its wait limit, its silence, no engine left)."""
+
+    rid: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    """A queued caller gave up its place (hung up)."""
+
+    rid: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Heard:
+    """A queued caller's audio still comes (sent at most once a second): it has not gone."""
+
+    rid: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,5 +297,5 @@ ClientMessage = Start | Push | Release | MediaLag
 ServerMessage = Started | Refused | StateChange | Out | RoomFigures
 EngineCommand = EndCalls | Stop
 EngineReport = EngineReady | EngineFailed
-WorkerCommand = Offer | Input | RecordingQuery | Relink | Stop
-WorkerReport = WorkerReady | Reply | Outputs | Closed | Waiting
+WorkerCommand = Offer | Input | RecordingQuery | Relink | Stop | Grant | QueueNews | Dropped | Refused
+WorkerReport = WorkerReady | Reply | Outputs | Closed | Admit | Placed | Leave | Heard

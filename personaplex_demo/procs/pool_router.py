@@ -1,27 +1,37 @@
-"""Several engines' slot pools as one `Room`: placement across them (`PoolRouter`).
+"""Several engines' slot pools as one `Room`: placement across them, and the room's one queue
+(`PoolRouter`).
 
 The engines may be processes on this machine (`--devices`, `--media-workers`) or Ray actors on
 other machines (`--engines ray`, procs/ray/); either way each is a `RemotePool` here. An engine
 that stopped is skipped, and one that came back (a restarted Ray actor) takes its place
 (`replace`). Callers who find every engine full wait in the router's one queue
 (routed_call.py), not at one engine: the first slot freed anywhere goes to the head of it.
+
+There is one router per app, in the main process: the callers of every door there, and those of
+every media worker (queue_desk.py brings them in), wait in its queue, first come, first served,
+under one `--max-queue` and one wait limit on one clock. Only control passes through it: once
+seated, a caller's frames go straight between its process and its engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import dataclasses
+import itertools
 import logging
-from collections.abc import Callable
-from typing import Any
+import time
+from typing import Any, Protocol
 
 from ..errors import CallerError
 from ..sampling_params import SamplingParams
-from ..serving.headroom import WAIT_CAPACITY, WAIT_SLOTS
-from ..serving.metrics import PoolMetrics
-from ..serving.room import DOOR_PAGE, CallState, EndReason, PoolClosedError, PoolFullError, TickListener
-from .remote_pool import DEFAULT_SAMPLING, RemoteCall, RemotePool
+from ..serving.config import PoolConfig
+from ..serving.headroom import WaitReason
+from ..serving.metrics import PoolMetrics, TickListener
+from ..serving.room import DOOR_PAGE, CallHandle, CallState, EndReason, PoolClosedError, PoolFullError
+from ..serving.waiting import queue_expiry
+from .remote_pool import DEFAULT_SAMPLING, RemotePool
 from .routed_call import RoutedCall
 
 log = logging.getLogger(__name__)
@@ -50,7 +60,7 @@ class UnreachableEngine:
 
     alive = False
     slots_total = 0
-    config = None
+    config = PoolConfig()  # its own is learnt with the link; the router's comes from the engines that answer
 
     def __init__(self, address: Any, name: str) -> None:
         self.address, self.name, self.facts = address, name, {}
@@ -62,11 +72,18 @@ class UnreachableEngine:
     def add_tick_listener(self, listener: TickListener) -> None:
         pass
 
-    def report_media_lag(self, seconds: float, source: str = "") -> None:
+    def report_media_lag(self, seconds: float, source: str = "local") -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+class RequestRules(Protocol):
+    """What the router checks a request against before a caller waits for a seat (the engines'
+    facts): a bad one is refused at once, not when its turn comes."""
+
+    def validate_request(self, voice: str, persona: str, sampling: SamplingParams) -> None: ...
 
 
 class PoolRouter:
@@ -75,20 +92,19 @@ class PoolRouter:
     When none does, it waits in the router's one queue (`RoutedCall`), and the head of that queue
     takes the first seat that any engine frees. Engines that stopped are skipped."""
 
-    def __init__(self, engines: list[RemotePool | UnreachableEngine]) -> None:
+    def __init__(self, engines: list[RemotePool | UnreachableEngine], rules: RequestRules | None = None) -> None:
         if not engines:
             raise ValueError("a PoolRouter needs at least one engine")
         self.engines = list(engines)
+        self.rules = rules
         # Every engine has the app's settings (the first one linked says them); the queue is the router's.
         self.config = next((e.config for e in self.engines if e.alive), self.engines[0].config)
         self._tick_listeners: list[TickListener] = []
-        self._waiting: list[RoutedCall] = []
+        self._waiting: list[RoutedCall] = []  # in order of arrival
+        self._arrivals = itertools.count(1)
         self._placer: asyncio.Task | None = None
         self._counts = collections.Counter[str]()  # refused, held back, and ended in this queue by reason
-        self.on_waiting: Callable[[int], None] | None = None  # told the queue's length when it changes
-        self.waiting_elsewhere: Callable[[], int] = lambda: 0  # the media workers' routers' queues
-        self._reason = WAIT_SLOTS  # why the queue waits: no slot anywhere, or no headroom where one is free
-        self._told = 0
+        self._reason = WaitReason.SLOTS  # why the queue waits: no slot anywhere, or no headroom where one is free
 
     @property
     def slots_total(self) -> int:
@@ -98,10 +114,14 @@ class PoolRouter:
         m = combine_metrics([e.snapshot() for e in self.engines if e.alive])
         ended = collections.Counter(m.calls_ended)
         ended.update({k.removeprefix("ended:"): v for k, v in self._counts.items() if k.startswith("ended:")})
-        waiting = len(self._waiting) + self.waiting_elsewhere()
-        return dataclasses.replace(m, queue_length=m.queue_length + waiting, calls_ended=dict(ended),
+        return dataclasses.replace(m, queue_length=m.queue_length + self.queued, calls_ended=dict(ended),
                                    calls_refused=m.calls_refused + self._counts["refused"],
                                    calls_held_back=m.calls_held_back + self._counts["held_back"])
+
+    @property
+    def queued(self) -> int:
+        """Callers in the router's queue (not those who just hung up)."""
+        return sum(c.state == CallState.QUEUED for c in self._waiting)
 
     def add_tick_listener(self, listener: TickListener) -> None:
         self._tick_listeners.append(listener)
@@ -116,7 +136,7 @@ class PoolRouter:
         # A new list, not an edit: the doors' loops iterate the old one meanwhile.
         self.engines = [new if e is old else e for e in self.engines]
 
-    def report_media_lag(self, seconds: float, source: str = "") -> None:
+    def report_media_lag(self, seconds: float, source: str = "local") -> None:
         for engine in self.engines:
             engine.report_media_lag(seconds, source)
 
@@ -126,48 +146,61 @@ class PoolRouter:
                  **e.snapshot().as_dict()} for e in self.engines]
 
     async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING,
-                      door: str = DOOR_PAGE) -> RemoteCall | RoutedCall:
+                      door: str = DOOR_PAGE) -> CallHandle:
         """The room contract's `acquire`, across the engines that run; raises what `SlotPool.acquire` does."""
         if not any(e.alive for e in self.engines):
             raise PoolClosedError("no engine is running")
         if len(self.engines) == 1:  # its own queue is the one queue, shared with every other door and worker
             return await self.engines[0].acquire(voice, persona, sampling, door, queue=True)
-        queued = sum(c.state == CallState.QUEUED for c in self._waiting)  # not those who just hung up
-        if not queued:  # nobody waits: a seat anywhere, if an engine has one now
-            call = await self._seat(voice, persona, sampling, door, [e for e in self.engines if e.alive])
-            if call is not None:
-                return call
-        if self.config.max_queue is not None and queued >= self.config.max_queue:
+        call = RoutedCall(voice, persona, sampling, door)
+        await self.enter(call)
+        return call.inner if call.inner is not None else call
+
+    async def enter(self, call: RoutedCall) -> None:
+        """Seat `call` on an engine now, or give it its place in the queue, first come, first
+        served, whatever door or process it came from. Raises CallerError for a bad request,
+        PoolFullError (with its cause) when the queue is full, PoolClosedError with no engine."""
+        alive = [e for e in self.engines if e.alive]
+        if not alive:
+            raise PoolClosedError("no engine is running")
+        if self.rules is not None:
+            self.rules.validate_request(call.voice, call.persona, call.sampling)
+        call.arrival = next(self._arrivals)
+        if not self.queued and await self._seat(call, alive):  # nobody waits: a seat anywhere, if one is free
+            return
+        if self.config.max_queue is not None and self.queued >= self.config.max_queue:
             self._counts["refused"] += 1
-            raise PoolFullError(f"all {self.slots_total} slots busy and the queue is full; try again in a minute")
-        waiting = RoutedCall(voice, persona, sampling, door)
-        self._hold(waiting, self._reason)
-        self._waiting.append(waiting)
+            why = self._reason if self._reason == WaitReason.CAPACITY else f"all {self.slots_total} slots busy"
+            raise PoolFullError(f"{why} and the queue of {self.config.max_queue} is full; try again in a minute",
+                                self._reason)
+        bisect.insort(self._waiting, call, key=lambda c: c.arrival)  # after a missed seat, ahead of later ones
         self._renumber()
-        log.info("call %s (%s): queued at position %d across %d engine(s)", waiting.id, door, waiting.position,
+        log.info("call %s (%s): queued at position %d across %d engine(s)", call.id, call.door, call.position,
                  len(self.engines))
         if self._placer is None or self._placer.done():
             self._placer = asyncio.get_running_loop().create_task(self._place_waiting())
-        return waiting
 
-    async def _seat(self, voice: str, persona: str, sampling: SamplingParams, door: str,
-                    engines: list[RemotePool]) -> RemoteCall | None:
-        """A seat now on one of `engines` (the most room first), or None. Each engine decides
-        atomically: two routers cannot both count on one free slot."""
+    async def _seat(self, call: RoutedCall, engines: list[RemotePool]) -> bool:
+        """A seat now for `call` on one of `engines` (the most room first): True once it needs no
+        more seating. Each engine decides atomically: two doors cannot both count on one free slot."""
         for engine in sorted(engines, key=lambda e: (-e.room.admitting, -e.room.headroom_ms, -e.room.slots_free)):
-            try:
-                return await engine.acquire(voice, persona, sampling, door, queue=False)
-            except (PoolFullError, PoolClosedError):
-                continue
-        return None
+            if await call.take(engine, self.engines.index(engine)):
+                return True
+        return False
 
     async def _place_waiting(self) -> None:
-        """The queue's head takes the first seat an engine frees (their figures say where to ask)."""
+        """The queue's rules (wait limit, silence) on the router's clock, and the queue's head
+        taking the first seat an engine frees (their figures say where to ask)."""
         while self._waiting:
+            now = time.monotonic()
+            for call in self._waiting:
+                if call.state == CallState.QUEUED and (why := queue_expiry(self.config, now, call.queued_at,
+                                                                           call.heard_at)):
+                    log.info("call %s ended in the queue: %s", call.id, why)
+                    call.end(why)
             for gone in [c for c in self._waiting if c.state == CallState.ENDED]:  # hung up, or waited too long
                 self._counts[f"ended:{EndReason.kind(gone.end_reason or 'ended')}"] += 1
                 self._waiting.remove(gone)
-            self._renumber()
             if not self._waiting:
                 return
             head = self._waiting[0]
@@ -176,42 +209,28 @@ class PoolRouter:
                     call.end(NO_ENGINE)
                 continue
             free = [e for e in self.engines if e.alive and e.room.slots_free > 0]
-            reason = WAIT_CAPACITY if free else WAIT_SLOTS
-            if reason != self._reason:
-                self._reason = reason
-                for call in self._waiting:
-                    self._hold(call, reason)
+            # A free slot its engine does not admit to is a lack of capacity; one it admits to
+            # but did not give (the figures are half a second old) was taken meanwhile.
+            short = any(not e.room.admitting for e in free)
+            self._reason = WaitReason.CAPACITY if short else WaitReason.SLOTS
+            self._renumber()
             try:
-                seated = await self._seat(head.voice, head.persona, head.sampling, head.door, free) if free else None
+                seated = await self._seat(head, free) if free else False
             except CallerError as exc:  # a bad request the engine refuses: this caller's alone
                 head.end(EndReason.error(exc))
                 continue
-            if seated is None:
+            if not seated:
                 await asyncio.sleep(PLACE_SECONDS)
-            elif head.state == CallState.ENDED:  # hung up while the engine was seating it
-                seated.release(head.end_reason or EndReason.HANGUP)
-            else:
+            elif head in self._waiting and head.state != CallState.ENDED:
                 self._waiting.remove(head)
-                head.seat(seated)
-                self._renumber()
-
-    def _hold(self, call: RoutedCall, reason: str) -> None:
-        """Why it waits; a call held back for headroom (a slot free somewhere) counts once."""
-        if reason == WAIT_CAPACITY and not call.held_back:
-            call.held_back = True
-            self._counts["held_back"] += 1
-        if call.waiting_for != reason:
-            call.waiting_for = reason
-            call.moved()
 
     def _renumber(self) -> None:
+        """Places from 1, and why they wait; a call held back for headroom (a slot free somewhere) counts once."""
         for position, call in enumerate(self._waiting, 1):
-            if call.position != position:
-                call.position = position
-                call.moved()
-        if self.on_waiting is not None and len(self._waiting) != self._told:
-            self._told = len(self._waiting)
-            self.on_waiting(self._told)
+            if self._reason == WaitReason.CAPACITY and not call.held_back:
+                call.held_back = True
+                self._counts["held_back"] += 1
+            call.moved(position, self._reason)
 
     def close(self) -> None:
         """Close every link (their calls end); the callers still waiting here are told, on their loop."""

@@ -94,7 +94,7 @@ class _Client:
             self.refuse(rid, "caller", f"bad sampling settings: {exc}")
             return
         except PoolFullError as exc:
-            self.refuse(rid, "full" if start.may_queue else "busy", str(exc))
+            self.refuse(rid, "full" if start.may_queue else "busy", str(exc), exc.cause)
             return
         except PoolClosedError as exc:
             self.refuse(rid, "closed", str(exc))
@@ -111,8 +111,8 @@ class _Client:
             return
         asyncio.run_coroutine_threadsafe(self.pump(rid, call, told), self.server.loop)
 
-    def refuse(self, rid: int, kind: msg.RefusalKind, message: str) -> None:
-        self.send(msg.Refused(rid, kind, message))
+    def refuse(self, rid: int, kind: msg.RefusalKind, message: str, cause: str | None = None) -> None:
+        self.send(msg.Refused(rid, kind, message, cause))
 
     async def pump(self, rid: int, call: Call, sent: tuple) -> None:
         """Send the call's state changes (since `sent`, what the client was told) and outputs until it ends."""

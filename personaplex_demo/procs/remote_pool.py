@@ -27,18 +27,19 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..errors import CallerError
 from ..sampling_params import SamplingParams
-from ..serving.call import CallView, checked_audio
+from ..serving.call import checked_audio
 from ..serving.config import PoolConfig
+from ..serving.headroom import WaitReason
 from ..serving.metrics import PoolMetrics, tell_listeners
 from ..serving.room import (
     DOOR_PAGE,
-    CallEnded,
     CallState,
     EndReason,
     PoolClosedError,
@@ -46,6 +47,7 @@ from ..serving.room import (
     SlotOutput,
     TickListener,
 )
+from ..serving.waiting import CallView, WaitingCall
 from . import messages as msg
 from .channel import Channel
 from .links import Address, open_link
@@ -56,19 +58,23 @@ START_TIMEOUT = 15.0  # seconds an engine may take to answer a start (it is one 
 ENGINE_LOST = EndReason.error("the engine process stopped")
 START_TIMED_OUT = EndReason.error("start timed out")
 DEFAULT_SAMPLING = SamplingParams()
+HEARD_SECONDS = 1.0  # a queued caller's audio reaches the engine's queue this often (it is not heard yet)
 
 
-class RemoteCall(CallView):
-    """One call on a `RemotePool` (a `CallHandle`), driven by the engine's messages; see `serving.call.Call`."""
+class RemoteCall(CallView, WaitingCall):
+    """One call on a `RemotePool` (a `CallHandle`), driven by the engine's messages on the call's
+    event loop; see `serving.call.Call`."""
 
     def __init__(self, engine: RemotePool, started: msg.Started) -> None:
-        super().__init__(started.call_id)
+        CallView.__init__(self, started.call_id)
+        WaitingCall.__init__(self)
         self.engine = engine
         self.rid = started.rid
         self.frames_pushed = 0
+        self.on_change: Callable[[], None] | None = None  # a `RoutedCall` that holds it listens
         self._deadline: float | None = None
+        self._heard_sent = 0.0
         self._outbox: collections.deque[SlotOutput] = collections.deque(maxlen=engine.config.output_queue_frames)
-        self._changed = asyncio.Event()
         self.update(started.state, started.queue_position, started.slot, started.time_left, None,
                     started.wait_reason)
 
@@ -81,9 +87,15 @@ class RemoteCall(CallView):
         return max(0.0, self._deadline - time.monotonic())
 
     def push_audio(self, samples: np.ndarray) -> None:
-        """Send the caller's audio to the engine as it arrived. Dropped unless live; never blocks."""
+        """Send the caller's audio to the engine as it arrived; while queued, a push a second
+        (the engine's queue hears that the caller is still there). Never blocks."""
         arr = checked_audio(samples)  # sent as it is: int16 is half the bytes of float32
-        if self.state != CallState.LIVE:
+        if self.state == CallState.QUEUED:
+            now = time.monotonic()
+            if now - self._heard_sent < HEARD_SECONDS:
+                return
+            self._heard_sent = now
+        elif self.state != CallState.LIVE:
             return
         self.frames_pushed += 1
         self.engine.send(msg.Push(self.rid, arr.copy()))
@@ -95,43 +107,10 @@ class RemoteCall(CallView):
         self.engine.send(msg.Release(self.rid, str(reason)))  # a plain string on the wire
         self.update(CallState.ENDED, None, self.slot, None, reason)
 
-    async def wait_live(self, timeout: float | None = None) -> None:
-        """Return once live; raise CallEnded if it ended first, TimeoutError after `timeout` s."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            if self.state == CallState.LIVE:
-                return
-            if self.state == CallState.ENDED:
-                raise CallEnded(self.end_reason or "ended")
-            await self._wait(deadline, loop, raise_timeout=True)
+    def take_output(self) -> SlotOutput | None:
+        return self._outbox.popleft() if self._outbox else None
 
-    async def next_output(self, timeout: float) -> SlotOutput | None:
-        """The next output frame; None after `timeout` s without one; CallEnded once ended and drained."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            if self._outbox:
-                return self._outbox.popleft()
-            if self.state == CallState.ENDED:
-                raise CallEnded(self.end_reason or "ended")
-            if not await self._wait(deadline, loop, raise_timeout=False):
-                return None
-
-    async def _wait(self, deadline: float | None, loop: asyncio.AbstractEventLoop, raise_timeout: bool) -> bool:
-        changed = self._changed
-        remaining = None if deadline is None else deadline - loop.time()
-        if remaining is not None and remaining <= 0:
-            if raise_timeout:
-                raise TimeoutError
-            return False
-        try:
-            await asyncio.wait_for(changed.wait(), remaining)
-        except TimeoutError:
-            if raise_timeout:
-                raise
-            return False
-        return True
+    _next_output = take_output
 
     # ---- the engine's side (on the call's event loop) ----------------------------------------
 
@@ -140,7 +119,7 @@ class RemoteCall(CallView):
         if self.state == CallState.ENDED:
             return  # released here first: the engine's late news changes nothing
         self.state, self.queue_position, self.slot = CallState(state), queue_position, slot
-        self.wait_reason = wait_reason if self.state == CallState.QUEUED else None
+        self.wait_reason = WaitReason(wait_reason) if wait_reason and self.state == CallState.QUEUED else None
         if self.state == CallState.ENDED:
             self.end_reason = end_reason or "ended"
             self.queue_position = None
@@ -155,12 +134,18 @@ class RemoteCall(CallView):
         self._wake()
 
     def _wake(self) -> None:
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
+        super()._wake()
+        if self.on_change is not None:
+            self.on_change()
 
 
-_REFUSALS: dict[msg.RefusalKind, type[Exception]] = {"caller": CallerError, "busy": PoolFullError,
-                                                 "full": PoolFullError, "closed": PoolClosedError}
+def refusal(kind: str, message: str, cause: str | None = None) -> Exception:
+    """The exception a refusal on the wire (`messages.Refused`) stands for."""
+    if kind == "caller":
+        return CallerError(message)
+    if kind in ("busy", "full"):
+        return PoolFullError(message, WaitReason(cause) if cause else WaitReason.SLOTS)
+    return PoolClosedError(message)
 
 
 class RemotePool:
@@ -204,7 +189,7 @@ class RemotePool:
     def send(self, message: msg.ClientMessage) -> None:
         self._channel.send(message)
 
-    def report_media_lag(self, seconds: float, source: str = "") -> None:
+    def report_media_lag(self, seconds: float, source: str = "local") -> None:
         """Tell the engine how late this process's event loop ran (it names the source itself)."""
         if self.alive:
             self.send(msg.MediaLag(float(seconds)))
@@ -280,10 +265,10 @@ class RemotePool:
                             self._calls.pop(rid, None)
                 case msg.Started():
                     self._started(message)
-                case msg.Refused(rid=rid, kind=kind, message=text):
+                case msg.Refused(rid=rid, kind=kind, message=text, cause=cause):
                     fut = self._pending.get(rid)
                     if fut is not None and not fut.done():
-                        fut.set_exception(_REFUSALS.get(kind, RuntimeError)(text))
+                        fut.set_exception(refusal(kind, text, cause))
                 case _:
                     log.warning("engine %s: unexpected %s ignored", self.name, type(message).__name__)
 

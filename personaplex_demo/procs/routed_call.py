@@ -1,46 +1,56 @@
-"""A call waiting in a `PoolRouter`'s queue: one queue in front of every engine.
+"""A call waiting in the room's one queue, in front of every engine (`pool_router.PoolRouter`).
 
-When no engine can seat a caller now, the router keeps the call itself rather than queueing it
-at one engine: a slot that frees on any engine then goes to the head of this one queue, and the
+When no engine can seat a caller now, the room keeps the call itself rather than queueing it at
+one engine: a slot that frees on any engine then goes to the head of this one queue, and the
 caller sees one position, the same wherever the slot will be. Until an engine seats it the call
 is a `RoutedCall` in state QUEUED; from then on every question goes to the engine's own call
 (`RemoteCall`). Either way it is the `CallHandle` the door holds. Everything happens on the
 door's event loop.
+
+A media worker's callers wait in the same queue, kept by the main process (queue_desk.py): there
+the worker's `RoutedCall` mirrors its place, and the main process holds a `DeskEntry` for it.
 """
 
 from __future__ import annotations
 
-import asyncio
+import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..sampling_params import SamplingParams
 from ..serving.call import checked_audio
-from ..serving.headroom import WAIT_SLOTS
-from ..serving.room import CallEnded, CallState, EndReason, SlotOutput
+from ..serving.headroom import WaitReason
+from ..serving.room import CallState, EndReason, PoolClosedError, PoolFullError, SlotOutput
+from ..serving.waiting import WaitingCall
 
 if TYPE_CHECKING:
-    from .remote_pool import RemoteCall
+    from .remote_pool import RemoteCall, RemotePool
 
 
-class RoutedCall:
-    """A `CallHandle` for a caller in the router's queue, and then for its call on an engine."""
+class RoutedCall(WaitingCall):
+    """A `CallHandle` for a caller in the room's queue, and then for its call on an engine."""
 
     def __init__(self, voice: str, persona: str, sampling: SamplingParams, door: str) -> None:
+        super().__init__()
         self.id = uuid.uuid4().hex[:12]
         self.door = door
         self.voice, self.persona, self.sampling = voice, persona, sampling
         self.inner: RemoteCall | None = None
-        self.position: int | None = None  # in the router's queue, 1 = next
-        self.waiting_for = WAIT_SLOTS  # the router says whether slots or tick headroom are short
+        self.position: int | None = None  # in the room's queue, 1 = next
+        self.waiting_for = WaitReason.SLOTS  # the room says whether slots or tick headroom are short
         self.held_back = False  # counted once as waiting for headroom
+        self.arrival = 0  # the room's order of arrival: first come, first served
+        self.queued_at = time.monotonic()
+        self.heard_at: float | None = None  # the caller's latest audio while queued
+        self.on_leave: Callable[[str], None] | None = None  # told when the caller gives up its place
+        self.on_heard: Callable[[], None] | None = None  # told when the caller's audio comes while queued
         self._ended: str | None = None
-        self._changed = asyncio.Event()
 
     def __repr__(self) -> str:
-        return f"RoutedCall({self.id}, {self.state}, queue={self.queue_position}, on={self.inner!r})"
+        return f"{type(self).__name__}({self.id}, {self.state}, queue={self.queue_position}, on={self.inner!r})"
 
     @property
     def state(self) -> CallState:
@@ -53,7 +63,7 @@ class RoutedCall:
         return self.position if self.state == CallState.QUEUED else None
 
     @property
-    def wait_reason(self) -> str | None:
+    def wait_reason(self) -> WaitReason | None:
         return self.waiting_for if self.state == CallState.QUEUED else None
 
     @property
@@ -64,32 +74,49 @@ class RoutedCall:
     def end_reason(self) -> str | None:
         return self.inner.end_reason if self.inner is not None else self._ended
 
-    # ---- the router's side ---------------------------------------------------------------------
+    # ---- the room's side -----------------------------------------------------------------------
+
+    async def take(self, engine: RemotePool, index: int) -> bool:
+        """Take a seat on `engine` (number `index` of the room's) if it has one now: True when
+        this caller needs no more seating (seated, or gone meanwhile). CallerError for a request
+        the engine refuses."""
+        try:
+            inner = await engine.acquire(self.voice, self.persona, self.sampling, self.door, queue=False)
+        except (PoolFullError, PoolClosedError):
+            return False
+        if self.state == CallState.ENDED:  # hung up while the engine was seating it
+            inner.release(self.end_reason or EndReason.HANGUP)
+        else:
+            self.seat(inner)
+        return True
 
     def seat(self, inner: RemoteCall) -> None:
         self.inner = inner
+        inner.on_change = self._wake  # a door waiting here hears the engine's news
         self._wake()
 
     def end(self, reason: str) -> None:
         if self.inner is None and self._ended is None:
-            self._ended = reason
+            self._ended = str(reason)
             self._wake()
 
-    def moved(self) -> None:
-        """Its place in the queue (or why it waits) changed."""
-        self._wake()
-
-    def _wake(self) -> None:
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
+    def moved(self, position: int, reason: WaitReason) -> None:
+        """Its place in the queue, or why it waits."""
+        if (self.position, self.waiting_for) != (position, reason):
+            self.position, self.waiting_for = position, WaitReason(reason)
+            self._wake()
 
     # ---- the door's side -----------------------------------------------------------------------
 
     def push_audio(self, samples: np.ndarray) -> None:
         if self.inner is not None:
             self.inner.push_audio(samples)
-        else:
-            checked_audio(samples)  # bad audio is the caller's error at any time
+            return
+        checked_audio(samples)  # bad audio is the caller's error at any time
+        if self.state == CallState.QUEUED:
+            self.heard_at = time.monotonic()
+            if self.on_heard is not None:
+                self.on_heard()
 
     def time_left(self) -> float | None:
         return self.inner.time_left() if self.inner is not None else None
@@ -97,32 +124,11 @@ class RoutedCall:
     def release(self, reason: str = EndReason.HANGUP) -> None:
         if self.inner is not None:
             self.inner.release(reason)
-        else:
-            self.end(reason)  # the router drops it from its queue
+        elif self._ended is None:
+            self.end(reason)  # the room drops it from its queue
+            if self.on_leave is not None:
+                self.on_leave(str(reason))
 
-    async def wait_live(self, timeout: float | None = None) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while self.inner is None:
-            if self._ended is not None:
-                raise CallEnded(self._ended)
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError
-            await asyncio.wait_for(self._changed.wait(), remaining)
-        await self.inner.wait_live(None if deadline is None else max(0.0, deadline - loop.time()))
+    def _next_output(self) -> SlotOutput | None:
+        return self.inner.take_output() if self.inner is not None else None
 
-    async def next_output(self, timeout: float) -> SlotOutput | None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self.inner is None:
-            if self._ended is not None:
-                raise CallEnded(self._ended)
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return None
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except TimeoutError:
-                return None
-        return await self.inner.next_output(max(0.0, deadline - loop.time()))

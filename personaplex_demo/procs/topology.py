@@ -12,9 +12,10 @@ With media workers, even one engine gets a process of its own: the ticker is the
 must never wait, and in the main process it would share the GIL with the page's HTTP server and
 the engine's socket threads, each of whose wake-ups can hold it off for a switch interval.
 
-`start_topology` builds the right one; `build_ui` then gets `.runtime` and `.pool` (a SlotPool
+`start_topology` builds the right one; `build_ui` then gets `.runtime` and `.room` (a SlotPool
 or a PoolRouter: either is a `Room`), and `.attach(demo)` hands the page's WebRTC component to
-the media workers when there are any.
+the media workers when there are any. Whatever the shape, the app has one room and one queue, in
+the main process: a media worker's callers wait in it too (queue_desk.py).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime.build import RuntimeOptions, build_runtime
-from ..serving.config import DEFAULT_MAX_WAIT_SECONDS, PoolConfig
+from ..serving.config import PoolConfig
 from ..serving.pool import SlotPool
+from ..serving.room import Room
 from .engine_process import EngineProcesses, EngineSpec, RemoteRuntime
 from .media_worker import WorkerSpec
 from .media_workers import MediaWorkers
@@ -82,7 +84,6 @@ class TopologyOptions:
     pool: PoolConfig
     devices: tuple[str, ...] = ("auto",)
     media_workers: int = 0
-    max_wait_seconds: float | None = DEFAULT_MAX_WAIT_SECONDS  # None: no limit
     server_rtc_configuration: dict[str, Any] | None = None
     loopback_ice: bool = False
     engines: str = "local"  # local: on this machine (`devices`); ray: actors on a Ray cluster (procs/ray/)
@@ -90,10 +91,10 @@ class TopologyOptions:
 
 
 class Topology:
-    def __init__(self, runtime, pool: SlotPool | PoolRouter, media: MediaWorkers | None, closers: list[Callable],
+    def __init__(self, runtime, room: Room, media: MediaWorkers | None, closers: list[Callable],
                  end_calls: Callable[[float], None], engine_status: Callable[[], list[dict[str, Any]]]) -> None:
         self.runtime = runtime
-        self.pool = pool
+        self.room = room
         self.media = media
         self._closers = closers
         self._end_calls = end_calls
@@ -150,11 +151,11 @@ def start_topology(options: TopologyOptions, progress: Callable[[str, float], No
         if len(devices) == 1 and media is None:
             runtime = build_runtime(replace(options.runtime, device=devices[0]), progress)
             names = [f"engine-0 ({runtime.device})"]
-            pool = SlotPool(runtime.engine, runtime.pool_config(options.pool))
-            pool.start()
-            closers.append(pool.shutdown)
-            end_calls = pool.shutdown
-            engine_status = functools.partial(_pool_status, names[0], str(runtime.device), pool)
+            room = SlotPool(runtime.engine, runtime.pool_config(options.pool))
+            room.start()
+            closers.append(room.shutdown)
+            end_calls = room.shutdown
+            engine_status = functools.partial(_pool_status, names[0], str(runtime.device), room)
         else:
             # Several CPU engines share the cores; one keeps torch's own choice (or OMP_NUM_THREADS).
             cpu_engines = sum(1 for d in devices if not d.startswith("cuda"))
@@ -169,11 +170,11 @@ def start_topology(options: TopologyOptions, progress: Callable[[str, float], No
                 progress(f"loading {len(devices)} engine(s)", 0.1)
             facts = engines.wait_ready()
             runtime = RemoteRuntime.from_facts(facts[0])
-            pool = PoolRouter([RemotePool(a, authkey) for a in addresses])
-            closers.insert(0, pool.close)
-            engine_status = pool.engine_status
+            room = router = PoolRouter([RemotePool(a, authkey) for a in addresses], rules=runtime.engine)
+            closers.insert(0, router.close)
+            engine_status = router.engine_status
             if media is not None:
-                pool.waiting_elsewhere = media.waiting
+                media.serve_queue(router)
         if media is not None:
             media.wait_ready(WORKERS_READY_SECONDS)
     except BaseException:
@@ -184,7 +185,7 @@ def start_topology(options: TopologyOptions, progress: Callable[[str, float], No
     closers.append(lambda: shutil.rmtree(ipc_dir, ignore_errors=True))
     log.info("engines: %s; media: %s", ", ".join(names),
              f"{options.media_workers} worker process(es)" if media is not None else "in this process")
-    return Topology(runtime, pool, media, closers, end_calls, engine_status)
+    return Topology(runtime, room, media, closers, end_calls, engine_status)
 
 
 def _pool_status(name: str, device: str, pool: SlotPool) -> list[dict[str, Any]]:
@@ -195,7 +196,7 @@ def _pool_status(name: str, device: str, pool: SlotPool) -> list[dict[str, Any]]
 
 def _media_workers(options: TopologyOptions, engines: tuple, authkey: bytes) -> MediaWorkers:
     return MediaWorkers(options.media_workers, WorkerSpec(
-        index=0, engines=engines, authkey=authkey, recordings_dir="", max_wait_seconds=options.max_wait_seconds,
+        index=0, engines=engines, authkey=authkey, recordings_dir="",
         server_rtc_configuration=options.server_rtc_configuration, loopback_ice=options.loopback_ice,
         log_level=logging.getLogger().getEffectiveLevel(), watch_silence=options.engines == "ray")).start()
 
@@ -214,12 +215,13 @@ def start_ray_topology(options: TopologyOptions, progress: Callable[[str, float]
             progress("loading the engines on the Ray cluster", 0.1)
         router = engines.wait_ready()
         runtime = RemoteRuntime.from_facts(engines.facts())
+        router.rules = runtime.engine
         media = None
         if options.media_workers:
             media = _media_workers(options, tuple(e.address for e in router.engines), engines.spec.authkey)
             closers.insert(0, media.close)
             engines.on_relink = media.relink
-            router.waiting_elsewhere = media.waiting
+            media.serve_queue(router)
             media.wait_ready(WORKERS_READY_SECONDS)
     except BaseException:
         for close in closers:

@@ -11,7 +11,7 @@ from .call import Call
 from .clock import Clock
 from .config import PoolConfig
 from .counters import PoolCounters
-from .headroom import WAIT_CAPACITY, HeadroomPolicy
+from .headroom import HeadroomPolicy, WaitReason
 from .metrics import AdmissionFigures
 from .room import CallState, PoolFullError
 from .slot_table import SlotTable
@@ -35,13 +35,12 @@ class Admission:
         if self._table.admit(call, may_queue, self.config.max_queue, self.fits):
             self._count_held_back()
             return
-        why = self._table.wait_reason(self.fits)
-        if why != WAIT_CAPACITY:
-            why = f"all {len(self._table)} slots busy"
+        cause = self._table.wait_reason(self.fits)
+        why = cause if cause == WaitReason.CAPACITY else f"all {len(self._table)} slots busy"
         if not may_queue:
-            raise PoolFullError(why)
+            raise PoolFullError(why, cause)
         self._counters.calls_refused += 1
-        raise PoolFullError(f"{why} and the queue of {self.config.max_queue} is full; try again in a minute")
+        raise PoolFullError(f"{why} and the queue of {self.config.max_queue} is full; try again in a minute", cause)
 
     def seat_waiting(self) -> list[Call]:
         """Seat the queue's head on free slots while one more row fits (a call ended, or the tick
@@ -74,6 +73,6 @@ class Admission:
     def _count_held_back(self) -> None:
         """Count each queued call once, the first time it waits with a slot free."""
         for call in self._table.queue:
-            if call.wait_reason == WAIT_CAPACITY and not call.held_back:
+            if call.wait_reason == WaitReason.CAPACITY and not call.held_back:
                 call.held_back = True
                 self._counters.calls_held_back += 1

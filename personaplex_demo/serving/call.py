@@ -11,7 +11,6 @@ States (docs/serving.md § Slot lifecycle): QUEUED -> PREFILL -> LIVE -> ENDED, 
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import threading
 import uuid
@@ -25,8 +24,10 @@ from ..sampling_params import SamplingParams
 from .clock import Clock
 from .config import PoolConfig
 from .counters import CallCounters, PoolCounters
+from .headroom import WaitReason
 from .inbox import Inbox, InboxConfig
-from .room import DOOR_PAGE, CallEnded, CallState, EndReason, SlotOutput
+from .room import DOOR_PAGE, CallState, EndReason, SlotOutput
+from .waiting import CallView, WaitingCall, queue_expiry
 
 
 @dataclass(frozen=True)
@@ -64,35 +65,14 @@ def input_audio(samples: np.ndarray) -> np.ndarray:
     return arr.astype(np.float32) / 32768.0 if arr.dtype == np.int16 else arr.astype(np.float32, copy=True)
 
 
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-class CallView:
-    """What a handler reads of a call: the same for a `Call` in this process and for a call on an
-    engine in another one (`procs.remote_pool.RemoteCall`)."""
-
-    def __init__(self, call_id: str, door: str = DOOR_PAGE) -> None:
-        self.id = call_id
-        self.door = door
-        self.state = CallState.QUEUED
-        self.queue_position: int | None = None
-        self.wait_reason: str | None = None  # while QUEUED: why (serving/headroom.py WAIT_*)
-        self.slot: int | None = None
-        self.end_reason: str | None = None  # once ENDED
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.id}, {self.state}, slot={self.slot}, queue={self.queue_position})"
-
-
-class Call(CallView):
+class Call(CallView, WaitingCall):
     """One caller; see the module docstring. Every public method outside "the pool's side" is
     thread-safe."""
 
     def __init__(self, ctx: CallContext, voice: str, persona: str, sampling: SamplingParams,
                  door: str = DOOR_PAGE) -> None:
-        super().__init__(uuid.uuid4().hex[:12], door)
+        CallView.__init__(self, uuid.uuid4().hex[:12], door)
+        WaitingCall.__init__(self, guard=ctx.lock)
         self.voice = voice
         self.persona = persona
         self.sampling = sampling
@@ -101,7 +81,8 @@ class Call(CallView):
         self._inbox = Inbox(InboxConfig(frame=ctx.frame_size, bound_seconds=ctx.config.input_buffer_seconds,
                                         margin_seconds=ctx.config.input_margin_seconds))
         self._outbox: collections.deque[SlotOutput] = collections.deque()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self.queued_at = ctx.clock.monotonic()
+        self.heard_while_queued: float | None = None  # the caller's latest audio while QUEUED
         self._live_since: float | None = None
         self._last_input: float | None = None
         self._prefill_started = False
@@ -122,9 +103,11 @@ class Call(CallView):
         float, 24 kHz mono); the tick cuts frames from it (serving/inbox.py). Dropped unless live."""
         audio = input_audio(samples)
         with self._ctx.lock:
-            if self.state != CallState.LIVE:
-                return  # audio before the call is live or after it ended has nowhere to go
             now = self._ctx.clock.monotonic()
+            if self.state == CallState.QUEUED:
+                self.heard_while_queued = now  # still there; the audio itself has nowhere to go yet
+            if self.state != CallState.LIVE:
+                return
             self._last_input = now
             self.counters.frames_pushed += 1
             # Beyond the bound the oldest audio goes: the conversation is real time.
@@ -135,45 +118,8 @@ class Call(CallView):
         """End the call. Idempotent; works while queued, in prefill or live. The ticker frees the slot."""
         self._ctx.release(self, reason)
 
-    async def wait_live(self, timeout: float | None = None) -> None:
-        """Return once live; raise CallEnded if it ended first, TimeoutError after `timeout` s."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            with self._ctx.lock:
-                if self.state == CallState.LIVE:
-                    return
-                if self.state == CallState.ENDED:
-                    raise CallEnded(self.end_reason or "ended")
-                fut = self._register(loop)
-            try:
-                await self._await(fut, deadline, loop)
-            except TimeoutError:
-                with self._ctx.lock:
-                    if self.state.waiting:
-                        raise
-            finally:
-                self._unregister(fut)
-
-    async def next_output(self, timeout: float) -> SlotOutput | None:
-        """The next output frame; None after `timeout` s without one; CallEnded once ended and drained."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            with self._ctx.lock:
-                if self._outbox:
-                    return self._outbox.popleft()
-                if self.state == CallState.ENDED:
-                    raise CallEnded(self.end_reason or "ended")
-                if loop.time() >= deadline:
-                    return None
-                fut = self._register(loop)
-            try:
-                await self._await(fut, deadline, loop)
-            except TimeoutError:
-                pass  # one more look: an output may have landed just now
-            finally:
-                self._unregister(fut)
+    def _next_output(self) -> SlotOutput | None:
+        return self._outbox.popleft() if self._outbox else None
 
     # ---- the pool's side: the caller holds the context's lock --------------------------------
 
@@ -182,7 +128,7 @@ class Call(CallView):
         self.slot, self.state, self.queue_position, self.wait_reason = slot, CallState.PREFILL, None, None
         self._wake()
 
-    def set_queue_position(self, position: int, reason: str) -> None:
+    def set_queue_position(self, position: int, reason: WaitReason) -> None:
         if (self.queue_position, self.wait_reason) != (position, reason):
             self.queue_position, self.wait_reason = position, reason
             self._wake()  # lets a handler that shows the position refresh it
@@ -253,8 +199,11 @@ class Call(CallView):
         return self.counters.input_drops - before
 
     def expiry(self, now: float) -> str | None:
-        """The reason a live call must end now (time limit, or no input for a while), or None."""
+        """The reason a queued or live call must end now (the queue's rules, the time limit, no
+        input for a while), or None."""
         cfg = self._ctx.config
+        if self.state == CallState.QUEUED:
+            return queue_expiry(cfg, now, self.queued_at, self.heard_while_queued)
         if self.state != CallState.LIVE or self._live_since is None:
             return None
         if cfg.time_limit_seconds is not None and now - self._live_since >= cfg.time_limit_seconds:
@@ -282,26 +231,3 @@ class Call(CallView):
         if frames:
             self.counters.input_drops += frames
             self._ctx.counters.input_drops += frames
-
-    def _register(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
-        fut: asyncio.Future[None] = loop.create_future()
-        self._waiters.append((loop, fut))
-        return fut
-
-    def _unregister(self, fut: asyncio.Future[None]) -> None:
-        with self._ctx.lock:
-            self._waiters = [(lp, f) for lp, f in self._waiters if f is not fut]
-
-    @staticmethod
-    async def _await(fut: asyncio.Future[None], deadline: float | None, loop: asyncio.AbstractEventLoop) -> None:
-        remaining = None if deadline is None else max(0.0, deadline - loop.time())
-        await asyncio.wait_for(fut, remaining)
-
-    def _wake(self) -> None:
-        """Wake every awaiter (they re-check under the lock). Safe from any thread, the loop's included."""
-        waiters, self._waiters = self._waiters, []
-        for loop, fut in waiters:
-            try:
-                loop.call_soon_threadsafe(_resolve, fut)
-            except RuntimeError:
-                pass  # that event loop is closed; nobody is waiting any more

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from .headroom import HeadroomConfig
 
-# A caller queued this long is told to come back later (`--max-wait`). The doors enforce it, as
-# they notice a caller who left; every layer's default is this one.
+# A caller queued this long is told to come back later (`--max-wait`); the room that keeps the
+# queue (a SlotPool, or the router in front of several engines) ends the call on its own clock.
 DEFAULT_MAX_WAIT_SECONDS = 600.0
 ADMISSIONS = ("headroom", "slots")
 
@@ -24,6 +24,10 @@ class PoolConfig:
     idle_release_seconds: float = 2.0  # a LIVE call with no input frame for this long is released ("idle")
     time_limit_seconds: float | None = 300.0  # per-call limit from going live ("time_limit")
     max_queue: int | None = 32  # callers waiting for a slot beyond this are refused (PoolFullError)
+    max_wait_seconds: float | None = DEFAULT_MAX_WAIT_SECONDS  # queued longer ends the call ("queue_timeout")
+    # A queued caller whose audio stopped this long has gone (a closed tab, before WebRTC notices):
+    # its place is given up ("idle"). Only for callers who had sent audio while queued.
+    queued_silence_seconds: float = 5.0
     resync_after_seconds: float = 1.0  # further behind than this, the ticker skips ahead instead of bursting
     catch_up_gap_seconds: float = 0.04  # shortest gap between two steps while catching up after an overrun
     resync_keep_frames: int = 1  # on a resync each caller's backlog is cut to this many newest frames

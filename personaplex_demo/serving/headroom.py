@@ -25,13 +25,17 @@ docs/serving.md § Admission by headroom explains the rules and the defaults.
 from __future__ import annotations
 
 import collections
+import enum
 from dataclasses import dataclass
 
 import numpy as np
 
-# Why a caller waits, as the page, /api/status and the logs say it.
-WAIT_SLOTS = "all slots are busy"
-WAIT_CAPACITY = "the room is at capacity on this machine"
+
+class WaitReason(enum.StrEnum):
+    """Why a caller waits (or is refused): what the page, /api/status and the logs say."""
+
+    SLOTS = "all slots are busy"
+    CAPACITY = "the room is at capacity on this machine"  # a slot is free, one more row does not fit
 
 
 @dataclass(frozen=True)

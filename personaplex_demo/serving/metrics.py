@@ -6,12 +6,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from .counters import PoolCounters, SlotCounts
-from .room import TickListener
+
+TickListener = Callable[[float, list[float]], None]  # (tick seconds, latencies of the frames it stepped)
 
 logger = logging.getLogger(__name__)
 

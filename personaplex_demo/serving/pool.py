@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..frame import FRAME_SAMPLES
 from ..sampling_params import SamplingParams
 from .admission import Admission
 from .call import Call, CallContext
@@ -61,7 +60,7 @@ class SlotPool:
     def __init__(self, engine: LockstepEngine, config: PoolConfig | None = None, clock: Clock | None = None) -> None:
         self.engine = engine
         self.config = config = config if config is not None else PoolConfig()
-        self.frame_size = int(getattr(engine, "frame_size", FRAME_SAMPLES))
+        self.frame_size = int(engine.frame_size)
         self._clock: Clock = clock if clock is not None else RealClock()
         self._lock = threading.Lock()
         self._counters = PoolCounters()
@@ -242,11 +241,11 @@ class SlotPool:
                 self._table.end(call, reason)
 
     def _expire(self) -> None:
-        """End the calls past their time limit or silent too long, and the newest one when the tick
-        has stayed over budget (`Admission.to_shed`): the callers who came first keep real time."""
+        """End the calls that `Call.expiry` says must go (queued or live), and the newest one when
+        the tick has stayed over budget (`Admission.to_shed`): those who came first keep real time."""
         now = self._clock.monotonic()
         with self._lock:
-            ending = [(c, r) for _, c in self._table.seated(CallState.LIVE) if (r := c.expiry(now)) is not None]
+            ending = [(c, r) for c in self._table.everyone() if (r := c.expiry(now)) is not None]
             if (newest := self._admission.to_shed()) is not None:
                 ending.append((newest, EndReason.OVERLOADED))
             for call, reason in ending:

@@ -9,19 +9,18 @@ Everything here is torch-free: numpy frames in, numpy frames and text out.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from ..sampling_params import SamplingParams
+from .config import PoolConfig
+from .headroom import WaitReason
+from .metrics import PoolMetrics, TickListener
 
-if TYPE_CHECKING:
-    from .config import PoolConfig
-    from .metrics import PoolMetrics
-
-TickListener = Callable[[float, list[float]], None]  # (tick seconds, latencies of the frames it stepped)
+__all__ = ["DOORS", "DOOR_PAGE", "DOOR_REALTIME", "CallEnded", "CallHandle", "CallState", "EndReason", "PoolClosedError",
+           "PoolFullError", "Room", "SlotOutput", "TickListener", "WaitReason", "end_message"]
 
 # The door a call came through, a label the room only counts by (/api/status, /metrics).
 DOOR_PAGE = "page"  # the WebRTC page (web/handler.py)
@@ -63,6 +62,28 @@ class EndReason(enum.StrEnum):
         return reason.partition(":")[0]
 
 
+# What a call's end means to its caller, in words any door can show (the page adds what to press,
+# the Realtime door a close code). A failure ("error: <details>") says what failed.
+END_MESSAGES = {
+    EndReason.TIME_LIMIT: "Time is up for this call. Thanks for talking!",
+    EndReason.IDLE: "No audio arrived from the caller for a few seconds, so the call was ended.",
+    EndReason.SHUTDOWN: "The server is restarting. Please try again in a minute.",
+    EndReason.QUEUE_TIMEOUT: "Still no place in the room after a long wait, sorry. Please try again in a few minutes.",
+    EndReason.OVERLOADED: ("The room is overloaded: this machine could no longer keep every call in real time, "
+                           "so the newest call was ended. Please try again in a few minutes."),
+    EndReason.NOT_READING: "The client stopped reading its audio, so the call was ended.",
+}
+
+
+def end_message(reason: str) -> str:
+    """The words for a call the room ended (not a hang-up): the table's, or what failed."""
+    if reason in END_MESSAGES:
+        return END_MESSAGES[reason]
+    if EndReason.kind(reason) == EndReason.ERROR and reason != EndReason.ERROR:
+        return f"The call ended: {reason.partition(':')[2].strip()}."
+    return f"The call ended: {reason}."
+
+
 class CallEnded(Exception):
     """The call has ended (and, for `next_output`, every output has been read)."""
 
@@ -72,7 +93,12 @@ class CallEnded(Exception):
 
 
 class PoolFullError(Exception):
-    """Every slot is busy and the waiting queue is full."""
+    """No seat now, and no place in the queue (it is full, or the caller asked not to wait).
+    `cause`: what is short, the slots or the machine's capacity (a typed value, for the doors)."""
+
+    def __init__(self, message: str, cause: WaitReason = WaitReason.SLOTS) -> None:
+        super().__init__(message)
+        self.cause = WaitReason(cause)
 
 
 class PoolClosedError(Exception):
@@ -97,13 +123,14 @@ class CallHandle(Protocol):
     door: str  # the door it came through (DOORS)
     state: CallState
     queue_position: int | None  # while QUEUED, 1 = next
-    wait_reason: str | None  # while QUEUED: why (serving/headroom.py WAIT_SLOTS or WAIT_CAPACITY)
+    wait_reason: WaitReason | None  # while QUEUED: why
     slot: int | None
     end_reason: str | None  # once ENDED
 
     def push_audio(self, samples: np.ndarray) -> None:
         """Queue the caller's audio as it arrived: any number of samples up to a second (int16 or
-        float, 24 kHz mono); the room cuts its frames at each tick. Dropped unless LIVE."""
+        float, 24 kHz mono); the room cuts its frames at each tick. Dropped unless LIVE; while
+        QUEUED it tells the room the caller is still there (`PoolConfig.queued_silence_seconds`)."""
         ...
 
     async def next_output(self, timeout: float) -> SlotOutput | None:

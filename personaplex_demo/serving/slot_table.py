@@ -15,7 +15,7 @@ import numpy as np
 
 from .call import Call
 from .counters import SlotCounts
-from .headroom import WAIT_CAPACITY, WAIT_SLOTS
+from .headroom import WaitReason
 from .room import CallState
 
 Fits = Callable[[int], bool]  # may one more call join this many rows held?
@@ -113,15 +113,15 @@ class SlotTable:
         """Seated calls whose prompt nobody plays yet, in slot order (`Call.claim_prefill` claims one)."""
         return [(s, c) for s, c in enumerate(self.slots) if c is not None and c.prefill_waiting]
 
-    def wait_reason(self, fits: Fits) -> str:
+    def wait_reason(self, fits: Fits) -> WaitReason:
         """Why the queue waits: "the room is at capacity" only when a slot is free and one more
         row does not fit. A slot freed a moment ago, before the ticker seats the head, is not that."""
-        return WAIT_CAPACITY if self._free() is not None and not fits(self.rows_held) else WAIT_SLOTS
+        return WaitReason.CAPACITY if self._free() is not None and not fits(self.rows_held) else WaitReason.SLOTS
 
-    def _renumber(self, reason: str | None = None) -> None:
+    def _renumber(self, reason: WaitReason | None = None) -> None:
         """Queue positions from 1; each keeps its reason unless one is given."""
         for position, waiting in enumerate(self.queue, start=1):
-            waiting.set_queue_position(position, reason or waiting.wait_reason or WAIT_SLOTS)
+            waiting.set_queue_position(position, reason or waiting.wait_reason or WaitReason.SLOTS)
 
     def counts(self) -> SlotCounts:
         states = [c.state for c in self.slots if c is not None]

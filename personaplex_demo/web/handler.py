@@ -37,10 +37,10 @@ from ..errors import CallerError
 from ..frame import SAMPLE_RATE
 from ..rtc.audio import output_frame_samples
 from ..rtc.input_audio import InputResampler
-from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
-from ..serving.headroom import WAIT_CAPACITY
+from ..serving.headroom import WaitReason
 from ..serving.loop_lag import ensure_probe
 from ..serving.room import CallEnded, CallHandle, CallState, EndReason, PoolClosedError, PoolFullError, Room
+from ..serving.room import end_message as room_end_message
 from .call_figures import CallFigures
 from .echo import WARNING as ECHO_WARNING
 from .echo import EchoDetector
@@ -52,26 +52,15 @@ log = logging.getLogger(__name__)
 
 CLOSE_GRACE_SECONDS = 0.3  # between the final page update and CloseStream
 ARGS_TIMEOUT = 5.0  # seconds to wait for the page's inputs before using the defaults
-QUEUED_SILENCE_SECONDS = 5.0  # a queued caller sending no audio for this long has gone away
 
-END_MESSAGES = {
-    EndReason.TIME_LIMIT: "Time is up for this call. Thanks for talking! Press Record to start a new one.",
-    EndReason.IDLE: "The call ended: no microphone audio arrived for a few seconds.",
-    EndReason.SHUTDOWN: "The server is restarting. Please try again in a minute.",
-    EndReason.QUEUE_TIMEOUT: "Still no place in the room after a long wait, sorry. Please try again in a few minutes.",
-    EndReason.OVERLOADED: ("The room is overloaded: this machine could no longer keep every call in real time, "
-                           "so the newest call was ended. Please try again in a few minutes."),
-}
+# Endings whose words already say what to do; the others add the page's own way back in.
+_SAYS_WHAT_TO_DO = (EndReason.SHUTDOWN, EndReason.QUEUE_TIMEOUT, EndReason.OVERLOADED)
 
 
 def end_message(reason: str) -> str:
-    """The page's words for a call the server ended; a failure says what failed (e.g. "the engine
-    on 10.0.0.7 stopped", when a machine of the cluster went away) and what to do."""
-    if reason in END_MESSAGES:
-        return END_MESSAGES[reason]
-    if EndReason.kind(reason) == EndReason.ERROR and reason != EndReason.ERROR:
-        return f"The call ended: {reason.partition(':')[2].strip()}. Please press Record to call again."
-    return f"The call ended: {reason}"
+    """The page's words for a call the room ended (serving/room.py `end_message`), with what to press."""
+    words = room_end_message(reason)
+    return words if reason in _SAYS_WHAT_TO_DO else f"{words} Please press Record to call again."
 
 
 class FinalUpdates:
@@ -115,15 +104,13 @@ class CallHandler(AsyncStreamHandler):
     None or the recording's (WAV, JSON) paths; `figures`, this call's own (call_figures.py).
     `peers`: the fastrtc connection id's aiortc peer (`pcs.get`), for its packet counts."""
 
-    def __init__(self, room: Room, recordings: RecordingStore | None = None, *,
-                 max_wait_seconds: float | None = DEFAULT_MAX_WAIT_SECONDS, model_name: str | None = None,
+    def __init__(self, room: Room, recordings: RecordingStore | None = None, *, model_name: str | None = None,
                  peers: Callable[[str], Any] | None = None):
         super().__init__(expected_layout="mono", output_sample_rate=SAMPLE_RATE, input_sample_rate=SAMPLE_RATE)
         # fastrtc paces agent audio in frames of this length; one frame makes one Opus packet (rtc/audio.py).
         self.output_frame_size = output_frame_samples(SAMPLE_RATE)
         self.room = room
         self.recordings = recordings if recordings is not None else RecordingStore()
-        self.max_wait_seconds = max_wait_seconds
         self.model_name = model_name
         self.peers = peers
         self.phase = Phase.STARTING
@@ -145,8 +132,7 @@ class CallHandler(AsyncStreamHandler):
         self._packets_task: asyncio.Task | None = None  # a reference, so it is not collected mid-read
 
     def copy(self) -> CallHandler:
-        return CallHandler(self.room, self.recordings, max_wait_seconds=self.max_wait_seconds,
-                           model_name=self.model_name, peers=self.peers)
+        return CallHandler(self.room, self.recordings, model_name=self.model_name, peers=self.peers)
 
     def _fail(self, message: str) -> None:
         self.phase, self.close_message = Phase.FAILING, message
@@ -173,13 +159,13 @@ class CallHandler(AsyncStreamHandler):
             self._fail(f"This call cannot start: {e}")
             log.info("call %s refused: %s", self.call_id, e)
         except PoolFullError as e:
-            busy = (f"All {self.room.slots_total} conversation slots are busy" if not str(e).startswith(WAIT_CAPACITY)
+            busy = (f"All {self.room.slots_total} conversation slots are busy" if e.cause == WaitReason.SLOTS
                     else "The room is at capacity on this machine: every call must keep real time")
             self._fail(f"{busy}. Please try again in a minute." if not self.room.config.max_queue else
                        f"{busy} and the waiting line is full. Please try again in a minute.")
             log.info("call %s refused: room full", self.call_id)
         except PoolClosedError:
-            self._fail(END_MESSAGES[EndReason.SHUTDOWN])
+            self._fail(room_end_message(EndReason.SHUTDOWN))
         else:
             self.phase = Phase.ACTIVE
             self.figures.queued = self.call.state == CallState.QUEUED
@@ -209,11 +195,15 @@ class CallHandler(AsyncStreamHandler):
             return
         if audio.ndim == 2 and min(audio.shape) > 1:  # more than one channel: average them
             audio = audio.mean(axis=0 if audio.shape[0] < audio.shape[1] else 1).astype(np.int16)
-        if call.state != CallState.LIVE or not audio.size:
-            # Prefill or queue: the model is not listening yet, so this audio is dropped (not
-            # buffered: played late it would only add delay to the conversation).
+        if not audio.size:
             return
         audio = audio.reshape(-1)
+        if call.state != CallState.LIVE:
+            # Queue or prefill: the model is not listening yet, so this audio is dropped (played
+            # late it would only add delay); in the queue it tells the room the caller is still there.
+            if call.state == CallState.QUEUED:
+                call.push_audio(audio)
+            return
         self.echo.caller(audio, self._last_receive)
         call.push_audio(audio)
         self.packets_in += 1
@@ -269,17 +259,8 @@ class CallHandler(AsyncStreamHandler):
         return (audio, update) if update is not None else audio
 
     async def _wait_for_slot(self, call: CallHandle):
-        now = time.monotonic()
-        if call.state == CallState.QUEUED:
-            if self.max_wait_seconds is not None and now - self._connected_at > self.max_wait_seconds:
-                call.release(EndReason.QUEUE_TIMEOUT)
-                return await self._ended_with(EndReason.QUEUE_TIMEOUT)
-            # The pool releases silent LIVE calls; a queued caller whose tab closed is noticed here,
-            # long before WebRTC's own consent checks give up on the connection.
-            if now - (self._last_receive or self._connected_at) > QUEUED_SILENCE_SECONDS:
-                log.info("call %s: no audio while queued; giving up its place", self.call_id)
-                call.release(EndReason.IDLE)
-                return await self._ended_with(EndReason.IDLE)
+        """A page update while the call waits (its place, or "preparing"); the room keeps the
+        queue's rules (its wait limit, a caller gone silent) and ends the call when they say so."""
         try:
             await call.wait_live(timeout=STATUS_SECONDS)
         except TimeoutError:

@@ -25,7 +25,6 @@ from ..rtc.ice import server_configuration
 from ..rtc.patches import answer_in_packets, bound_event_log
 from ..runtime.voice_names import DEFAULT_VOICE
 from ..sampling_params import SamplingParams
-from ..serving.config import DEFAULT_MAX_WAIT_SECONDS
 from ..serving.room import Room
 from .call_figures import TRIP_PENDING
 from .deeplink import SEED_RANGE, LinkRules, NumberRule, add_deep_links, number_rule
@@ -51,7 +50,6 @@ CSS = """
 class PageOptions:
     time_limit: float | None = 300.0  # per call, counted by the pool from the moment it is live
     max_queue: int = 32  # callers that may wait for a slot (the pool's own limit)
-    max_wait_seconds: float | None = DEFAULT_MAX_WAIT_SECONDS  # then a queued caller is told to come back later
     rtc_configuration: Any = None  # dict, or a (sync or async) callable for fresh TURN credentials
     server_rtc_configuration: Any = None
     notice: str | None = None  # an extra warning for the page, e.g. "no TURN relay configured"
@@ -170,8 +168,7 @@ class Page:
         self.engine = runtime.engine
         self.presets = load_presets()
         self.voices = list(self.engine.voice_names)
-        self.handler = CallHandler(room, recordings, max_wait_seconds=options.max_wait_seconds,
-                                   model_name=runtime.model_name)
+        self.handler = CallHandler(room, recordings, model_name=runtime.model_name)
 
     def build(self) -> gr.Blocks:
         options = self.options

@@ -8,7 +8,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from ..serving.headroom import WAIT_CAPACITY, WAIT_SLOTS
+from ..serving.headroom import WaitReason
 from ..serving.metrics import PoolMetrics
 from ..serving.room import DOOR_REALTIME, CallHandle, CallState, Room
 
@@ -44,7 +44,7 @@ def queue_reason(m: PoolMetrics) -> str | None:
     has no room for one more (serving/headroom.py)."""
     if not m.queue_length:
         return None
-    return WAIT_CAPACITY if m.slots_free and not m.admitting else WAIT_SLOTS
+    return WaitReason.CAPACITY if m.slots_free and not m.admitting else WaitReason.SLOTS
 
 
 def room_line(m: PoolMetrics, holding: int = 0) -> str:
@@ -65,7 +65,7 @@ def status_line(call: CallHandle | None, room: Room) -> str:
     if call is None:
         return f"Connecting… · {figures}"
     if call.state == CallState.QUEUED:
-        why = (call.wait_reason or WAIT_SLOTS).capitalize()
+        why = (call.wait_reason or WaitReason.SLOTS).capitalize()
         return f"{why}: you are number {call.queue_position} in the queue · {figures}"
     if call.state == CallState.PREFILL:
         return f"Preparing your voice and persona… · {figures}"

@@ -1,0 +1,159 @@
+"""A media worker's `Room`: its own links to the engines for the frames, and the main process's
+one queue for every decision of who is seated where (queue_desk.py has the other side).
+
+With one engine the engine's own queue is already everybody's, and a call is started there.
+With several, `acquire` sends `Admit` to the main process and waits for its first answer: a
+`Grant` (the worker starts the call on that engine at once, `queue=False`, and says `Placed`),
+`QueueNews` (the caller waits, a `RoutedCall` here that shows the place the main process gives
+it), or `Refused`. A waiting caller's later `Grant` seats it the same way; `Dropped` ends it.
+Everything happens on the worker's event loop; the channel's messages arrive through `receive`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable
+
+from ..errors import CallerError
+from ..sampling_params import SamplingParams
+from ..serving.config import PoolConfig
+from ..serving.headroom import WaitReason
+from ..serving.metrics import PoolMetrics, TickListener
+from ..serving.room import DOOR_PAGE, CallHandle, CallState, EndReason, PoolClosedError
+from . import messages as msg
+from .pool_router import UnreachableEngine, combine_metrics
+from .remote_pool import DEFAULT_SAMPLING, START_TIMEOUT, RemotePool, refusal
+from .routed_call import RoutedCall
+
+log = logging.getLogger(__name__)
+
+HEARD_SECONDS = 1.0  # a queued caller's audio is reported to the main process this often
+
+
+class DeskRoom:
+    """The room as a media worker's doors see it; `send` reaches the main process's desk."""
+
+    def __init__(self, engines: list[RemotePool | UnreachableEngine], send: Callable[[msg.WorkerReport], None]) -> None:
+        self.engines = engines
+        self._send = send
+        self.config: PoolConfig = next((e.config for e in engines if e.alive), engines[0].config)
+        self._rids = itertools.count(1)
+        self._calls: dict[int, RoutedCall] = {}  # waiting for a seat
+        self._first: dict[int, asyncio.Future[None]] = {}  # acquire waits for the desk's first answer
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def slots_total(self) -> int:
+        return sum(e.slots_total for e in self.engines if e.alive)
+
+    def snapshot(self) -> PoolMetrics:
+        return combine_metrics([e.snapshot() for e in self.engines if e.alive])
+
+    def add_tick_listener(self, listener: TickListener) -> None:
+        for engine in self.engines:
+            engine.add_tick_listener(listener)
+
+    def report_media_lag(self, seconds: float, source: str = "local") -> None:
+        for engine in self.engines:
+            engine.report_media_lag(seconds, source)
+
+    def replace(self, old: RemotePool | UnreachableEngine, new: RemotePool) -> None:
+        """An engine linked to again (it came back, or answers at last) in place of its lost link."""
+        self.engines = [new if e is old else e for e in self.engines]
+
+    async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING,
+                      door: str = DOOR_PAGE) -> CallHandle:
+        """The room contract's `acquire`: a seat, or a place in the main process's one queue."""
+        if len(self.engines) == 1:
+            return await self.engines[0].acquire(voice, persona, sampling, door, queue=True)
+        call = RoutedCall(voice, persona, sampling, door)
+        rid = next(self._rids)
+        call.on_leave = lambda reason: self._send(msg.Leave(rid, reason))
+        call.on_heard = self._heard_reporter(rid)
+        first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._calls[rid], self._first[rid] = call, first
+        self._send(msg.Admit(rid, voice, persona, dataclasses.asdict(sampling), door))
+        try:
+            await asyncio.wait_for(first, START_TIMEOUT)
+        except TimeoutError:
+            call.release(EndReason.error("no answer from the room"))
+            self._calls.pop(rid, None)
+            raise PoolClosedError(f"the room did not answer within {START_TIMEOUT:.0f} s") from None
+        except BaseException:
+            self._calls.pop(rid, None)
+            raise
+        finally:
+            self._first.pop(rid, None)
+        return call.inner if call.inner is not None else call
+
+    def _heard_reporter(self, rid: int) -> Callable[[], None]:
+        last = 0.0
+
+        def heard() -> None:
+            nonlocal last
+            now = time.monotonic()
+            if now - last >= HEARD_SECONDS:
+                last = now
+                self._send(msg.Heard(rid))
+
+        return heard
+
+    # ---- the desk's messages (on the worker's loop) --------------------------------------------
+
+    def receive(self, message: msg.Grant | msg.QueueNews | msg.Dropped | msg.Refused) -> None:
+        call = self._calls.get(message.rid)
+        match message:
+            case msg.Grant(rid=rid, engine=index):
+                task = asyncio.get_running_loop().create_task(self._take(rid, call, index))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            case msg.QueueNews(rid=rid, position=position, reason=reason) if call is not None:
+                call.moved(position, WaitReason(reason))
+                self._answered(rid)
+            case msg.Dropped(rid=rid, reason=reason) if call is not None:
+                call.end(reason)
+                self._calls.pop(rid, None)
+                self._answered(rid)
+            case msg.Refused(rid=rid, kind=kind, message=text, cause=cause):
+                self._calls.pop(rid, None)
+                self._answered(rid, refusal(kind, text, cause))
+
+    async def _take(self, rid: int, call: RoutedCall | None, index: int) -> None:
+        """Start the call on the engine the desk offers, and say how it went."""
+        if call is None or call.state == CallState.ENDED or not 0 <= index < len(self.engines):
+            self._send(msg.Placed(rid, "gone"))
+            return
+        try:
+            seated = await call.take(self.engines[index], index)
+        except CallerError as exc:
+            self._send(msg.Placed(rid, "caller", str(exc)))
+            self._calls.pop(rid, None)
+            call.end(EndReason.error(exc))
+            self._answered(rid, exc)
+            return
+        if not seated:
+            self._send(msg.Placed(rid, "busy"))
+            return
+        self._calls.pop(rid, None)
+        self._send(msg.Placed(rid, "gone" if call.inner is None else "seated"))
+        self._answered(rid)
+
+    def _answered(self, rid: int, error: Exception | None = None) -> None:
+        first = self._first.get(rid)
+        if first is not None and not first.done():
+            if error is None:
+                first.set_result(None)
+            else:
+                first.set_exception(error)
+
+    def close(self) -> None:
+        for call in self._calls.values():
+            call.end(EndReason.SHUTDOWN)
+        self._calls.clear()
+        for engine in self.engines:
+            engine.close()
+

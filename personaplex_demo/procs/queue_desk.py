@@ -1,0 +1,167 @@
+"""The main process's desk for the media workers' callers: they wait in the room's one queue.
+
+A media worker's door asks its `DeskRoom` (desk_room.py) for a call; with several engines the
+worker sends `Admit`, and here the caller enters the main process's `PoolRouter` as a
+`DeskEntry`, in order of arrival among every other caller of every door and worker. When the
+router offers it a seat on an engine, the desk sends `Grant`; the worker starts the call on
+that engine itself (its frames go straight there) and answers `Placed`. While it waits the
+worker hears `QueueNews` (its place, and why) and, if the room gives up on it, `Dropped`; the
+worker says `Leave` when its caller hangs up and `Heard` while the caller's audio still comes.
+
+Every method runs on the router's event loop (the page's); `MediaWorkers` hands the messages
+over from its reader threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from ..errors import CallerError
+from ..sampling_params import SamplingParams
+from ..serving.headroom import WaitReason
+from ..serving.room import CallState, EndReason, PoolClosedError, PoolFullError
+from . import messages as msg
+from .pool_router import PoolRouter
+from .remote_pool import RemotePool
+from .routed_call import RoutedCall
+
+log = logging.getLogger(__name__)
+
+GRANT_TIMEOUT = 15.0  # a worker's time to start a granted call on its engine and say so
+WORKER_GONE = EndReason.error("media worker lost")
+
+DeskMessage = msg.Admit | msg.Placed | msg.Leave | msg.Heard
+
+
+class DeskEntry(RoutedCall):
+    """A media worker's caller in the router's queue. Seating it is the worker's part (`Grant`)."""
+
+    def __init__(self, desk: QueueDesk, worker: int, admit: msg.Admit) -> None:
+        super().__init__(admit.voice, admit.persona, SamplingParams(**admit.sampling), admit.door)
+        self.desk, self.worker, self.rid = desk, worker, admit.rid
+        self.placed = False  # seated on an engine by its worker: the room's queue is done with it
+        self.on_leave = None
+
+    @property
+    def state(self) -> CallState:
+        return CallState.PREFILL if self.placed else super().state
+
+    async def take(self, engine: RemotePool, index: int) -> bool:
+        outcome = await self.desk.grant(self, index)
+        if outcome.outcome == "caller":
+            raise CallerError(outcome.message)
+        if outcome.outcome == "seated":
+            self.placed = True
+        elif outcome.outcome == "gone":
+            self.end(EndReason.HANGUP)
+        return outcome.outcome != "busy"
+
+    def moved(self, position: int, reason: WaitReason) -> None:
+        if (self.position, self.waiting_for) != (position, reason):
+            super().moved(position, reason)
+            self.desk.send(self.worker, msg.QueueNews(self.rid, position, str(reason)))
+
+    def end(self, reason: str) -> None:
+        if self._ended is None and not self.placed:
+            super().end(reason)
+            self.desk.ended(self)
+
+
+class QueueDesk:
+    """The media workers' callers in `router`'s queue; `send(worker, message)` reaches a worker."""
+
+    def __init__(self, router: PoolRouter, send: Callable[[int, msg.WorkerCommand], None]) -> None:
+        self.router = router
+        self._send = send
+        self._entries: dict[tuple[int, int], DeskEntry] = {}  # (worker, rid) -> its caller, until seated or ended
+        self._grants: dict[tuple[int, int], asyncio.Future[msg.Placed]] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def send(self, worker: int, message: msg.WorkerCommand) -> None:
+        self._send(worker, message)
+
+    def from_thread(self, loop: asyncio.AbstractEventLoop | None, worker: int, messages: list[DeskMessage]) -> None:
+        """A worker's messages from its channel's reader thread, handed to the router's `loop`."""
+        if loop is None:  # a worker's caller always comes after its offer went through the page's loop
+            log.error("media worker %d: the room's queue is not serving yet; %d message(s) dropped", worker,
+                      len(messages))
+            return
+
+        def hand_over() -> None:
+            for message in messages:
+                self.receive(worker, message)
+
+        loop.call_soon_threadsafe(hand_over)
+
+    def receive(self, worker: int, message: DeskMessage) -> None:
+        """A worker's message, on the router's loop."""
+        key = (worker, message.rid)
+        match message:
+            case msg.Admit():
+                task = asyncio.get_running_loop().create_task(self._admit(worker, message))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            case msg.Placed():
+                fut = self._grants.pop(key, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(message)
+            case msg.Leave(reason=reason):
+                if (entry := self._entries.get(key)) is not None:
+                    entry.release(reason)
+            case msg.Heard():
+                if (entry := self._entries.get(key)) is not None and entry.state == CallState.QUEUED:
+                    entry.heard_at = time.monotonic()
+
+    async def _admit(self, worker: int, admit: msg.Admit) -> None:
+        entry = DeskEntry(self, worker, admit)
+        self._entries[(worker, admit.rid)] = entry
+        try:
+            await self.router.enter(entry)
+        except CallerError as exc:
+            self._refuse(entry, "caller", str(exc))
+        except PoolFullError as exc:
+            self._refuse(entry, "full", str(exc), exc.cause)
+        except PoolClosedError as exc:
+            self._refuse(entry, "closed", str(exc))
+        else:
+            if entry.state != CallState.QUEUED:
+                self._entries.pop((worker, admit.rid), None)
+
+    def _refuse(self, entry: DeskEntry, kind: msg.RefusalKind, text: str, cause: str | None = None) -> None:
+        self._entries.pop((entry.worker, entry.rid), None)
+        self.send(entry.worker, msg.Refused(entry.rid, kind, text, cause))
+
+    async def grant(self, entry: DeskEntry, engine: int) -> msg.Placed:
+        """Offer `entry` a seat on engine number `engine`; the worker's answer."""
+        key = (entry.worker, entry.rid)
+        fut: asyncio.Future[msg.Placed] = asyncio.get_running_loop().create_future()
+        self._grants[key] = fut
+        self.send(entry.worker, msg.Grant(entry.rid, engine))
+        try:
+            placed = await asyncio.wait_for(fut, GRANT_TIMEOUT)
+        except TimeoutError:
+            log.warning("media worker %d: no answer to a seat for call %s; giving up its place", *key)
+            placed = msg.Placed(entry.rid, "gone")
+        finally:
+            self._grants.pop(key, None)
+        if placed.outcome in ("seated", "gone", "caller"):
+            self._entries.pop(key, None)
+        return placed
+
+    def ended(self, entry: DeskEntry) -> None:
+        """The room ended a waiting caller (its wait, its silence, no engine): the worker is told
+        unless the caller itself left."""
+        if self._entries.pop((entry.worker, entry.rid), None) is not None and entry.end_reason != EndReason.HANGUP:
+            self.send(entry.worker, msg.Dropped(entry.rid, entry.end_reason or "ended"))
+
+    def worker_gone(self, worker: int) -> None:
+        """A worker stopped: its callers leave the queue, and a pending seat finds nobody."""
+        for (w, rid), fut in list(self._grants.items()):
+            if w == worker and not fut.done():
+                fut.set_result(msg.Placed(rid, "gone"))
+        for (w, _), entry in list(self._entries.items()):
+            if w == worker:
+                entry.end(WORKER_GONE)

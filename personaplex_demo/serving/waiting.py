@@ -1,0 +1,128 @@
+"""What every back end's call does the same way: the handle's fields (`CallView`), and waiting for
+its news (`WaitingCall.wait_live`, `next_output`) with deadlines and wake-ups.
+
+A call's news may come from another thread (the pool's ticker, a link's reader thread) or from
+the loop that waits. A waiter looks and registers a future under the call's guard (the pool's
+lock for a `Call`; nothing for a call whose news arrives on its own loop), and `_wake`, called
+under that same guard, resolves every registered future: no wake-up is lost between a look and
+a wait, and nobody polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable
+
+from .config import PoolConfig
+from .headroom import WaitReason
+from .room import DOOR_PAGE, CallEnded, CallState, EndReason, SlotOutput
+
+
+def queue_expiry(config: PoolConfig, now: float, queued_at: float, heard_at: float | None) -> str | None:
+    """The room's rules for a caller in its queue: why it must leave now, or None. Whichever room
+    keeps the queue applies them, on its own clock."""
+    if config.max_wait_seconds is not None and now - queued_at >= config.max_wait_seconds:
+        return EndReason.QUEUE_TIMEOUT
+    if heard_at is not None and now - heard_at >= config.queued_silence_seconds:
+        return EndReason.IDLE
+    return None
+
+
+class CallView:
+    """What a door reads of a call (`room.CallHandle`'s fields), whichever back end holds it."""
+
+    def __init__(self, call_id: str, door: str = DOOR_PAGE) -> None:
+        self.id = call_id
+        self.door = door
+        self.state = CallState.QUEUED
+        self.queue_position: int | None = None
+        self.wait_reason: WaitReason | None = None  # while QUEUED: why
+        self.slot: int | None = None
+        self.end_reason: str | None = None  # once ENDED
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.id}, {self.state}, slot={self.slot}, queue={self.queue_position})"
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class WaitingCall:
+    """`wait_live` and `next_output` for every back end's call (its `state` and `end_reason` are
+    the subclass's). A subclass says where its outputs are (`_next_output`, under the guard) and
+    calls `_wake` (under the guard) on every change."""
+
+    state: CallState
+    end_reason: str | None
+
+    def __init__(self, guard: threading.Lock | None = None) -> None:
+        self._guard: contextlib.AbstractContextManager = guard if guard is not None else contextlib.nullcontext()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    def _next_output(self) -> SlotOutput | None:
+        """The oldest output not read yet (under the guard); None when there is none."""
+        return None
+
+    async def wait_live(self, timeout: float | None = None) -> None:
+        """Return once LIVE; CallEnded if it ended first; TimeoutError after `timeout` s."""
+        if not await self._until(lambda: not self.state.waiting, _deadline(timeout)):
+            raise TimeoutError
+        if self.state == CallState.ENDED:
+            raise CallEnded(self.end_reason or "ended")
+
+    async def next_output(self, timeout: float) -> SlotOutput | None:
+        """The next output frame; None after `timeout` s without one; CallEnded once ended and drained."""
+        out: SlotOutput | None = None
+
+        def ready() -> bool:
+            nonlocal out
+            out = self._next_output()
+            return out is not None or self.state == CallState.ENDED
+
+        await self._until(ready, _deadline(timeout))
+        if out is None and self.state == CallState.ENDED:
+            raise CallEnded(self.end_reason or "ended")
+        return out
+
+    async def _until(self, ready: Callable[[], bool], deadline: float | None) -> bool:
+        """Wait until `ready()` holds (looked at under the guard at each wake-up); False at `deadline`."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._guard:
+                if ready():
+                    return True
+                if deadline is not None and loop.time() >= deadline:
+                    return False
+                fut: asyncio.Future[None] = loop.create_future()
+                self._waiters.append((loop, fut))
+            try:
+                await asyncio.wait_for(fut, None if deadline is None else max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                pass  # one more look: the news may have come just now
+            finally:
+                with self._guard:
+                    self._waiters = [(lp, f) for lp, f in self._waiters if f is not fut]
+
+    def _wake(self) -> None:
+        """Wake every waiter (each looks again under the guard). Safe from any thread."""
+        waiters, self._waiters = self._waiters, []
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        for loop, fut in waiters:
+            if loop is running:
+                _resolve(fut)
+                continue
+            try:
+                loop.call_soon_threadsafe(_resolve, fut)
+            except RuntimeError:
+                pass  # that event loop is closed; nobody is waiting any more
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else asyncio.get_running_loop().time() + timeout
