@@ -1,4 +1,4 @@
-"""The engine across a process boundary: PoolServer <-> RemotePool / PoolRouter.
+"""The engine across a process boundary: PoolServer <-> EngineLink / PoolRouter.
 
 Both ends run in this process here (the channel is the same AF_UNIX socket either way); the
 tests in test_media_workers.py run them in separate processes."""
@@ -16,9 +16,9 @@ import pytest
 
 from personaplex_demo.engine.pcm import SamplingParams
 from personaplex_demo.errors import AudioFormatError, CallerError
+from personaplex_demo.procs.engine_link import ENGINE_LOST, EngineLink
 from personaplex_demo.procs.pool_router import PoolRouter
 from personaplex_demo.procs.pool_server import PoolServer
-from personaplex_demo.procs.remote_pool import ENGINE_LOST, RemotePool
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.headroom import WaitReason
@@ -64,7 +64,7 @@ async def talk(call, seconds: float) -> list:
 
 async def test_a_remote_call_talks_queues_refuses_and_frees_its_slot(runtimes, tmp_path):
     with served(runtimes[0], str(tmp_path / "e.sock"), "e0", max_queue=1) as (pool, _):
-        engine = RemotePool(str(tmp_path / "e.sock"), KEY)
+        engine = EngineLink(str(tmp_path / "e.sock"), KEY)
         assert (engine.name, engine.slots_total, engine.config.max_queue) == ("e0", 1, 1)
         with pytest.raises(CallerError, match="voice"):
             await engine.acquire("NOPE", "", SamplingParams())
@@ -96,14 +96,14 @@ async def test_a_remote_call_talks_queues_refuses_and_frees_its_slot(runtimes, t
 async def test_a_lost_client_frees_its_slots_and_a_lost_engine_ends_its_calls(runtimes, tmp_path):
     address = str(tmp_path / "e.sock")
     with served(runtimes[0], address, "e0") as (pool, server):
-        engine = RemotePool(address, KEY)
+        engine = EngineLink(address, KEY)
         call = await engine.acquire("NATF2", "", SamplingParams(seed=1))
         await call.wait_live(10)
         engine.close()  # as if its process had died
         await wait_all_free(pool)
         assert server.clients == 0
 
-        engine = RemotePool(address, KEY)
+        engine = EngineLink(address, KEY)
         call = await engine.acquire("NATF2", "", SamplingParams(seed=1))
         await call.wait_live(10)
         server.close()  # the engine's end goes away
@@ -116,7 +116,7 @@ async def test_the_router_fills_free_slots_on_every_engine_before_queueing(runti
     with contextlib.ExitStack() as stack:
         pools = [stack.enter_context(served(rt, str(tmp_path / f"e{i}.sock"), f"e{i}"))[0]
                  for i, rt in enumerate(runtimes)]
-        router = PoolRouter([RemotePool(str(tmp_path / f"e{i}.sock"), KEY) for i in range(2)])
+        router = PoolRouter([EngineLink(str(tmp_path / f"e{i}.sock"), KEY) for i in range(2)])
         assert router.slots_total == 2 and router.config.max_queue == 32  # one queue, the app's --max-queue
         ticks = []  # what /metrics's histograms are fed: every tick of every engine, with its latencies
         router.add_tick_listener(lambda seconds, latencies: ticks.append((seconds, latencies)))
@@ -147,7 +147,7 @@ async def test_a_lagging_client_holds_new_calls_with_the_reason_until_it_recover
     runtime = build_runtime(RuntimeOptions(model="tiny", slots=2, cache_dir=tiny_cache_dir))
     address = str(tmp_path / "engine.sock")
     with served(runtime, address, "engine-0") as (pool, _):
-        remote = RemotePool(address, KEY)
+        remote = EngineLink(address, KEY)
         try:
             first = await remote.acquire("NATF2", "")
             await first.wait_live(timeout=10)
@@ -184,9 +184,9 @@ async def test_a_link_over_tcp_and_strangers_who_stall_or_lack_the_key_hold_up_n
         assert port > 0
         stalled = socket.create_connection((host, port))  # connects, never answers the challenge
         with pytest.raises(AuthenticationError):
-            RemotePool((host, port), b"not the key")
+            EngineLink((host, port), b"not the key")
         t0 = time.monotonic()
-        engine = RemotePool((host, port), KEY)
+        engine = EngineLink((host, port), KEY)
         assert time.monotonic() - t0 < 1.0 and engine.facts == {} and engine.name == "tcp"
         call = await engine.acquire("NATF2", "", SamplingParams(seed=1))
         await call.wait_live(10)
@@ -208,7 +208,7 @@ async def test_a_call_that_goes_live_before_the_server_relays_it_is_still_report
     """The engine's relay loop is busy while the call prefills (a cached prompt takes a
     millisecond): the client, told "prefill" at the start, still hears that it went live."""
     with served(runtimes[0], str(tmp_path / "e.sock"), "busy") as (pool, server):
-        engine = RemotePool(str(tmp_path / "e.sock"), KEY)
+        engine = EngineLink(str(tmp_path / "e.sock"), KEY)
         try:
             held = threading.Event()
             server.loop.call_soon_threadsafe(held.wait, 10.0)  # holds the relay loop until released

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import time
+import uuid
 import wave
 
 import httpx
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 from fastrtc import AdditionalOutputs, CloseStream, Stream
+from fastrtc.utils import Context, current_context
 
 from personaplex_demo.engine.pcm import TickOutput
 from personaplex_demo.rtc.patches import BoundedEventLog
@@ -24,7 +26,7 @@ from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.serving.room import END_MESSAGES, EndReason
 from personaplex_demo.web.echo import WARNING as ECHO_WARNING
-from personaplex_demo.web.handler import CallHandler, FinalUpdates, end_message
+from personaplex_demo.web.handler import CallHandler, end_message
 from personaplex_demo.web.page_inputs import PageInputs
 from personaplex_demo.web.recording import RecordingStore
 
@@ -234,10 +236,16 @@ def args(voice="NATF2", persona="You enjoy having a good conversation.", seed=3)
     return list(PageInputs(voice, persona, 0.7, 25, 0.8, 250, seed))
 
 
+def in_a_connection() -> None:
+    """What fastrtc sets up before it starts a handler: the connection's context."""
+    current_context.set(Context(webrtc_id=f"direct-{uuid.uuid4().hex[:8]}"))
+
+
 async def direct_call(pool: SlotPool, recordings: RecordingStore, call_args=None, **kw) -> CallHandler:
     h = CallHandler(pool, recordings, **kw).copy()
     h.set_channel(FakeChannel())
     h.set_args(list(call_args or args()))  # what Stream.set_input does when the page sends its inputs
+    in_a_connection()
     await h.start_up()
     return h
 
@@ -399,13 +407,13 @@ async def test_the_page_wiring_status_endpoint_and_downloads(runtime, recordings
     relay = by_event["state_change"][0].fn
     got = [u async for u in relay("gone")]
     assert len(got) == 1 and all(isinstance(u, type(gr.skip())) for u in got[0])
-    FinalUpdates.put("gone-2", ("words", "Call ended: Time is up", "cid", ("/x/a.wav", "/x/a.json"),
+    rtc.event_handler.final_updates.put("gone-2", ("words", "Call ended: Time is up", "cid", ("/x/a.wav", "/x/a.json"),
                                 "**This call** first sound after 0.40 s"))
     got = [u async for u in relay("gone-2")]
     # Plain values only (each gr.update or gr.skip makes Gradio rebuild a component); the ended
     # call's id is what brings up its downloads, and the call's figures stay.
     assert got == [("words", "Call ended: Time is up", "cid", "cid", "**This call** first sound after 0.40 s")]
-    assert FinalUpdates.pop("gone-2") is None
+    assert rtc.event_handler.final_updates.pop("gone-2") is None
     show_downloads = by_event["change"][[fn.fn.__name__ for fn in by_event["change"]].index("show_downloads")].fn
     wav_update, json_update = await show_downloads("call-1")
     assert wav_update["visible"] and wav_update["value"].endswith(".wav") and json_update["visible"]
@@ -421,7 +429,7 @@ async def test_the_page_wiring_status_endpoint_and_downloads(runtime, recordings
 
 
 def test_a_failure_reads_as_what_failed_and_what_to_do():
-    from personaplex_demo.procs.remote_pool import ENGINE_LOST
+    from personaplex_demo.procs.engine_link import ENGINE_LOST
 
     assert end_message(EndReason.error("the engine on 10.0.0.7 stopped")) == (
         "The call ended: the engine on 10.0.0.7 stopped. Please press Record to call again.")

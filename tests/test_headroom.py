@@ -26,7 +26,7 @@ from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.serving.room import CallEnded, CallState, PoolClosedError, PoolFullError
 from personaplex_demo.web.page import status_payload
 from personaplex_demo.web.prometheus import metrics_routes
-from personaplex_demo.web.status import RoomMetrics, status_line
+from personaplex_demo.web.status import SharedFigures, status_line
 
 from .support.fake_clock import FakeClock
 from .support.waiting import eventually
@@ -227,21 +227,23 @@ def test_the_page_and_the_status_say_why_a_caller_waits():
     calls: list = []
     for _ in range(4):
         join(pool, calls)
-    runtime = types.SimpleNamespace(model_name="tiny", is_tiny=True, banner=None, capacity=None)
+    runtime = types.SimpleNamespace(model_name="tiny", is_tiny=True, banner=None, weights="dense", device_name="cpu",
+                                    capacity_facts=lambda: None)
     payload = status_payload(runtime, pool)
     assert (payload["admission"], payload["queue_reason"], payload["queue_length"]) == ("headroom", WaitReason.CAPACITY, 1)
     assert payload["calls_held_back"] == 1 and payload["admitting"] == 0
-    line = status_line(calls[3], pool)
+    line = status_line(calls[3], SharedFigures(pool))
     assert line.startswith("The room is at capacity on this machine: you are number 1 in the queue"), line
-    assert status_line(calls[0], pool).startswith("Live")
+    assert status_line(calls[0], SharedFigures(pool)).startswith("Live")
 
 
 def test_a_live_callers_status_line_counts_its_own_slot_before_the_shared_figures_do():
     pool, _ = costly_pool(batch=1)
-    RoomMetrics.get(pool)  # the page's shared figures, taken before the call (kept half a second)
+    figures = SharedFigures(pool)
+    figures.get()  # the page's shared figures, taken before the call (kept half a second)
     call = join(pool, [])
     assert call.state == "live"
-    line = status_line(call, pool)
+    line = status_line(call, figures)
     assert line.startswith("Live") and line.endswith("slots 1/1 in use"), line
 
 
@@ -395,24 +397,24 @@ def test_the_event_loop_probe_reports_how_late_its_loop_wakes_and_runs_once_per_
 
 
 class StubEngine:
-    """What PoolRouter reads of a RemotePool: its figures, and an acquire that seats or refuses."""
+    """What PoolRouter reads of an EngineLink: its figures, and an acquire that seats or refuses."""
 
     def __init__(self, name: str, *, admitting: int, headroom_ms: float, queue: int = 0, slots_free: int = 2,
                  refuses: bool = False) -> None:
         self.name, self.alive, self.slots_total = name, True, 4
         self.config = PoolConfig()
-        self.room = dataclasses.replace(PoolMetrics(4, 0, 0, queue, 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0.0, 0.0),
+        self.figures = dataclasses.replace(PoolMetrics(4, 0, 0, queue, 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0.0, 0.0),
                                         admitting=admitting, headroom_ms=headroom_ms, slots_free=slots_free)
         self.refuses = refuses
         self.seats: int | None = None  # refuses once this many calls were seated
         self.asked: list[bool] = []
 
     def snapshot(self) -> PoolMetrics:
-        return self.room
+        return self.figures
 
     async def acquire(self, voice, persona, sampling=None, door="page", *, queue=True):
         self.asked.append(queue)
-        if not queue and (self.refuses or not self.room.admitting or self.seats == 0):
+        if not queue and (self.refuses or not self.figures.admitting or self.seats == 0):
             raise PoolFullError(WaitReason.CAPACITY)
         self.seats = None if self.seats is None else self.seats - 1
         return types.SimpleNamespace(name=self.name, state=CallState.PREFILL, slot=0, end_reason=None)
@@ -443,11 +445,11 @@ async def test_with_no_engine_admitting_callers_wait_in_the_routers_one_queue_fo
     assert (a.asked, b.asked) == ([False], [False])
     assert router.snapshot().queue_length == 2
     # A slot frees on b, but its tick has no headroom: the queue says why it still waits.
-    b.room = dataclasses.replace(b.room, slots_free=1)
+    b.figures = dataclasses.replace(b.figures, slots_free=1)
     await eventually(lambda: (first.wait_reason, second.wait_reason) == (WaitReason.CAPACITY,) * 2, "the reason")
     assert router.snapshot().calls_held_back == 2  # each caller held back counts once
     # It admits: the head takes the seat there, and the second moves up.
-    b.room, b.seats = dataclasses.replace(b.room, admitting=1), 1
+    b.figures, b.seats = dataclasses.replace(b.figures, admitting=1), 1
     await eventually(lambda: first.inner is not None, "the head seated")
     assert first.inner.name == "b" and first.queue_position is None
     assert (second.state, second.queue_position) == ("queued", 1)

@@ -19,6 +19,8 @@ from personaplex_demo.web.handler import CallHandler
 from personaplex_demo.web.page_inputs import PageInputs
 from personaplex_demo.web.recording import RecordingStore
 
+from .test_handler import in_a_connection
+
 ARGS = ["__webrtc_value__", "id", *PageInputs("NATF2", "", 0.7, 25, 0.8, 250, 1)]
 
 
@@ -43,6 +45,7 @@ async def started_handler(pool: SlotPool, recordings: RecordingStore, args=ARGS)
 
     h.wait_for_args = no_args
     h.latest_args = list(args)
+    in_a_connection()
     await h.start_up()
     return h
 

@@ -237,6 +237,8 @@ async def test_two_cpu_engines_with_int8_weights_each_take_a_call(tiny_cache_dir
         assert [e["name"] for e in status["engines"]] == ["engine-0 (cpu)", "engine-1 (cpu)"]
         # The engines hold their LM's transformer weights as int8, and the page's banner says so.
         assert status["weights"] == "int8" and "int8 weights" in status["banner"]
+        # The runtime's facts come from the engines, as /api/status gives them for one in this process.
+        assert status["device"] == "cpu" and status["capacity"]["slots"] == 2
         assert "loaded 151 tensors from model.safetensors (92 as int8)" in app.log_text()
         assert status["slots_total"] == 4 and status["media_workers"] == []
         async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http:

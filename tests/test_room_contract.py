@@ -8,10 +8,11 @@ its own, and the room's queue counts all of them; a full queue refuses with a ty
 room, not the door, ends a call that waited too long or whose audio stopped; a lost engine ends
 its calls with a reason and turns new callers away.
 
-The back ends: a `SlotPool` in this process; one engine behind its link (`RemotePool` and
-`PoolServer`, as an engine process is reached); two engines behind the router; and two media
+The back ends: a `SlotPool` in this process; one engine behind its link (`EngineLink` and
+`PoolServer`, as an engine process is reached); two engines behind the router; two media
 workers' rooms (`DeskRoom`) beside the main process's own door, sharing two engines through the
-main process's one queue (`QueueDesk`). The messages between those rooms are pickled both ways,
+main process's one queue (`QueueDesk`); and two engines as Ray actors on the two nodes of a
+cluster (skipped without Ray, except under CI=true). The messages between those rooms are pickled both ways,
 as on the worker's channel. tests/test_media_workers.py runs the last one with real processes
 and real WebRTC callers.
 """
@@ -20,11 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import pickle
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,16 +36,23 @@ import pytest
 
 from personaplex_demo.engine.pcm import SamplingParams
 from personaplex_demo.procs.desk_room import DeskRoom
+from personaplex_demo.procs.engine_link import EngineLink
 from personaplex_demo.procs.pool_router import PoolRouter
 from personaplex_demo.procs.pool_server import PoolServer
 from personaplex_demo.procs.queue_desk import QueueDesk
-from personaplex_demo.procs.remote_pool import RemotePool
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 from personaplex_demo.serving.config import PoolConfig
+from personaplex_demo.serving.door import DoorCall, Ended, Queued, RefusalKind
 from personaplex_demo.serving.headroom import WaitReason
 from personaplex_demo.serving.pool import SlotPool
-from personaplex_demo.serving.room import DOORS, CallEnded, CallState, PoolClosedError, PoolFullError
+from personaplex_demo.serving.room import (
+    DOORS,
+    CallHandle,
+    CallState,
+    Room,
+)
 
+from .browser_support import IN_CI
 from .support.waiting import eventually
 
 KEY = secrets.token_bytes(16)
@@ -49,7 +60,7 @@ MAX_WAIT = 3.0
 CONFIG = PoolConfig(max_queue=3, max_wait_seconds=MAX_WAIT, queued_silence_seconds=1.0, admission="slots",
                     idle_release_seconds=60.0, time_limit_seconds=None)
 TONE = (0.3 * 32767 * np.sin(2 * np.pi * 220 * np.arange(960) / 24000)).astype(np.int16)
-BACK_ENDS = ["slot pool", "one engine link", "two engines", "two media workers"]
+BACK_ENDS = ["slot pool", "one engine link", "two engines", "two media workers", "Ray, two nodes"]
 
 
 @dataclass
@@ -62,7 +73,8 @@ class BackEnd:
 @pytest.fixture(scope="module")
 def runtimes(tiny_cache_dir):
     """One engine of two slots, and two of one slot each."""
-    return {"two": build_runtime(RuntimeOptions(model="tiny", slots=2, cache_dir=tiny_cache_dir)),
+    return {"cache_dir": tiny_cache_dir,
+            "two": build_runtime(RuntimeOptions(model="tiny", slots=2, cache_dir=tiny_cache_dir)),
             "one": [build_runtime(RuntimeOptions(model="tiny", slots=1, cache_dir=tiny_cache_dir)) for _ in range(2)]}
 
 
@@ -83,8 +95,49 @@ def relayed(message: Any) -> Any:
     return pickle.loads(pickle.dumps(message))
 
 
+@contextlib.contextmanager
+def ray_engines(cache_dir: Path) -> Iterator[Any]:
+    """Two engines of one slot as Ray actors, one on each node of a two-node cluster on this
+    machine, as `--engines ray` starts them (procs/ray/engines.py)."""
+    if not IN_CI:
+        pytest.importorskip("ray", reason="Ray is an optional extra (requirements-ray.txt)")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from personaplex_demo.procs.ray.engine_actor import ENGINE_RESOURCE
+    from personaplex_demo.procs.ray.engines import RayEngines, connect, new_spec
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    node = {"num_cpus": 1, "resources": {ENGINE_RESOURCE: 1}}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    cluster.add_node(**node)
+    try:
+        connect(cluster.address, logging.INFO)
+        spec = new_spec(RuntimeOptions(model="tiny", slots=1, cache_dir=cache_dir), CONFIG, logging.INFO)
+        engines = RayEngines(spec, started_ray=False).start()
+        try:
+            yield engines
+        finally:
+            engines.close()
+            ray.shutdown()
+    finally:
+        cluster.shutdown()
+
+
+def kill_actors(engines) -> None:
+    import ray
+
+    for row in engines.status():
+        ray.kill(ray.get_actor(row["actor"], namespace=engines.namespace), no_restart=True)
+
+
 @contextlib.asynccontextmanager
 async def back_end(kind: str, runtimes, tmp_path) -> AsyncIterator[BackEnd]:
+    if kind == "Ray, two nodes":
+        with ray_engines(runtimes["cache_dir"]) as engines:
+            router = await asyncio.to_thread(engines.wait_ready)
+            yield BackEnd([router], router, lambda: kill_actors(engines))
+        return
     if kind == "slot pool":
         pool = SlotPool(runtimes["two"].engine, CONFIG)
         pool.start()
@@ -106,7 +159,7 @@ async def back_end(kind: str, runtimes, tmp_path) -> AsyncIterator[BackEnd]:
             for server in servers:
                 server.close()
 
-        links = [RemotePool(a, KEY) for a in addresses]
+        links = [EngineLink(a, KEY) for a in addresses]
         if kind == "one engine link":
             yield BackEnd([links[0]], links[0], lose)
             links[0].close()
@@ -123,84 +176,92 @@ async def back_end(kind: str, runtimes, tmp_path) -> AsyncIterator[BackEnd]:
             def to_desk(m: Any, worker: int = worker) -> None:
                 loop.call_soon(desk.receive, worker, relayed(m))
 
-            workers[worker] = DeskRoom([RemotePool(a, KEY) for a in addresses], to_desk)
+            workers[worker] = DeskRoom([EngineLink(a, KEY) for a in addresses], to_desk)
         yield BackEnd([workers[1], workers[2], router], router, lose)
         for room in workers.values():
             room.close()
         router.close()
 
 
-async def until_ended(call, seconds: float = 10.0) -> str:
-    """Read the call's outputs until it has ended; its reason."""
+async def until_ended(caller: DoorCall, seconds: float = 10.0) -> str:
+    """Pass the caller's events on, as a door does, until its call has ended; the reason."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        try:
-            await call.next_output(timeout=0.5)
-        except CallEnded as ended:
-            return ended.reason
-    raise AssertionError(f"{call} did not end within {seconds:.0f} s")
+        if isinstance(event := await caller.next_event(0.5), Ended):
+            return event.reason
+    raise AssertionError(f"{caller.call} did not end within {seconds:.0f} s")
 
 
-async def turned_away(door, seconds: float = 5.0) -> None:
-    """`door`'s room refuses a newcomer (PoolClosedError) once it has seen its engines go."""
+async def turned_away(room, seconds: float = 5.0) -> None:
+    """`room` refuses a newcomer as closed once it has seen its engines go."""
     deadline = time.monotonic() + seconds
     while True:
-        try:
-            call = await door.acquire("NATF2", "", SamplingParams(seed=99))
-        except PoolClosedError:
+        caller = DoorCall(room, DOORS[0])
+        refusal = await caller.start("NATF2", "", SamplingParams(seed=99))
+        if refusal is not None:
+            assert refusal.kind == RefusalKind.CLOSED, refusal
             return
-        call.release()
-        assert time.monotonic() < deadline, f"{door} still takes calls {seconds:.0f} s after its engines stopped"
+        caller.hang_up()
+        assert time.monotonic() < deadline, f"{room} still takes calls {seconds:.0f} s after its engines stopped"
         await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize("kind", BACK_ENDS)
 async def test_every_back_end_keeps_the_rooms_one_queue_and_its_rules(kind, runtimes, tmp_path):
+    """Callers come through the doors' common part (`DoorCall`), the page's and the Realtime
+    socket's in turn, and through every room a door may hold."""
     async with back_end(kind, runtimes, tmp_path) as it:
         arrivals = 0
 
-        async def arrive():
+        async def arrive(refused: bool = False) -> DoorCall:
             nonlocal arrivals
-            door = it.doors[arrivals % len(it.doors)]
+            room = it.doors[arrivals % len(it.doors)]
             arrivals += 1
-            return await door.acquire("NATF2", "", SamplingParams(seed=arrivals), door=DOORS[arrivals % 2])
+            caller = DoorCall(room, DOORS[arrivals % 2])
+            refusal = await caller.start("NATF2", "", SamplingParams(seed=arrivals))
+            assert (refusal is not None) == refused, refusal
+            caller.refusal = refusal
+            return caller
 
+        assert all(isinstance(room, Room) for room in [*it.doors, it.room])  # the Protocol's surface
         first, second = await arrive(), await arrive()
-        for call in (first, second):
-            await call.wait_live(20)
+        for caller in (first, second):
+            await caller.call.wait_live(20)
         # Four more callers through every door in turn: the first three wait, each in its own
         # place, in the order they came; the room counts all of them; the fourth is refused.
         waiting = [await arrive() for _ in range(3)]
+        assert all(isinstance(c.call, CallHandle) for c in (first, second, *waiting))
 
         def places():
-            return [c.queue_position for c in waiting]
+            return [c.call.queue_position for c in waiting]
 
         await eventually(lambda: places() == [1, 2, 3], f"places 1, 2, 3 (have {places()})")
-        assert [(c.state, c.wait_reason) for c in waiting] == [(CallState.QUEUED, WaitReason.SLOTS)] * 3
+        assert [(c.state, c.call.wait_reason) for c in waiting] == [(CallState.QUEUED, WaitReason.SLOTS)] * 3
+        assert [await c.next_event(1.0) for c in waiting] == [Queued(n, WaitReason.SLOTS) for n in (1, 2, 3)]
         await eventually(lambda: it.room.snapshot().queue_length == 3, "the room counting its queue")
-        with pytest.raises(PoolFullError) as refused:
-            await arrive()
-        assert refused.value.cause == WaitReason.SLOTS and "queue" in str(refused.value)
+        refused = (await arrive(refused=True)).refusal
+        assert refused.kind == RefusalKind.FULL and refused.cause == WaitReason.SLOTS
+        assert "queue" in str(refused.error)
 
         # A waiting caller hangs up: it leaves, and the one behind it moves up.
-        waiting[1].release()
-        with pytest.raises(CallEnded):
-            await waiting[1].wait_live(5)
+        waiting[1].hang_up()
+        assert await until_ended(waiting[1], 5.0) == "hangup"
         await eventually(lambda: places() == [1, None, 2], f"places 1, -, 2 (have {places()})")
+        assert await waiting[2].next_event(5.0) == Queued(2, WaitReason.SLOTS)
 
         # A live caller hangs up: the head of the queue takes the slot, the next is now first.
-        first.release()
-        await waiting[0].wait_live(10)
-        await eventually(lambda: waiting[2].queue_position == 1, "the last caller moving up to 1")
+        first.hang_up()
+        await waiting[0].call.wait_live(10)
+        await eventually(lambda: waiting[2].call.queue_position == 1, "the last caller moving up to 1")
 
         # A waiting caller whose audio stops has gone: the room gives its place up.
-        waiting[2].push_audio(TONE)
+        waiting[2].push(TONE)
         assert await until_ended(waiting[2], 5.0) == "idle"
 
         # One that never sent audio waits until the wait limit, on the room's clock.
         late = await arrive()
         came = time.monotonic()
-        await eventually(lambda: late.queue_position == 1, "the late caller in first place")
+        await eventually(lambda: late.call.queue_position == 1, "the late caller in first place")
         assert await until_ended(late, MAX_WAIT + 5.0) == "queue_timeout"
         assert time.monotonic() - came >= MAX_WAIT - 0.3
 
@@ -208,6 +269,6 @@ async def test_every_back_end_keeps_the_rooms_one_queue_and_its_rules(kind, runt
         await eventually(lambda: it.room.snapshot().queue_length == 0, "an empty queue")
         it.lose_engines()
         reasons = [await until_ended(c) for c in (second, waiting[0])]
-        assert all(reason in ("shutdown",) or reason.startswith("error:") for reason in reasons), reasons
-        for door in it.doors:
-            await turned_away(door)
+        assert all(reason == "shutdown" or reason.startswith("error:") for reason in reasons), reasons
+        for room in it.doors:
+            await turned_away(room)

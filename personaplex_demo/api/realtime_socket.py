@@ -20,15 +20,13 @@ from typing import Any
 
 from starlette.websockets import WebSocket
 
-from ..errors import CallerError, PersonaTooLongError, UnknownVoiceError
+from ..errors import PersonaTooLongError, UnknownVoiceError
+from ..serving.door import DoorCall, Ended, Frame, Live, Preparing, Queued, Refusal, RefusalKind
 from ..serving.room import (
     DOOR_REALTIME,
-    CallEnded,
     CallHandle,
     CallState,
     EndReason,
-    PoolClosedError,
-    PoolFullError,
     Room,
     end_message,
 )
@@ -61,7 +59,7 @@ class RealtimeSocket:
         self.ws, self.room, self.rules, self.config, self.dialect, self.stats = ws, room, rules, config, dialect, stats
         self.session_id = new_id("sess")
         self.settings = SessionSettings()
-        self.call: CallHandle | None = None
+        self.door_call = DoorCall(room, DOOR_REALTIME)
         self.feeder = Feeder(config)
         self.turns = TurnTracker(dialect, config.turn_end_seconds, config.speech_dbfs)
         self.outbox = Outbox()
@@ -71,6 +69,10 @@ class RealtimeSocket:
         self._tasks: set[asyncio.Task] = set()
         self._reader: asyncio.Task | None = None
         self._closing = False
+
+    @property
+    def call(self) -> CallHandle | None:
+        return self.door_call.call
 
     # ---- the socket's life ---------------------------------------------------------------------
 
@@ -83,8 +85,7 @@ class RealtimeSocket:
         try:
             await asyncio.wait({self._reader})
         finally:
-            if self.call is not None:
-                self.call.release(EndReason.HANGUP)  # idempotent: a call that ended keeps its reason
+            self.door_call.hang_up()  # idempotent: a call that ended keeps its reason
             for task in [self._reader, *self._tasks]:
                 task.cancel()
             self.stats.closed()
@@ -212,27 +213,32 @@ class RealtimeSocket:
 
     async def _start_call(self, event_id: str | None) -> None:
         voice, persona, sampling = self.settings.call_fields()
-        try:
-            self.call = await self.room.acquire(voice, persona, sampling, door=DOOR_REALTIME)
-        except CallerError as exc:
+        refusal = await self.door_call.start(voice, persona, sampling)
+        if refusal is not None:
+            await self._refused(refusal, event_id)
+            return
+        call = self.door_call.call
+        if self._closing:  # the socket went while the room placed the call
+            self.door_call.hang_up()
+            return
+        log.info("realtime %s: call %s (%s), voice %s", self.session_id, call.id, call.state, voice)
+        self._spawn(self._run_call(call))
+
+    async def _refused(self, refusal: Refusal, event_id: str | None) -> None:
+        """The client's error for a call the room did not take (a bad request is the event's error)."""
+        exc = refusal.error
+        if refusal.kind == RefusalKind.CALLER:
             code = (e.UNKNOWN_VOICE if isinstance(exc, UnknownVoiceError) else
                     e.PERSONA_TOO_LONG if isinstance(exc, PersonaTooLongError) else e.INVALID_FIELD)
-            raise RealtimeError(code, str(exc), param="session", event_id=event_id) from None
-        except PoolFullError as exc:
+            raise RealtimeError(code, str(exc), param="session", event_id=event_id)
+        if refusal.kind == RefusalKind.FULL:
             self.error(RealtimeError(e.ROOM_FULL, f"the room is full and its queue too ({exc}); try again in a "
                                      "minute", event_id=event_id, kind="server_error"))
             await self.close(1013, "the room is full")
-            return
-        except PoolClosedError as exc:
+        else:
             self.error(RealtimeError(e.ROOM_CLOSED, f"the room is not taking calls: {exc}", event_id=event_id,
                                      kind="server_error"))
             await self.close(1001, "the room is closed")
-            return
-        if self._closing:  # the socket went while the room placed the call
-            self.call.release(EndReason.HANGUP)
-            return
-        log.info("realtime %s: call %s (%s), voice %s", self.session_id, self.call.id, self.call.state, voice)
-        self._spawn(self._run_call(self.call))
 
     def room_event(self, kind: str, **fields: Any) -> None:
         if self.settings.room_events:
@@ -240,44 +246,46 @@ class RealtimeSocket:
 
     async def _run_call(self, call: CallHandle) -> None:
         try:
-            await self._wait_for_live(call)
+            if not await self._wait_for_live():
+                return
             self.room_event("live", call_id=call.id, time_left=call.time_left())
             self.feeder.live()
             self.feeder.feed(call)
             while True:
-                out = await call.next_output(timeout=0.25)
-                if out is not None:
-                    self.feeder.answered()
-                    self.frames_out += 1
-                    self._send_all(self.turns.frame(out.pcm, out.text))
+                match await self.door_call.next_event(0.25):
+                    case Frame(out=out):
+                        self.feeder.answered()
+                        self.frames_out += 1
+                        self._send_all(self.turns.frame(out.pcm, out.text))
+                    case Ended(reason=reason):
+                        await self._ended(reason)
+                        return
                 self.feeder.feed(call)
                 if self.outbox.client_stopped_reading(self.ws.scope, self.config.send_backlog_seconds):
                     log.warning("realtime %s: the client stopped reading; closing", self.session_id)
-                    call.release(EndReason.NOT_READING)
+                    self.door_call.hang_up(EndReason.NOT_READING)
                     self.stats.error("client_not_reading")
                     await self.close(1008, "the client stopped reading its audio")
                     return
-        except CallEnded as ended:
-            await self._ended(ended.reason)
         except Exception as exc:
             log.exception("realtime %s: the call's runner failed", self.session_id)
-            call.release(EndReason.error(f"realtime door: {type(exc).__name__}"))
+            self.door_call.hang_up(EndReason.error(f"realtime door: {type(exc).__name__}"))
             await self.close(1011, "the server failed on this call")
 
-    async def _wait_for_live(self, call: CallHandle) -> None:
-        told: tuple | None = None
-        while call.state.waiting:
-            if call.state == CallState.QUEUED:
-                now = ("queue", call.queue_position, call.wait_reason)
-                if now != told:
-                    self.room_event("queue", position=call.queue_position, reason=call.wait_reason)
-            else:
-                now = ("preparing",)
-                if now != told:
+    async def _wait_for_live(self) -> bool:
+        """Tell the client (with room events on) its place in the queue and when it is being
+        prepared; True once live, False when the call ended first."""
+        while True:
+            match await self.door_call.next_event(1.0):
+                case Queued(position=position, reason=reason):
+                    self.room_event("queue", position=position, reason=reason)
+                case Preparing():
                     self.room_event("preparing")
-            told = now
-            with contextlib.suppress(TimeoutError):
-                await call.wait_live(timeout=1.0)
+                case Live():
+                    return True
+                case Ended(reason=reason):
+                    await self._ended(reason)
+                    return False
 
     async def _ended(self, reason: str) -> None:
         self._send_all(self.turns.finish(reason))

@@ -25,8 +25,8 @@ from ..serving.headroom import WaitReason
 from ..serving.metrics import PoolMetrics, TickListener
 from ..serving.room import DOOR_PAGE, CallHandle, CallState, EndReason, PoolClosedError
 from . import messages as msg
+from .engine_link import DEFAULT_SAMPLING, START_TIMEOUT, EngineLink, refusal
 from .pool_router import UnreachableEngine, combine_metrics
-from .remote_pool import DEFAULT_SAMPLING, START_TIMEOUT, RemotePool, refusal
 from .routed_call import RoutedCall
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ HEARD_SECONDS = 1.0  # a queued caller's audio is reported to the main process t
 class DeskRoom:
     """The room as a media worker's doors see it; `send` reaches the main process's desk."""
 
-    def __init__(self, engines: list[RemotePool | UnreachableEngine], send: Callable[[msg.WorkerReport], None]) -> None:
+    def __init__(self, engines: list[EngineLink | UnreachableEngine], send: Callable[[msg.WorkerReport], None]) -> None:
         self.engines = engines
         self._send = send
         self.config: PoolConfig = next((e.config for e in engines if e.alive), engines[0].config)
@@ -61,7 +61,7 @@ class DeskRoom:
         for engine in self.engines:
             engine.report_media_lag(seconds, source)
 
-    def replace(self, old: RemotePool | UnreachableEngine, new: RemotePool) -> None:
+    def replace(self, old: EngineLink | UnreachableEngine, new: EngineLink) -> None:
         """An engine linked to again (it came back, or answers at last) in place of its lost link."""
         self.engines = [new if e is old else e for e in self.engines]
 

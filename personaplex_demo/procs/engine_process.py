@@ -25,9 +25,12 @@ from ..errors import UnknownVoiceError
 from ..runtime.build import Runtime, RuntimeOptions
 from ..sampling_params import SamplingParams
 from ..serving.config import PoolConfig
+from ..serving.pool import SlotPool
 from .channel import Channel
 from .launcher import Child, Inbox, stop_children
+from .links import Address
 from .messages import EndCalls, EngineFailed, EngineReady
+from .pool_server import ROOM_SECONDS, PoolServer
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,35 @@ def page_facts(runtime: Runtime) -> dict[str, Any]:
     return {"model_name": runtime.model_name, "is_tiny": runtime.is_tiny, "banner": runtime.banner,
             "voice_names": list(engine.voice_names), "max_persona_tokens": engine.max_persona_tokens,
             "tokenizer_path": str(runtime.source.tokenizer_path), "device": str(runtime.device),
-            "weights": runtime.weights, "node": socket.gethostname()}
+            "weights": runtime.weights, "capacity": runtime.capacity_facts(), "node": socket.gethostname()}
+
+
+class ServedEngine:
+    """One engine as every engine host runs it (an engine process, a Ray actor): the runtime on
+    its device, its SlotPool, and the PoolServer that the rooms' links reach."""
+
+    def __init__(self, options: RuntimeOptions, pool: PoolConfig, device: str, address: Address, authkey: bytes,
+                 name: str, facts: dict[str, Any] | None = None, room_seconds: float = ROOM_SECONDS) -> None:
+        from ..runtime.build import build_runtime
+
+        self.runtime = build_runtime(replace(options, device=device))
+        self.pool = SlotPool(self.runtime.engine, self.runtime.pool_config(pool))
+        self.server = PoolServer(self.pool, address, authkey, name=name, room_seconds=room_seconds,
+                                 facts={**page_facts(self.runtime), **(facts or {})})
+        self.facts = self.server.facts  # what every link's Hello says
+
+    def start(self) -> ServedEngine:
+        self.pool.start()
+        self.server.start()
+        return self
+
+    def end_calls(self) -> None:
+        """Every call ends (reason "shutdown") and the ticker stops; the server stays up to tell the callers."""
+        self.pool.shutdown(join_timeout=END_CALLS_JOIN_SECONDS)
+
+    def stop(self) -> None:
+        self.pool.shutdown()
+        self.server.close()
 
 
 def run_engine(spec: EngineSpec, conn) -> None:
@@ -62,36 +93,27 @@ def run_engine(spec: EngineSpec, conn) -> None:
     told (or when the main process goes away)."""
     import torch
 
-    from ..runtime.build import build_runtime
-    from ..serving.pool import SlotPool
-    from .pool_server import PoolServer
-
     inbox = Inbox()
     control = Channel(conn, f"{spec.name} control", inbox.on_batch, inbox.on_close).start()
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     try:
-        runtime = build_runtime(replace(spec.runtime, device=spec.device))
-        pool = SlotPool(runtime.engine, runtime.pool_config(spec.pool))
-        facts = page_facts(runtime)
-        server = PoolServer(pool, spec.address, spec.authkey, name=spec.name, facts=facts)
+        engine = ServedEngine(spec.runtime, spec.pool, spec.device, spec.address, spec.authkey, spec.name)
     except Exception as exc:
         control.send(EngineFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         control.close(flush_timeout=FAILED_FLUSH_SECONDS)  # the writer is a daemon thread: let it say so first
         return
-    pool.start()
-    server.start()
-    control.send(EngineReady(facts))
+    engine.start()
+    control.send(EngineReady(engine.facts))
     try:
         # EndCalls: the pool ends its calls, and the server stays up to tell the callers;
         # Stop, or None (EOF: the main process is gone): everything stops.
         while isinstance(inbox.get(), EndCalls):
-            pool.shutdown(join_timeout=END_CALLS_JOIN_SECONDS)
+            engine.end_calls()
     except KeyboardInterrupt:
         pass
     finally:
-        pool.shutdown()
-        server.close()
+        engine.stop()
         control.close()
 
 
@@ -166,16 +188,22 @@ class EngineFacts:
 
 @dataclass
 class RemoteRuntime:
-    """`build_ui`'s runtime when the engines run in other processes. Named as `RemotePool` is: a
-    stand-in here for a `Runtime` that lives in another process, built from that engine's facts."""
+    """`build_ui`'s runtime (a `runtime.facts.RuntimeFacts`) when the engines run in other
+    processes: a stand-in here for a `Runtime` that lives in another process, built from that
+    engine's facts."""
 
     engine: EngineFacts
     model_name: str
     is_tiny: bool
     banner: str | None
     weights: str = "dense"
+    device_name: str = "cpu"
+    capacity: dict[str, Any] | None = None
+
+    def capacity_facts(self) -> dict[str, Any] | None:
+        return self.capacity
 
     @classmethod
     def from_facts(cls, facts: dict[str, Any]) -> RemoteRuntime:
         return cls(EngineFacts(facts), facts["model_name"], bool(facts["is_tiny"]), facts["banner"],
-                   facts.get("weights", "dense"))
+                   facts.get("weights", "dense"), str(facts.get("device", "cpu")), facts.get("capacity"))

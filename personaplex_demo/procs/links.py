@@ -25,6 +25,12 @@ HANDSHAKE_SECONDS = 5.0  # to connect, authenticate and get the first message
 Address = str | tuple[str, int]  # an AF_UNIX socket's path, or a TCP (host, port) between machines
 
 
+def between_machines(address: Address) -> bool:
+    """A TCP link: the engine may be on another machine, which may go silent or away (and come
+    back at a new address), where an AF_UNIX one's engine is a child of this app."""
+    return not isinstance(address, str)
+
+
 def no_delay(conn: Connection) -> None:
     """TCP_NODELAY on a TCP connection (a no-op for AF_UNIX): a batch bigger than 16 KiB goes out as
     two writes (header, then body), and Nagle's algorithm would hold the body back until the

@@ -44,14 +44,14 @@ from fastrtc.webrtc_connection_mixin import WebRTCConnectionMixin
 from ..rtc.ice import server_configuration
 from ..rtc.patches import answer_in_packets
 from ..rtc.settings import apply_media_settings
-from ..web.handler import CallHandler, FinalUpdates
+from ..web.handler import CallHandler
 from ..web.recording import RecordingStore
 from . import messages as msg
 from .channel import Channel
 from .desk_room import DeskRoom
-from .links import Address
+from .engine_link import EngineLink
+from .links import Address, between_machines
 from .pool_router import UnreachableEngine
-from .remote_pool import RemotePool
 from .watchdog import SilenceWatchdog
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,12 @@ class WorkerSpec:
     loopback_ice: bool = False
     connect_timeout: float = 600.0  # the engines may still be loading their model
     log_level: int = logging.INFO
-    watch_silence: bool = False  # engines on other machines: give up on one gone silent (procs/watchdog.py)
+
+    @property
+    def watch_silence(self) -> bool:
+        """Engines on other machines: give up on one gone silent, link to it again when it answers
+        (procs/watchdog.py)."""
+        return any(between_machines(a) for a in self.engines)
 
 
 class MediaHost(WebRTCConnectionMixin):
@@ -104,7 +109,7 @@ class MediaHost(WebRTCConnectionMixin):
         known = webrtc_id in self.handlers or webrtc_id in self.pcs or webrtc_id in self.connections
         connection = super().clean_up(webrtc_id)
         if known:
-            self._send(msg.Closed(webrtc_id, FinalUpdates.pop(webrtc_id)))
+            self._send(msg.Closed(webrtc_id, self.event_handler.final_updates.pop(webrtc_id)))
         return connection
 
 
@@ -115,7 +120,7 @@ def _answer(result: Any) -> msg.OfferAnswer:
     return msg.OfferAnswer(result, None)
 
 
-def _connect(spec: WorkerSpec) -> list[RemotePool | UnreachableEngine]:
+def _connect(spec: WorkerSpec) -> list[EngineLink | UnreachableEngine]:
     """Connect to every engine, waiting while they load their model. Engines on other machines
     (`watch_silence`) had loaded before any worker started: one that does not answer now (its
     machine may be gone) is linked to later if it comes back (`WorkerLoop.keep_linked`)."""
@@ -126,7 +131,7 @@ def _connect(spec: WorkerSpec) -> list[RemotePool | UnreachableEngine]:
     for address in spec.engines:
         while True:
             try:
-                engines.append(RemotePool(address, spec.authkey))
+                engines.append(EngineLink(address, spec.authkey))
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 if time.monotonic() > deadline:
@@ -138,13 +143,13 @@ def _connect(spec: WorkerSpec) -> list[RemotePool | UnreachableEngine]:
     return engines
 
 
-def _connect_remote(spec: WorkerSpec) -> list[RemotePool | UnreachableEngine]:
+def _connect_remote(spec: WorkerSpec) -> list[EngineLink | UnreachableEngine]:
     deadline = time.monotonic() + spec.connect_timeout
     while True:
-        engines: list[RemotePool | UnreachableEngine] = []
+        engines: list[EngineLink | UnreachableEngine] = []
         for index, address in enumerate(spec.engines):
             try:
-                engines.append(RemotePool(address, spec.authkey))
+                engines.append(EngineLink(address, spec.authkey))
             except Exception as exc:  # refused, unreachable, timed out
                 log.warning("media worker %d: engine %d at %s does not answer (%s); linking to it later",
                             spec.index, index, address, type(exc).__name__)
@@ -160,7 +165,7 @@ class WorkerLoop:
     """A media worker's event loop: its calls' handlers and peers, and the main process's
     commands, until `Stop` (or until the main process goes away). Made on that loop (`serve`)."""
 
-    def __init__(self, spec: WorkerSpec, control: Connection, engines: list[RemotePool | UnreachableEngine]) -> None:
+    def __init__(self, spec: WorkerSpec, control: Connection, engines: list[EngineLink | UnreachableEngine]) -> None:
         self.spec = spec
         self.loop = asyncio.get_running_loop()
         self.stopped = asyncio.Event()
@@ -251,7 +256,7 @@ class WorkerLoop:
     async def relink(self, index: int) -> None:
         address = self.addresses[index]
         try:
-            engine = await asyncio.to_thread(RemotePool, address, self.spec.authkey)
+            engine = await asyncio.to_thread(EngineLink, address, self.spec.authkey)
         except Exception as exc:  # not back yet: the next round tries again
             log.debug("media worker %d: engine %d at %s not reachable: %s", self.spec.index, index, address, exc)
             return

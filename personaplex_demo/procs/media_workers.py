@@ -9,7 +9,7 @@ the one public port of the main process, but nothing of a call's media does. `Me
   come through it) and its `set_input` (the page's `tick` event), and forwards each to the
   worker that owns the call; a new call goes to the worker with the fewest calls;
 - mirrors each worker's page updates and closed connections into the component's own tables
-  (`additional_outputs`, `connections`, `FinalUpdates`), which the page's relay reads;
+  (`additional_outputs`, `connections`, the handler's `final_updates`), which the page's relay reads;
 - asks the workers for a finished call's recording (`RemoteRecordings`, for the Stop button).
 
 A worker that dies takes only its own calls with it: their pages are told, and the engines free
@@ -35,7 +35,6 @@ from fastapi.responses import JSONResponse
 from fastrtc import AdditionalOutputs
 
 from ..rtc.patches import route_offers
-from ..web.handler import FinalUpdates
 from ..web.recording import RecordingFiles, recordings_prefix
 from . import messages as msg
 from .launcher import Child, stop_children
@@ -299,7 +298,7 @@ class MediaWorkers:
                     self.rtc.additional_outputs[webrtc_id].queue.put_nowait(AdditionalOutputs(*args))
                 case msg.Closed(webrtc_id=webrtc_id, final=final):
                     if final is not None:
-                        FinalUpdates.put(webrtc_id, final)
+                        self.rtc.event_handler.final_updates.put(webrtc_id, final)
                     self._disown(webrtc_id)
 
     def _on_gone(self, worker: _Worker) -> None:
@@ -330,7 +329,7 @@ class MediaWorkers:
         for webrtc_id in list(worker.calls):
             last = self._last_update.get(webrtc_id)
             transcript, call_id = (last[0], last[2]) if last else ("", "")
-            FinalUpdates.put(webrtc_id, (transcript, WORKER_LOST, call_id, None))
+            self.rtc.event_handler.final_updates.put(webrtc_id, (transcript, WORKER_LOST, call_id, None))
             self._disown(webrtc_id)
 
 

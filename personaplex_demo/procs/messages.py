@@ -2,10 +2,10 @@
 
 Three conversations, each over a `channel.Channel` (one pickled batch per write):
 
-    a pool's clients <-> its PoolServer          (remote_pool.py <-> pool_server.py)
+    a pool's clients <-> its PoolServer          (engine_link.py <-> pool_server.py)
         client -> server   Start, Push, Release, MediaLag (about once a second)
         server -> client   Hello (once, first, before the channel starts), Started, Refused,
-                           StateChange, Out, RoomFigures (twice a second)
+                           StateChange, Out, PoolFigures (twice a second)
     the main process <-> an engine process       (engine_process.py)
         main -> engine     EndCalls, Stop
         engine -> main     EngineReady, EngineFailed
@@ -40,7 +40,7 @@ class Hello:
     name: str
     slots_total: int
     config: dict[str, Any]  # a PoolConfig's fields
-    room: dict[str, Any]  # a PoolMetrics's fields
+    figures: dict[str, Any]  # a PoolMetrics's fields
     facts: dict[str, Any]  # the engine's facts (engine_process.page_facts), {} when nobody gave any
 
 
@@ -119,7 +119,7 @@ class Out:
 
 
 @dataclass(frozen=True, slots=True)
-class RoomFigures:
+class PoolFigures:
     """The pool's figures, and every tick since the last ones (its time, its frames' latencies)."""
 
     metrics: dict[str, Any]  # a PoolMetrics's fields
@@ -294,7 +294,7 @@ class Closed:
 
 
 ClientMessage = Start | Push | Release | MediaLag
-ServerMessage = Started | Refused | StateChange | Out | RoomFigures
+ServerMessage = Started | Refused | StateChange | Out | PoolFigures
 EngineCommand = EndCalls | Stop
 EngineReport = EngineReady | EngineFailed
 WorkerCommand = Offer | Input | RecordingQuery | Relink | Stop | Grant | QueueNews | Dropped | Refused

@@ -2,7 +2,7 @@
 (`PoolRouter`).
 
 The engines may be processes on this machine (`--devices`, `--media-workers`) or Ray actors on
-other machines (`--engines ray`, procs/ray/); either way each is a `RemotePool` here. An engine
+other machines (`--engines ray`, procs/ray/); either way each is a `EngineLink` here. An engine
 that stopped is skipped, and one that came back (a restarted Ray actor) takes its place
 (`replace`). Callers who find every engine full wait in the router's one queue
 (routed_call.py), not at one engine: the first slot freed anywhere goes to the head of it.
@@ -31,7 +31,7 @@ from ..serving.headroom import WaitReason
 from ..serving.metrics import PoolMetrics, TickListener
 from ..serving.room import DOOR_PAGE, CallHandle, CallState, EndReason, PoolClosedError, PoolFullError
 from ..serving.waiting import queue_expiry
-from .remote_pool import DEFAULT_SAMPLING, RemotePool
+from .engine_link import DEFAULT_SAMPLING, EngineLink
 from .routed_call import RoutedCall
 
 log = logging.getLogger(__name__)
@@ -64,16 +64,20 @@ class UnreachableEngine:
 
     def __init__(self, address: Any, name: str) -> None:
         self.address, self.name, self.facts = address, name, {}
-        self.room = combine_metrics([])
+        self.figures = combine_metrics([])
 
     def snapshot(self) -> PoolMetrics:
-        return self.room
+        return self.figures
 
     def add_tick_listener(self, listener: TickListener) -> None:
         pass
 
     def report_media_lag(self, seconds: float, source: str = "local") -> None:
         pass
+
+    async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING,
+                      door: str = DOOR_PAGE, *, queue: bool = True) -> CallHandle:
+        raise PoolClosedError(f"engine {self.name} is not reachable")
 
     def close(self) -> None:
         pass
@@ -92,7 +96,7 @@ class PoolRouter:
     When none does, it waits in the router's one queue (`RoutedCall`), and the head of that queue
     takes the first seat that any engine frees. Engines that stopped are skipped."""
 
-    def __init__(self, engines: list[RemotePool | UnreachableEngine], rules: RequestRules | None = None) -> None:
+    def __init__(self, engines: list[EngineLink | UnreachableEngine], rules: RequestRules | None = None) -> None:
         if not engines:
             raise ValueError("a PoolRouter needs at least one engine")
         self.engines = list(engines)
@@ -128,7 +132,7 @@ class PoolRouter:
         for engine in self.engines:
             engine.add_tick_listener(listener)
 
-    def replace(self, old: RemotePool, new: RemotePool) -> None:
+    def replace(self, old: EngineLink, new: EngineLink) -> None:
         """An engine that came back (a restarted Ray actor) in place of its stopped self: new
         calls may go to it; the old one's calls have ended."""
         for listener in self._tick_listeners:
@@ -180,10 +184,10 @@ class PoolRouter:
         if self._placer is None or self._placer.done():
             self._placer = asyncio.get_running_loop().create_task(self._place_waiting())
 
-    async def _seat(self, call: RoutedCall, engines: list[RemotePool]) -> bool:
+    async def _seat(self, call: RoutedCall, engines: list[EngineLink]) -> bool:
         """A seat now for `call` on one of `engines` (the most room first): True once it needs no
         more seating. Each engine decides atomically: two doors cannot both count on one free slot."""
-        for engine in sorted(engines, key=lambda e: (-e.room.admitting, -e.room.headroom_ms, -e.room.slots_free)):
+        for engine in sorted(engines, key=lambda e: (-e.figures.admitting, -e.figures.headroom_ms, -e.figures.slots_free)):
             if await call.take(engine, self.engines.index(engine)):
                 return True
         return False
@@ -208,10 +212,10 @@ class PoolRouter:
                 for call in self._waiting:
                     call.end(NO_ENGINE)
                 continue
-            free = [e for e in self.engines if e.alive and e.room.slots_free > 0]
+            free = [e for e in self.engines if e.alive and e.figures.slots_free > 0]
             # A free slot its engine does not admit to is a lack of capacity; one it admits to
             # but did not give (the figures are half a second old) was taken meanwhile.
-            short = any(not e.room.admitting for e in free)
+            short = any(not e.figures.admitting for e in free)
             self._reason = WaitReason.CAPACITY if short else WaitReason.SLOTS
             self._renumber()
             try:

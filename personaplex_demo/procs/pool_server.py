@@ -1,10 +1,10 @@
-"""Serves one SlotPool to other processes: the engine side of `remote_pool.RemotePool`.
+"""Serves one SlotPool to other processes: the engine side of `engine_link.EngineLink`.
 
 A `PoolServer` listens on an AF_UNIX socket, or on TCP for clients on other machines (with an
 authkey either way). Each client process (a media
 worker, or the main process when the engines run elsewhere) gets one `channel.Channel`; the
 messages are `messages.py`'s (Start, Push, Release in; Hello, Started, Refused, StateChange, Out,
-RoomFigures out). Frames from a client go straight into the pool from the
+PoolFigures out). Frames from a client go straight into the pool from the
 channel's reader thread (`Call.push_audio` is thread-safe and never blocks); one event loop in a
 thread of its own awaits each call's outputs and state changes and sends them back.
 
@@ -158,7 +158,7 @@ class _Client:
 
 
 class PoolServer:
-    """One SlotPool for the `RemotePool`s of other processes: one `_Client` per connection."""
+    """One SlotPool for the `EngineLink`s of other processes: one `_Client` per connection."""
 
     def __init__(self, pool: SlotPool, address: Address, authkey: bytes, name: str = "engine",
                  facts: dict[str, Any] | None = None, room_seconds: float = ROOM_SECONDS) -> None:
@@ -280,6 +280,6 @@ class PoolServer:
             with self._samples_lock:
                 samples, self._samples = self._samples, []
             if clients:
-                room = msg.RoomFigures(self.pool.snapshot().as_dict(), samples)
+                figures = msg.PoolFigures(self.pool.snapshot().as_dict(), samples)
                 for client in clients:
-                    client.send(room)
+                    client.send(figures)

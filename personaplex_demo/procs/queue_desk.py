@@ -24,8 +24,8 @@ from ..sampling_params import SamplingParams
 from ..serving.headroom import WaitReason
 from ..serving.room import CallState, EndReason, PoolClosedError, PoolFullError
 from . import messages as msg
+from .engine_link import EngineLink
 from .pool_router import PoolRouter
-from .remote_pool import RemotePool
 from .routed_call import RoutedCall
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class DeskEntry(RoutedCall):
     def state(self) -> CallState:
         return CallState.PREFILL if self.placed else super().state
 
-    async def take(self, engine: RemotePool, index: int) -> bool:
+    async def take(self, engine: EngineLink, index: int) -> bool:
         outcome = await self.desk.grant(self, index)
         if outcome.outcome == "caller":
             raise CallerError(outcome.message)

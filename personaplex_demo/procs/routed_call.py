@@ -27,7 +27,7 @@ from ..serving.room import CallState, EndReason, PoolClosedError, PoolFullError,
 from ..serving.waiting import WaitingCall
 
 if TYPE_CHECKING:
-    from .remote_pool import RemoteCall, RemotePool
+    from .engine_link import EngineLink, RemoteCall
 
 
 class RoutedCall(WaitingCall):
@@ -76,7 +76,7 @@ class RoutedCall(WaitingCall):
 
     # ---- the room's side -----------------------------------------------------------------------
 
-    async def take(self, engine: RemotePool, index: int) -> bool:
+    async def take(self, engine: EngineLink, index: int) -> bool:
         """Take a seat on `engine` (number `index` of the room's) if it has one now: True when
         this caller needs no more seating (seated, or gone meanwhile). CallerError for a request
         the engine refuses."""

@@ -6,7 +6,7 @@
     (--devices cuda:0,cuda:1 / cpu,cpu)
         main process: page (+ peers and handlers when there are no media workers)
         one engine process per device: SlotPool + engine + PoolServer
-        N media workers: WebRTC peers + handlers (PoolRouter -> RemotePool -> PoolServer)
+        N media workers: WebRTC peers + handlers (PoolRouter -> EngineLink -> PoolServer)
 
 With media workers, even one engine gets a process of its own: the ticker is the one thread that
 must never wait, and in the main process it would share the GIL with the page's HTTP server and
@@ -36,11 +36,11 @@ from ..runtime.build import RuntimeOptions, build_runtime
 from ..serving.config import PoolConfig
 from ..serving.pool import SlotPool
 from ..serving.room import Room
+from .engine_link import EngineLink
 from .engine_process import EngineProcesses, EngineSpec, RemoteRuntime
 from .media_worker import WorkerSpec
 from .media_workers import MediaWorkers
 from .pool_router import PoolRouter
-from .remote_pool import RemotePool
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def start_topology(options: TopologyOptions, progress: Callable[[str, float], No
                 progress(f"loading {len(devices)} engine(s)", 0.1)
             facts = engines.wait_ready()
             runtime = RemoteRuntime.from_facts(facts[0])
-            room = router = PoolRouter([RemotePool(a, authkey) for a in addresses], rules=runtime.engine)
+            room = router = PoolRouter([EngineLink(a, authkey) for a in addresses], rules=runtime.engine)
             closers.insert(0, router.close)
             engine_status = router.engine_status
             if media is not None:
@@ -198,7 +198,7 @@ def _media_workers(options: TopologyOptions, engines: tuple, authkey: bytes) -> 
     return MediaWorkers(options.media_workers, WorkerSpec(
         index=0, engines=engines, authkey=authkey, recordings_dir="",
         server_rtc_configuration=options.server_rtc_configuration, loopback_ice=options.loopback_ice,
-        log_level=logging.getLogger().getEffectiveLevel(), watch_silence=options.engines == "ray")).start()
+        log_level=logging.getLogger().getEffectiveLevel())).start()
 
 
 def start_ray_topology(options: TopologyOptions, progress: Callable[[str, float], None] | None = None) -> Topology:

@@ -4,7 +4,7 @@ An engine process on this machine that dies closes its socket, and the kernel te
 (EOF). An engine on another machine whose host loses power or network sends nothing at all, and
 TCP (or Ray's own health checks, 15-55 s) would take long to notice. Every engine sends its room
 figures several times a second (`PoolServer.room_seconds`), even with no call, so silence itself
-is the signal: after `limit` seconds of it the link is given up (`RemotePool.lose`) and the
+is the signal: after `limit` seconds of it the link is given up (`EngineLink.lose`) and the
 engine's calls end with a message, while the others go on.
 """
 
@@ -22,7 +22,7 @@ CHECK_SECONDS = 0.1
 
 
 class Watched(Protocol):
-    """A link to an engine as the watchdog sees it (a `RemotePool`)."""
+    """A link to an engine as the watchdog sees it (a `EngineLink`)."""
 
     alive: bool
     heard_at: float  # time.monotonic() of the engine's last message

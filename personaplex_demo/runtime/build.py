@@ -57,6 +57,13 @@ class Runtime:
     capacity: SlotPlan | None = None  # how the number of slots was decided
     weights: str = "dense"  # RuntimeOptions.weights
 
+    @property
+    def device_name(self) -> str:
+        return str(self.device)
+
+    def capacity_facts(self) -> dict | None:
+        return self.capacity.as_dict() if self.capacity is not None else None
+
     def pool_config(self, config: PoolConfig) -> PoolConfig:
         """`config` with this device's trusted row count for admission before a tick is measured."""
         if config.headroom_prior_rows is not None or self.capacity is None:

@@ -4,9 +4,9 @@ One ticker thread owns the `LockstepEngine`. Every 80 ms it takes one input fram
 runs one batched `engine.step`, and hands (agent audio, text piece) to each call. Between steps
 it ends expired calls, sheds the newest one if the tick has stayed over budget, recycles freed
 slots, seats the head of the queue while the measured tick has room for one more row
-(serving/headroom.py) and runs prefill (`engine.start_session`). Handlers only see `Call` objects
-(serving/call.py): numpy arrays in and out, non-blocking pushes and awaitable outputs; nothing
-from torch crosses this boundary.
+(serving/headroom.py) and runs prefill (`engine.start_session`). Doors only see the calls as
+`CallHandle`s (serving/room.py): numpy arrays in and out, non-blocking pushes and awaitable
+outputs; nothing from torch crosses this boundary.
 
 Slot lifecycle (docs/serving.md § Slot lifecycle): IDLE -> PREFILL -> LIVE -> IDLE. A call that
 ends (hang-up, idle, time limit, engine error, shutdown) keeps its slot until the ticker has

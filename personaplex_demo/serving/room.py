@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -116,6 +116,7 @@ class SlotOutput:
     input_drops: int = 0  # the call's input frames dropped so far (a full buffer, a resync)
 
 
+@runtime_checkable
 class CallHandle(Protocol):
     """One caller's call, as a door holds it. Non-blocking or awaitable: never blocks a loop."""
 
@@ -150,6 +151,7 @@ class CallHandle(Protocol):
         ...
 
 
+@runtime_checkable
 class Room(Protocol):
     """Slots shared by many callers, with one queue and one set of limits."""
 

@@ -37,16 +37,17 @@ from ..errors import CallerError
 from ..frame import SAMPLE_RATE
 from ..rtc.audio import output_frame_samples
 from ..rtc.input_audio import InputResampler
+from ..serving.door import DoorCall, Ended, Frame, Live, Preparing, Queued, Refusal, RefusalKind
 from ..serving.headroom import WaitReason
 from ..serving.loop_lag import ensure_probe
-from ..serving.room import CallEnded, CallHandle, CallState, EndReason, PoolClosedError, PoolFullError, Room
+from ..serving.room import DOOR_PAGE, CallHandle, CallState, EndReason, Room, SlotOutput
 from ..serving.room import end_message as room_end_message
 from .call_figures import CallFigures
 from .echo import WARNING as ECHO_WARNING
 from .echo import EchoDetector
 from .page_inputs import CallRequest
 from .recording import CallRecording, RecordingFiles, RecordingStore
-from .status import STATUS_SECONDS, PageThrottle, RoomMetrics, room_line, status_line
+from .status import STATUS_SECONDS, PageThrottle, SharedFigures, room_line, status_line
 
 log = logging.getLogger(__name__)
 
@@ -67,23 +68,24 @@ class FinalUpdates:
     """The last page update of each call that ended with a message, by fastrtc connection id.
 
     fastrtc drops a connection's pending page updates when it closes; the page's relay picks the
-    final one (status and downloads) up from here even if it only starts after the close."""
+    final one (status and downloads) up from here even if it only starts after the close. One per
+    page (or media worker), shared by its handlers."""
 
-    _lock = threading.Lock()
-    _updates: collections.OrderedDict[str, tuple] = collections.OrderedDict()
     limit = 1024
 
-    @classmethod
-    def put(cls, webrtc_id: str, args: tuple) -> None:
-        with cls._lock:
-            cls._updates[webrtc_id] = args
-            while len(cls._updates) > cls.limit:
-                cls._updates.popitem(last=False)
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._updates: collections.OrderedDict[str, tuple] = collections.OrderedDict()
 
-    @classmethod
-    def pop(cls, webrtc_id: str) -> tuple | None:
-        with cls._lock:
-            return cls._updates.pop(webrtc_id, None)
+    def put(self, webrtc_id: str, args: tuple) -> None:
+        with self._lock:
+            self._updates[webrtc_id] = args
+            while len(self._updates) > self.limit:
+                self._updates.popitem(last=False)
+
+    def pop(self, webrtc_id: str) -> tuple | None:
+        with self._lock:
+            return self._updates.pop(webrtc_id, None)
 
 
 class Phase(enum.Enum):
@@ -105,7 +107,8 @@ class CallHandler(AsyncStreamHandler):
     `peers`: the fastrtc connection id's aiortc peer (`pcs.get`), for its packet counts."""
 
     def __init__(self, room: Room, recordings: RecordingStore | None = None, *, model_name: str | None = None,
-                 peers: Callable[[str], Any] | None = None):
+                 peers: Callable[[str], Any] | None = None, room_figures: SharedFigures | None = None,
+                 final_updates: FinalUpdates | None = None):
         super().__init__(expected_layout="mono", output_sample_rate=SAMPLE_RATE, input_sample_rate=SAMPLE_RATE)
         # fastrtc paces agent audio in frames of this length; one frame makes one Opus packet (rtc/audio.py).
         self.output_frame_size = output_frame_samples(SAMPLE_RATE)
@@ -113,8 +116,10 @@ class CallHandler(AsyncStreamHandler):
         self.recordings = recordings if recordings is not None else RecordingStore()
         self.model_name = model_name
         self.peers = peers
+        self.room_figures = room_figures if room_figures is not None else SharedFigures(room)
+        self.final_updates = final_updates if final_updates is not None else FinalUpdates()
         self.phase = Phase.STARTING
-        self.call: CallHandle | None = None
+        self.door_call = DoorCall(room, DOOR_PAGE)
         self.call_id = uuid.uuid4().hex[:12]
         self.webrtc_id: str | None = None
         self.close_message: str | None = None  # FAILING: why; CLOSING: what CloseStream says
@@ -132,7 +137,12 @@ class CallHandler(AsyncStreamHandler):
         self._packets_task: asyncio.Task | None = None  # a reference, so it is not collected mid-read
 
     def copy(self) -> CallHandler:
-        return CallHandler(self.room, self.recordings, model_name=self.model_name, peers=self.peers)
+        return CallHandler(self.room, self.recordings, model_name=self.model_name, peers=self.peers,
+                           room_figures=self.room_figures, final_updates=self.final_updates)
+
+    @property
+    def call(self) -> CallHandle | None:
+        return self.door_call.call
 
     def _fail(self, message: str) -> None:
         self.phase, self.close_message = Phase.FAILING, message
@@ -143,10 +153,7 @@ class CallHandler(AsyncStreamHandler):
         self._connected_at = time.monotonic()
         self.figures.mark("connected", self._connected_at)
         ensure_probe(self.room)
-        try:
-            self.webrtc_id = get_current_context().webrtc_id
-        except RuntimeError:  # driven directly, outside a fastrtc connection
-            self.webrtc_id = None
+        self.webrtc_id = get_current_context().webrtc_id
         try:
             await asyncio.wait_for(self.wait_for_args(), ARGS_TIMEOUT)
         except TimeoutError:
@@ -154,25 +161,30 @@ class CallHandler(AsyncStreamHandler):
         self.figures.mark("inputs", time.monotonic())
         try:
             req = CallRequest.from_args(list(self.latest_args or []))
-            self.call = await self.room.acquire(req.voice, req.persona, req.sampling)
-        except CallerError as e:
-            self._fail(f"This call cannot start: {e}")
-            log.info("call %s refused: %s", self.call_id, e)
-        except PoolFullError as e:
-            busy = (f"All {self.room.slots_total} conversation slots are busy" if e.cause == WaitReason.SLOTS
-                    else "The room is at capacity on this machine: every call must keep real time")
-            self._fail(f"{busy}. Please try again in a minute." if not self.room.config.max_queue else
-                       f"{busy} and the waiting line is full. Please try again in a minute.")
-            log.info("call %s refused: room full", self.call_id)
-        except PoolClosedError:
-            self._fail(room_end_message(EndReason.SHUTDOWN))
-        else:
+            refusal = await self.door_call.start(req.voice, req.persona, req.sampling)
+        except CallerError as e:  # the page's inputs themselves (sampling settings that are not numbers)
+            refusal = Refusal(RefusalKind.CALLER, e)
+        if refusal is None:
             self.phase = Phase.ACTIVE
-            self.figures.queued = self.call.state == CallState.QUEUED
+            call = self.door_call.call
+            self.figures.queued = call.state == CallState.QUEUED
             self.recording = self.recordings.start(self.call_id, req.recording_meta(self.call_id, self.model_name))
-            log.info("call %s: %s, voice %s (room call %s)", self.call_id, self.call.state, req.voice, self.call.id)
-        finally:
-            self._started.set()
+            log.info("call %s: %s, voice %s (room call %s)", self.call_id, call.state, req.voice, call.id)
+        else:
+            self._fail(self._refused(refusal))
+            log.info("call %s refused: %s", self.call_id, refusal.error)
+        self._started.set()
+
+    def _refused(self, refusal: Refusal) -> str:
+        """The page's words for a call the room did not take."""
+        if refusal.kind == RefusalKind.CALLER:
+            return f"This call cannot start: {refusal.error}"
+        if refusal.kind == RefusalKind.CLOSED:
+            return room_end_message(EndReason.SHUTDOWN)
+        busy = (f"All {self.room.slots_total} conversation slots are busy" if refusal.cause == WaitReason.SLOTS
+                else "The room is at capacity on this machine: every call must keep real time")
+        return (f"{busy}. Please try again in a minute." if not self.room.config.max_queue else
+                f"{busy} and the waiting line is full. Please try again in a minute.")
 
     # ---- microphone -------------------------------------------------------------------------
 
@@ -182,8 +194,7 @@ class CallHandler(AsyncStreamHandler):
     async def receive(self, frame: tuple[int, np.ndarray]) -> None:
         sr, audio = frame
         self._last_receive = time.monotonic()
-        call = self.call
-        if call is None or self.phase != Phase.ACTIVE:
+        if self.call is None or self.phase != Phase.ACTIVE:
             return  # before admission there is nowhere to send it; after the end, nobody to send it to
         audio = np.asarray(audio)
         if sr != SAMPLE_RATE or audio.dtype != np.int16 or audio.ndim > 2:
@@ -191,21 +202,19 @@ class CallHandler(AsyncStreamHandler):
             self._fail(f"The audio arrived as {sr} Hz {audio.dtype} {audio.shape}; this server takes "
                        f"{SAMPLE_RATE} Hz 16-bit mono.")
             log.warning("call %s: %s", self.call_id, self.close_message)
-            call.release(EndReason.error("bad audio format"))
+            self.door_call.hang_up(EndReason.error("bad audio format"))
             return
         if audio.ndim == 2 and min(audio.shape) > 1:  # more than one channel: average them
             audio = audio.mean(axis=0 if audio.shape[0] < audio.shape[1] else 1).astype(np.int16)
         if not audio.size:
             return
         audio = audio.reshape(-1)
-        if call.state != CallState.LIVE:
-            # Queue or prefill: the model is not listening yet, so this audio is dropped (played
-            # late it would only add delay); in the queue it tells the room the caller is still there.
-            if call.state == CallState.QUEUED:
-                call.push_audio(audio)
+        # Queue or prefill: the model is not listening yet, so the audio is not heard (played late
+        # it would only add delay); in the queue it tells the room the caller is still there.
+        self.door_call.push(audio)
+        if self.call.state != CallState.LIVE:
             return
         self.echo.caller(audio, self._last_receive)
-        call.push_audio(audio)
         self.packets_in += 1
         if self.recording is not None:
             self.recording.add_caller(audio)
@@ -232,16 +241,22 @@ class CallHandler(AsyncStreamHandler):
         if phase != Phase.ACTIVE or call is None:
             await asyncio.sleep(0.1)  # emit is polled in a loop: never return at once
             return None
-        try:
-            if call.state.waiting:
-                return await self._wait_for_slot(call)
-            if call.state == CallState.LIVE:
+        waiting = call.state.waiting
+        match await self.door_call.next_event(STATUS_SECONDS if waiting else 0.1):
+            case Frame(out=out):
+                return self._output(out)
+            case Ended(reason=reason):
+                return await self._ended_with(reason)
+            case Live():
                 self.figures.mark("live", time.monotonic())
-            out = await call.next_output(timeout=0.1)
-        except CallEnded as e:
-            return await self._ended_with(e.reason)
-        if out is None:
-            return None
+                return self._update(status_due=True)
+            case Queued() | Preparing():
+                return self._update(status_due=True)
+            case None:  # while waiting, the room's figures on the status line may have changed
+                return self._update(status_due=True) if waiting else None
+
+    def _output(self, out: SlotOutput):
+        """One agent frame for fastrtc, with a page update when one is due."""
         self.frames_out += 1
         now = time.monotonic()
         self._note_output(out, now)
@@ -257,15 +272,6 @@ class CallHandler(AsyncStreamHandler):
             self.transcript += out.text
         update = self._update(text_changed=bool(out.text), status_due=self.echo.detected and not warned)
         return (audio, update) if update is not None else audio
-
-    async def _wait_for_slot(self, call: CallHandle):
-        """A page update while the call waits (its place, or "preparing"); the room keeps the
-        queue's rules (its wait limit, a caller gone silent) and ends the call when they say so."""
-        try:
-            await call.wait_live(timeout=STATUS_SECONDS)
-        except TimeoutError:
-            pass
-        return self._update(status_due=True)
 
     def _note_output(self, out, now: float) -> None:
         """This call's figures: the output itself, and the packet counts when due."""
@@ -284,7 +290,7 @@ class CallHandler(AsyncStreamHandler):
         return AdditionalOutputs(self.transcript, status, self.call_id, None, self.figures.shown)
 
     def _status(self) -> str:
-        line = status_line(self.call, self.room)
+        line = status_line(self.call, self.room_figures)
         return f"{ECHO_WARNING} · {line}" if self.echo.detected else line
 
     async def _ended_with(self, reason: str):
@@ -298,8 +304,7 @@ class CallHandler(AsyncStreamHandler):
         """End the call with `message`: finish the recording, then (when the page is listening on
         the data channel) send the final status and the downloads, then CloseStream."""
         self.phase = Phase.ENDED  # until the final update below is on its way
-        if self.call is not None:
-            self.call.release(reason)
+        self.door_call.hang_up(reason)
         files = await self._finish_recording_async(reason)
         log.info("call %s ended: %s", self.call_id, message)
         if self.channel is None:
@@ -307,7 +312,7 @@ class CallHandler(AsyncStreamHandler):
         paths = (str(files.wav), str(files.transcript)) if files is not None else None
         final = (self.transcript, f"Call ended: {message}", self.call_id, paths, self.figures.line())
         if self.webrtc_id is not None:
-            FinalUpdates.put(self.webrtc_id, final)
+            self.final_updates.put(self.webrtc_id, final)
         self.phase, self.close_message = Phase.CLOSING, message
         return AdditionalOutputs(*final)
 
@@ -316,15 +321,15 @@ class CallHandler(AsyncStreamHandler):
     def shutdown(self) -> None:
         """fastrtc calls this when the connection closes (Stop, lost network, closed tab)."""
         if self.call is not None:
-            self.call.release(EndReason.HANGUP)
+            self.door_call.hang_up()
             log.info("call %s: closed after %d packets in, %d frames out", self.call_id, self.packets_in, self.frames_out)
         if self.phase not in (Phase.CLOSING, Phase.CLOSED):  # no final update went to the page yet
             self.phase = Phase.ENDED
             if self.webrtc_id is not None:
                 # The page's relay delivers the updates still queued at the close; this one comes
                 # last, so a late "Live" status cannot overwrite the end of the call.
-                FinalUpdates.put(self.webrtc_id, (self.transcript,
-                                                  f"Call ended · {room_line(RoomMetrics.get(self.room))}",
+                self.final_updates.put(self.webrtc_id, (self.transcript,
+                                                  f"Call ended · {room_line(self.room_figures.get())}",
                                                   self.call_id, None, self.figures.line()))
         self._finish_recording(EndReason.HANGUP)
 

@@ -23,6 +23,7 @@ from starlette.routing import Route
 from ..frame import AUDIO_CARD
 from ..rtc.ice import server_configuration
 from ..rtc.patches import answer_in_packets, bound_event_log
+from ..runtime.facts import RuntimeFacts
 from ..runtime.voice_names import DEFAULT_VOICE
 from ..sampling_params import SamplingParams
 from ..serving.room import Room
@@ -31,7 +32,7 @@ from .deeplink import SEED_RANGE, LinkRules, NumberRule, add_deep_links, number_
 from .handler import CallHandler, FinalUpdates
 from .page_inputs import PageInputs
 from .recording import RecordingStore
-from .status import RoomMetrics, queue_reason, room_line
+from .status import SharedFigures, queue_reason, room_line
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_PRESET = "Assistant (teacher)"
@@ -61,17 +62,16 @@ def load_presets() -> dict[str, str]:
     return json.loads((ASSETS / "personas.json").read_text(encoding="utf-8"))
 
 
-def status_payload(runtime, room: Room) -> dict[str, Any]:
-    """What `GET /api/status` returns: the model and the room's live figures."""
-    capacity = getattr(runtime, "capacity", None)
+def status_payload(runtime: RuntimeFacts, room: Room) -> dict[str, Any]:
+    """What `GET /api/status` returns: the model and the room's live figures, the same fields
+    whichever back end holds the room."""
     metrics = room.snapshot()
     return {"model": runtime.model_name, "tiny": bool(runtime.is_tiny), "banner": runtime.banner,
-            "weights": getattr(runtime, "weights", "dense"),
-            "capacity": capacity.as_dict() if capacity else None, "admission": room.config.admission,
-            "queue_reason": queue_reason(metrics), **metrics.as_dict()}
+            "weights": runtime.weights, "device": runtime.device_name, "capacity": runtime.capacity_facts(),
+            "admission": room.config.admission, "queue_reason": queue_reason(metrics), **metrics.as_dict()}
 
 
-def status_routes(runtime, room: Room, extra: Callable[[], dict[str, Any]] | None = None) -> list[Route]:
+def status_routes(runtime: RuntimeFacts, room: Room, extra: Callable[[], dict[str, Any]] | None = None) -> list[Route]:
     """`extra`: more fields for the payload (per engine and per media worker, when there are several)."""
     async def status(_: Request) -> JSONResponse:
         payload = status_payload(runtime, room)
@@ -82,8 +82,8 @@ def status_routes(runtime, room: Room, extra: Callable[[], dict[str, Any]] | Non
     return [Route("/api/status", status, methods=["GET"])]
 
 
-def stats_markdown(room: Room) -> str:
-    m = RoomMetrics.get(room)
+def stats_markdown(figures: SharedFigures) -> str:
+    m = figures.get()
     if not m.ticks:  # zeros would read as measurements
         return f"**Room** {room_line(m)} · latency and tick times appear once a call is live"
     return (f"**Room** {room_line(m)} · **latency** p50 {m.latency_p50_ms:.0f} ms, p99 {m.latency_p99_ms:.0f} ms"
@@ -168,7 +168,9 @@ class Page:
         self.engine = runtime.engine
         self.presets = load_presets()
         self.voices = list(self.engine.voice_names)
-        self.handler = CallHandler(room, recordings, model_name=runtime.model_name)
+        self.figures = SharedFigures(room)
+        self.handler = CallHandler(room, recordings, model_name=runtime.model_name, room_figures=self.figures,
+                                   final_updates=FinalUpdates())
 
     def build(self) -> gr.Blocks:
         options = self.options
@@ -241,7 +243,7 @@ class Page:
         gr.Markdown(f"After a call, its recording and transcript can be downloaded here; the server "
                     f"deletes them after {int(self.recordings.max_age_seconds // 60)} minutes.",
                     elem_id="recording-note")
-        self.stats = gr.Markdown(stats_markdown(self.room), elem_id="stats")
+        self.stats = gr.Markdown(stats_markdown(self.figures), elem_id="stats")
         self.call_id = gr.Textbox(visible=False, elem_id="call-id")
         # Set to the call's id when the server ends a call; its change shows the downloads.
         self.ended_call = gr.Textbox(visible=False, elem_id="ended-call")
@@ -266,7 +268,7 @@ class Page:
                                concurrency_limit=None)
         rtc.stop_recording(self.on_stop, self.call_id, [self.status, *downloads], show_progress="hidden",
                            concurrency_limit=None)
-        gr.Timer(STATS_SECONDS).tick(lambda: stats_markdown(self.room), None, self.stats, show_progress="hidden",
+        gr.Timer(STATS_SECONDS).tick(lambda: stats_markdown(self.figures), None, self.stats, show_progress="hidden",
                                      concurrency_limit=None)
 
     @property
@@ -283,7 +285,7 @@ class Page:
         return f"{n} / {self.engine.max_persona_tokens} tokens"
 
     def on_start(self):
-        return ("", f"Connecting… · {room_line(RoomMetrics.get(self.room))}", "", "", *file_updates(None))
+        return ("", f"Connecting… · {room_line(self.figures.get())}", "", "", *file_updates(None))
 
     async def show_downloads(self, call_id: str):
         """The downloads of a call the server ended, once its recording is written."""
@@ -296,7 +298,7 @@ class Page:
     async def on_stop(self, call_id: str):
         rec = self.recordings.get(call_id or "")
         files = await rec.wait_finished(STOP_WAIT_SECONDS) if rec is not None else None
-        status = f"Call ended · {room_line(RoomMetrics.get(self.room))}"
+        status = f"Call ended · {room_line(self.figures.get())}"
         return (status, *file_updates((files.wav, files.transcript) if files is not None else None))
 
     async def relay(self, value):
@@ -320,7 +322,7 @@ class Page:
                 continue
             last = update.args
             yield page_values(*last)
-        final = FinalUpdates.pop(webrtc_id)
+        final = self.handler.final_updates.pop(webrtc_id)
         if final is not None and final != last:
             yield page_values(*final)
         elif last is None:

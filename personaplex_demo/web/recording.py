@@ -162,10 +162,6 @@ class CallRecording:
             self._agent.write(data.tobytes())
             self._agent_samples += data.size
 
-    def transcript_text(self) -> str:
-        with self._lock:
-            return "".join(s["text"] for s in self._segments)
-
     def abandon(self) -> None:
         """Close the tracks without writing any file; if `finish` is already writing, wait for it.
         A later `finish` writes nothing."""

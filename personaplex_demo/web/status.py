@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections.abc import Callable
 
 from ..serving.headroom import WaitReason
@@ -19,23 +18,24 @@ STATUS_SECONDS = 1.0
 TEXT_SECONDS = 0.5
 
 
-class RoomMetrics:
-    """`room.snapshot()` shared by every handler and page refresh, at most every `ttl` seconds:
-    a snapshot sorts thousands of samples under the ticker's lock, and many callers ask for it."""
+class SharedFigures:
+    """One room's `snapshot()`, shared by every handler and page refresh of that room and taken at
+    most every `ttl` seconds: a snapshot sorts thousands of samples under the ticker's lock, and
+    many callers ask for it."""
 
-    _lock = threading.Lock()
-    _cache: weakref.WeakKeyDictionary[Room, tuple[float, PoolMetrics]] = weakref.WeakKeyDictionary()
+    def __init__(self, room: Room, ttl: float = 0.5) -> None:
+        self.room, self.ttl = room, ttl
+        self._lock = threading.Lock()
+        self._taken: tuple[float, PoolMetrics] | None = None
 
-    @classmethod
-    def get(cls, room: Room, ttl: float = 0.5) -> PoolMetrics:
+    def get(self) -> PoolMetrics:
         now = time.monotonic()
-        with cls._lock:
-            hit = cls._cache.get(room)
-            if hit is not None and now - hit[0] < ttl:
-                return hit[1]
-        metrics = room.snapshot()
-        with cls._lock:
-            cls._cache[room] = (now, metrics)
+        with self._lock:
+            if self._taken is not None and now - self._taken[0] < self.ttl:
+                return self._taken[1]
+        metrics = self.room.snapshot()
+        with self._lock:
+            self._taken = (now, metrics)
         return metrics
 
 
@@ -58,10 +58,10 @@ def room_line(m: PoolMetrics, holding: int = 0) -> str:
     return room
 
 
-def status_line(call: CallHandle | None, room: Room) -> str:
+def status_line(call: CallHandle | None, room: SharedFigures) -> str:
     """One line for the page: the call's state (preparing / live with time left / queued) and the room."""
     holds = call is not None and call.state in (CallState.PREFILL, CallState.LIVE)
-    figures = room_line(RoomMetrics.get(room), holding=int(holds))
+    figures = room_line(room.get(), holding=int(holds))
     if call is None:
         return f"Connecting… · {figures}"
     if call.state == CallState.QUEUED:

@@ -12,18 +12,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from ...logs import configure_logging
-from ...runtime.build import RuntimeOptions, build_runtime
+from ...runtime.build import RuntimeOptions
 from ...serving.config import PoolConfig
-from ...serving.pool import SlotPool
-from ..engine_process import END_CALLS_JOIN_SECONDS, page_facts
-from ..pool_server import PoolServer
+from ..engine_process import ServedEngine
 
 log = logging.getLogger(__name__)
 
@@ -47,18 +45,17 @@ class EngineActor:
         self.name = spec.name
         # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU: it is cuda:0 here.
         device = "cuda:0" if ray.get_gpu_ids() else "cpu"
-        runtime = build_runtime(replace(spec.runtime, device=device))
-        self.pool = SlotPool(runtime.engine, runtime.pool_config(spec.pool))
         node = ray.util.get_node_ip_address()
-        facts = page_facts(runtime)
-        facts.update(node=node, node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid(),
-                     # The page's machine may not have the model's files: it counts persona tokens with this copy.
-                     tokenizer_model=Path(facts["tokenizer_path"]).read_bytes())
-        self.server = PoolServer(self.pool, (node, 0), spec.authkey, name=spec.name, facts=facts,
-                                 room_seconds=HEARTBEAT_SECONDS)
+        self.engine = ServedEngine(spec.runtime, spec.pool, device, (node, 0), spec.authkey, spec.name,
+                                   facts={"node": node, "node_id": ray.get_runtime_context().get_node_id(),
+                                          "pid": os.getpid()},
+                                   room_seconds=HEARTBEAT_SECONDS)
+        self.server = self.engine.server
+        # The page's machine may not have the model's files: it counts persona tokens with this copy
+        # (in the Hello every link gets).
+        self.engine.facts["tokenizer_model"] = Path(self.engine.facts["tokenizer_path"]).read_bytes()
         self._stopped = threading.Event()
-        self.pool.start()
-        self.server.start()
+        self.engine.start()
         log.info("%s ready on %s (%s), serving at %s:%d", spec.name, node, device, *self.server.address)
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines with it
@@ -77,9 +74,8 @@ class EngineActor:
 
     def end_calls(self) -> None:
         """End every call with reason "shutdown"; the link stays up to tell the callers."""
-        self.pool.shutdown(join_timeout=END_CALLS_JOIN_SECONDS)
+        self.engine.end_calls()
 
     def stop(self) -> None:
-        self.pool.shutdown(join_timeout=END_CALLS_JOIN_SECONDS)
-        self.server.close()
+        self.engine.stop()
         self._stopped.set()

@@ -5,7 +5,7 @@ and keep the room's list of engines true while actors die and come back.
   (one CPU engine, or one per GPU) when none is given;
 - `plan`: one engine per GPU in the cluster; without GPUs, one per unit of the
   `personaplex_engine` resource that CPU nodes offer;
-- `RayEngines`: the actors (named, in a namespace of this app's own), a `RemotePool` linked to
+- `RayEngines`: the actors (named, in a namespace of this app's own), a `EngineLink` linked to
   each over TCP, a `SilenceWatchdog` on those links, and a monitor thread. The monitor keeps one
   `until_stopped` call pending on every actor: Ray fails it within milliseconds of the actor's
   death (a killed process, a removed node), and the engine's calls end with a message. An actor
@@ -30,9 +30,9 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
 
+from ..engine_link import EngineLink
 from ..links import Address
 from ..pool_router import PoolRouter
-from ..remote_pool import RemotePool
 from ..watchdog import SilenceWatchdog
 from .engine_actor import CONCURRENCY, ENGINE_RESOURCE, EngineActor, RayEngineSpec
 
@@ -81,7 +81,7 @@ class _Engine:
 
     name: str
     actor: Any  # a ray ActorHandle
-    pool: RemotePool | None = None
+    link: EngineLink | None = None
     watching: Any = None  # the pending `until_stopped` ObjectRef
     asking: Any = None  # a pending `endpoint` ObjectRef, while it has not come back
     asked_at: float = 0.0
@@ -126,13 +126,13 @@ class RayEngines:
             raise RuntimeError(f"a Ray engine failed to start: {exc}") from None
         for engine, endpoint in zip(self._engines, endpoints, strict=True):
             self._link(engine, endpoint)
-        self.router = PoolRouter([e.pool for e in self._engines])
+        self.router = PoolRouter([e.link for e in self._engines])
         self._monitor.start()
         return self.router
 
     def facts(self) -> dict[str, Any]:
         """The first engine's page facts, with the tokenizer as a file on this machine."""
-        facts = dict(self._engines[0].pool.facts)
+        facts = dict(self._engines[0].link.facts)
         path = self._files / "tokenizer.model"
         path.write_bytes(facts.pop("tokenizer_model"))
         facts["tokenizer_path"] = str(path)
@@ -142,12 +142,12 @@ class RayEngines:
         """Per engine, for /api/status: the router's figures plus the actor's name and namespace."""
         if self.router is None:
             return []
-        return [{**row, "actor": e.name, "namespace": self.namespace, "node_id": e.pool.facts.get("node_id"),
-                 "pid": e.pool.facts.get("pid"), "gone": e.gone}
+        return [{**row, "actor": e.name, "namespace": self.namespace, "node_id": e.link.facts.get("node_id"),
+                 "pid": e.link.facts.get("pid"), "gone": e.gone}
                 for row, e in zip(self.router.engine_status(), self._engines, strict=True)]
 
     def end_calls(self, join_timeout: float = 3.0) -> None:
-        refs = [e.actor.end_calls.remote() for e in self._engines if e.pool is not None and e.pool.alive]
+        refs = [e.actor.end_calls.remote() for e in self._engines if e.link is not None and e.link.alive]
         ray.wait(refs, num_returns=len(refs), timeout=join_timeout + 2.0)
 
     def close(self) -> None:
@@ -158,7 +158,7 @@ class RayEngines:
         if self.router is not None:
             self.router.close()
         # Only the linked ones: an actor lost with its node may wait for a place to restart, for ever.
-        refs = [e.actor.stop.remote() for e in self._engines if e.pool is not None and e.pool.alive]
+        refs = [e.actor.stop.remote() for e in self._engines if e.link is not None and e.link.alive]
         ray.wait(refs, num_returns=len(refs), timeout=STOP_SECONDS)
         for engine in self._engines:
             ray.kill(engine.actor, no_restart=True)
@@ -169,20 +169,20 @@ class RayEngines:
     # ---- links ---------------------------------------------------------------------------------
 
     def _link(self, engine: _Engine, endpoint: dict[str, Any]) -> None:
-        pool = RemotePool((endpoint["host"], endpoint["port"]), self.spec.authkey, name=engine.name)
+        link = EngineLink((endpoint["host"], endpoint["port"]), self.spec.authkey, name=engine.name)
         if self._stop.is_set():
-            pool.close()
+            link.close()
             return
         engine.node, engine.gone = endpoint["node"], False
         if engine.watching is None:  # after a death; an actor that only went silent keeps its watch
             engine.watching = engine.actor.until_stopped.remote()
-        if engine.pool is not None and self.router is not None:
-            self.router.replace(engine.pool, pool)
+        if engine.link is not None and self.router is not None:
+            self.router.replace(engine.link, link)
             log.info("%s is back on %s (%s): taking new calls", engine.name, engine.node, endpoint["device"])
             if self.on_relink is not None:
-                self.on_relink(self._engines.index(engine), pool.address)
-        engine.pool = pool
-        self.watchdog.watch(pool)
+                self.on_relink(self._engines.index(engine), link.address)
+        engine.link = link
+        self.watchdog.watch(link)
 
     def _watch(self) -> None:
         """The monitor thread: an actor's death ends its calls at once; a comeback is linked to."""
@@ -214,8 +214,8 @@ class RayEngines:
         if isinstance(answer, dict):  # `endpoint`'s answer (`until_stopped` returns True after a stop)
             self._link(engine, answer)
         elif isinstance(answer, Exception):
-            if engine.pool is not None and engine.pool.alive and not self._stop.is_set():
-                engine.pool.lose(f"its Ray actor on {engine.node} died ({type(answer).__name__}); ending its calls")
+            if engine.link is not None and engine.link.alive and not self._stop.is_set():
+                engine.link.lose(f"its Ray actor on {engine.node} died ({type(answer).__name__}); ending its calls")
             # Asked where it is and told "dead" (not "unavailable": restarting): no restart is coming.
             if asked and isinstance(answer, ActorDiedError):
                 engine.gone = True
@@ -226,7 +226,7 @@ class RayEngines:
         """Ask each engine whose link is down (and that may come back) where it is now."""
         now = time.monotonic()
         for engine in self._engines:
-            lost = engine.pool is not None and not engine.pool.alive
+            lost = engine.link is not None and not engine.link.alive
             if lost and not engine.gone and engine.asking is None and now - engine.asked_at > RETRY_SECONDS:
                 engine.asked_at = now
                 engine.asking = engine.actor.endpoint.remote()

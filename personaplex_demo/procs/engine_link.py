@@ -1,21 +1,22 @@
-"""A slot pool in another process, as a `Room` (serving/room.py): start a call, push frames, pull outputs.
+"""The link to an engine in another process, as a `Room` (serving/room.py): start a call, push
+frames, pull outputs.
 
 A door (`web.handler.CallHandler`) holds a `Room` and its calls are `CallHandle`s. In one
-process that room is the `SlotPool` itself; here are the same surfaces for pools that live in
-other processes (`pool_server.PoolServer` serves each):
+process that room is the `SlotPool` itself; here are the same surfaces for the pools of engines
+in other processes (`pool_server.PoolServer` serves each):
 
-- `RemotePool`: one engine's SlotPool, over one `channel.Channel` (an AF_UNIX socket, or TCP
+- `EngineLink`: one engine's SlotPool, over one `channel.Channel` (an AF_UNIX socket, or TCP
   to an engine on another machine, with an authkey);
 - `RemoteCall`: a call on it, a `CallHandle` (state, queue_position, slot, end_reason,
   time_left, push_audio, next_output, wait_live, release);
-- (`pool_router.PoolRouter` makes several RemotePools one room; to try one engine without
-  queueing, it calls that RemotePool's `acquire(..., queue=False)`, as `SlotPool.admit(...,
+- (`pool_router.PoolRouter` makes several EngineLinks one room; to try one engine without
+  queueing, it calls that EngineLink's `acquire(..., queue=False)`, as `SlotPool.admit(...,
   queue=False)` does in process.)
 
 What crosses is the typed records of `messages.py`: Start, Push, Release one way; Hello (once,
-first), Started, Refused, StateChange, Out and RoomFigures (twice a second, or four times for a
+first), Started, Refused, StateChange, Out and PoolFigures (twice a second, or four times for a
 Ray engine: the pool's figures, and every tick since the last ones, for /metrics) the other.
-`rid` is chosen by the client and names the call from then on. Everything a RemotePool and its
+`rid` is chosen by the client and names the call from then on. Everything an EngineLink and its
 calls do after the first `acquire` happens on that call's event loop: use one loop per client.
 """
 
@@ -62,10 +63,10 @@ HEARD_SECONDS = 1.0  # a queued caller's audio reaches the engine's queue this o
 
 
 class RemoteCall(CallView, WaitingCall):
-    """One call on a `RemotePool` (a `CallHandle`), driven by the engine's messages on the call's
+    """One call on a `EngineLink` (a `CallHandle`), driven by the engine's messages on the call's
     event loop; see `serving.call.Call`."""
 
-    def __init__(self, engine: RemotePool, started: msg.Started) -> None:
+    def __init__(self, engine: EngineLink, started: msg.Started) -> None:
         CallView.__init__(self, started.call_id)
         WaitingCall.__init__(self)
         self.engine = engine
@@ -148,7 +149,7 @@ def refusal(kind: str, message: str, cause: str | None = None) -> Exception:
     return PoolClosedError(message)
 
 
-class RemotePool:
+class EngineLink:
     """One SlotPool in another process (on this machine or another), as a `Room`."""
 
     def __init__(self, address: Address, authkey: bytes, name: str | None = None) -> None:
@@ -163,7 +164,7 @@ class RemotePool:
         self.name: str = name or hello.name
         self.slots_total: int = hello.slots_total
         self.config = PoolConfig(**hello.config)
-        self.room = PoolMetrics(**hello.room)
+        self.figures = PoolMetrics(**hello.figures)
         self.alive = True
         self.heard_at = time.monotonic()  # the engine's last word (a watchdog reads it: procs/watchdog.py)
         where = self.facts.get("node")
@@ -176,10 +177,10 @@ class RemotePool:
         self._channel = Channel(conn, f"engine-client:{self.name}", self._on_batch, self._on_close).start()
 
     def __repr__(self) -> str:
-        return f"RemotePool({self.name}, {'alive' if self.alive else 'gone'})"
+        return f"EngineLink({self.name}, {'alive' if self.alive else 'gone'})"
 
     def snapshot(self) -> PoolMetrics:
-        return self.room
+        return self.figures
 
     def add_tick_listener(self, listener: TickListener) -> None:
         """As `SlotPool.add_tick_listener`, but called on this client's reader thread, twice a
@@ -203,7 +204,7 @@ class RemotePool:
         if self._loop is None:
             self._loop = loop
         elif self._loop is not loop:
-            raise RuntimeError("a RemotePool serves the calls of one event loop")
+            raise RuntimeError("an EngineLink serves the calls of one event loop")
         if not self.alive:
             raise PoolClosedError(f"engine {self.name} is not running")
         rid = next(self._rids)
@@ -233,12 +234,12 @@ class RemotePool:
     # ---- messages ------------------------------------------------------------------------------
 
     def _on_batch(self, batch: list[msg.ServerMessage]) -> None:
-        """Reader thread: room figures are kept at once; everything else goes to the loop."""
+        """Reader thread: the pool's figures are kept at once; everything else goes to the loop."""
         self.heard_at = time.monotonic()
         rest = []
         for message in batch:
-            if isinstance(message, msg.RoomFigures):
-                self.room = PoolMetrics(**message.metrics)
+            if isinstance(message, msg.PoolFigures):
+                self.figures = PoolMetrics(**message.metrics)
                 tell_listeners(self._tick_listeners, message.ticks)
             else:
                 rest.append(message)
