@@ -212,6 +212,9 @@ async def one_queue_for_everyone(app: LaunchedApp) -> None:
         queued = await sdk.wait_event("personaplex.queue")
         assert queued.position == 5
         assert app.status()["queue_length"] == 5
+        # Every worker's pages count the room's whole queue.
+        await until(lambda: all("5 waiting" in c.status for c in callers[2:]), 10,
+                    f"the room's queue on every page (pages: {[c.status for c in callers[2:]]})")
         # Each hang-up of a live caller seats the head of the one queue, whichever worker holds it.
         for n in range(2):
             await callers[n].hang_up()

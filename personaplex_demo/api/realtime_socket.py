@@ -246,13 +246,14 @@ class RealtimeSocket:
 
     async def _run_call(self, call: CallHandle) -> None:
         try:
-            if not await self._wait_for_live():
+            event = await self._wait_for_live()
+            if event is None:
                 return
             self.room_event("live", call_id=call.id, time_left=call.time_left())
             self.feeder.live()
             self.feeder.feed(call)
             while True:
-                match await self.door_call.next_event(0.25):
+                match event if isinstance(event, Frame) else await self.door_call.next_event(0.25):
                     case Frame(out=out):
                         self.feeder.answered()
                         self.frames_out += 1
@@ -260,6 +261,7 @@ class RealtimeSocket:
                     case Ended(reason=reason):
                         await self._ended(reason)
                         return
+                event = None
                 self.feeder.feed(call)
                 if self.outbox.client_stopped_reading(self.ws.scope, self.config.send_backlog_seconds):
                     log.warning("realtime %s: the client stopped reading; closing", self.session_id)
@@ -272,20 +274,21 @@ class RealtimeSocket:
             self.door_call.hang_up(EndReason.error(f"realtime door: {type(exc).__name__}"))
             await self.close(1011, "the server failed on this call")
 
-    async def _wait_for_live(self) -> bool:
+    async def _wait_for_live(self) -> Live | Frame | None:
         """Tell the client (with room events on) its place in the queue and when it is being
-        prepared; True once live, False when the call ended first."""
+        prepared, until the call is live (a frame before the news of it counts: the call went
+        live and ended at once); None when it ended first."""
         while True:
-            match await self.door_call.next_event(1.0):
+            match event := await self.door_call.next_event(1.0):
                 case Queued(position=position, reason=reason):
                     self.room_event("queue", position=position, reason=reason)
                 case Preparing():
                     self.room_event("preparing")
-                case Live():
-                    return True
+                case Live() | Frame():
+                    return event
                 case Ended(reason=reason):
                     await self._ended(reason)
-                    return False
+                    return None
 
     async def _ended(self, reason: str) -> None:
         self._send_all(self.turns.finish(reason))

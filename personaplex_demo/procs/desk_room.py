@@ -32,6 +32,7 @@ from .routed_call import RoutedCall
 log = logging.getLogger(__name__)
 
 HEARD_SECONDS = 1.0  # a queued caller's audio is reported to the main process this often
+ANSWER_SECONDS = START_TIMEOUT + 5.0  # per engine the room may offer a seat on (queue_desk.GRANT_TIMEOUT)
 
 
 class DeskRoom:
@@ -45,13 +46,16 @@ class DeskRoom:
         self._calls: dict[int, RoutedCall] = {}  # waiting for a seat
         self._first: dict[int, asyncio.Future[None]] = {}  # acquire waits for the desk's first answer
         self._tasks: set[asyncio.Task] = set()
+        self.queued_in_room = 0  # the main process's queue, every worker's and door's callers (QueueLength)
 
     @property
     def slots_total(self) -> int:
         return sum(e.slots_total for e in self.engines if e.alive)
 
     def snapshot(self) -> PoolMetrics:
-        return combine_metrics([e.snapshot() for e in self.engines if e.alive])
+        """The engines' figures, with the room's queue as the main process last told it."""
+        metrics = combine_metrics([e.snapshot() for e in self.engines if e.alive])
+        return dataclasses.replace(metrics, queue_length=metrics.queue_length + self.queued_in_room)
 
     def add_tick_listener(self, listener: TickListener) -> None:
         for engine in self.engines:
@@ -72,23 +76,29 @@ class DeskRoom:
             return await self.engines[0].acquire(voice, persona, sampling, door, queue=True)
         call = RoutedCall(voice, persona, sampling, door)
         rid = next(self._rids)
-        call.on_leave = lambda reason: self._send(msg.Leave(rid, reason))
+        call.on_leave = lambda reason: self._leave(rid, reason)
         call.on_heard = self._heard_reporter(rid)
         first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._calls[rid], self._first[rid] = call, first
         self._send(msg.Admit(rid, voice, persona, dataclasses.asdict(sampling), door))
+        # The room may offer it a seat on each engine in turn before it answers.
+        answer_within = ANSWER_SECONDS * (len(self.engines) + 1)
         try:
-            await asyncio.wait_for(first, START_TIMEOUT)
+            await asyncio.wait_for(first, answer_within)
         except TimeoutError:
             call.release(EndReason.error("no answer from the room"))
-            self._calls.pop(rid, None)
-            raise PoolClosedError(f"the room did not answer within {START_TIMEOUT:.0f} s") from None
-        except BaseException:
-            self._calls.pop(rid, None)
+            raise PoolClosedError(f"the room did not answer within {answer_within:.0f} s") from None
+        except BaseException:  # refused, or the door gave up (cancelled): it holds no place
+            call.release(EndReason.HANGUP)
             raise
         finally:
             self._first.pop(rid, None)
         return call.inner if call.inner is not None else call
+
+    def _leave(self, rid: int, reason: str) -> None:
+        """The caller gave up its place (or never got one): the main process lets it go."""
+        if self._calls.pop(rid, None) is not None:
+            self._send(msg.Leave(rid, reason))
 
     def _heard_reporter(self, rid: int) -> Callable[[], None]:
         last = 0.0
@@ -104,7 +114,10 @@ class DeskRoom:
 
     # ---- the desk's messages (on the worker's loop) --------------------------------------------
 
-    def receive(self, message: msg.Grant | msg.QueueNews | msg.Dropped | msg.Refused) -> None:
+    def receive(self, message: msg.Grant | msg.QueueNews | msg.Dropped | msg.Refused | msg.QueueLength) -> None:
+        if isinstance(message, msg.QueueLength):
+            self.queued_in_room = message.count
+            return
         call = self._calls.get(message.rid)
         match message:
             case msg.Grant(rid=rid, engine=index):
@@ -125,6 +138,7 @@ class DeskRoom:
     async def _take(self, rid: int, call: RoutedCall | None, index: int) -> None:
         """Start the call on the engine the desk offers, and say how it went."""
         if call is None or call.state == CallState.ENDED or not 0 <= index < len(self.engines):
+            self._calls.pop(rid, None)
             self._send(msg.Placed(rid, "gone"))
             return
         try:

@@ -83,8 +83,8 @@ class ServedEngine:
         """Every call ends (reason "shutdown") and the ticker stops; the server stays up to tell the callers."""
         self.pool.shutdown(join_timeout=END_CALLS_JOIN_SECONDS)
 
-    def stop(self) -> None:
-        self.pool.shutdown()
+    def stop(self, join_timeout: float = 10.0) -> None:
+        self.pool.shutdown(join_timeout=join_timeout)
         self.server.close()
 
 

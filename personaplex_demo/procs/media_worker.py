@@ -15,7 +15,7 @@ Control messages with the main process (messages.py, over one `channel.Channel`)
                      RecordingQuery   a finished call's recording, for the page's Stop button
                      Relink           an engine came back at a new address (a restarted Ray actor)
                      Stop
-                     Grant, QueueNews, Dropped, Refused   the room's queue (desk_room.py)
+                     Grant, QueueNews, Dropped, Refused, QueueLength   the room's queue (desk_room.py)
     worker -> main   WorkerReady      once connected to the engines (and whether torch got imported)
                      Admit, Placed, Leave, Heard          the room's queue (desk_room.py)
                      Reply            to an Offer (an OfferAnswer) or a RecordingQuery (RecordingPaths or None)
@@ -225,7 +225,7 @@ class WorkerLoop:
                     self.spawn(self.relink(index))
                 case msg.Stop():
                     self.stopped.set()
-                case msg.Grant() | msg.QueueNews() | msg.Dropped() | msg.Refused():
+                case msg.Grant() | msg.QueueNews() | msg.Dropped() | msg.Refused() | msg.QueueLength():
                     self.room.receive(message)
                 case _:
                     log.warning("media worker %d: unexpected %s ignored", self.spec.index, type(message).__name__)

@@ -154,11 +154,15 @@ class MediaWorkers:
     def serve_queue(self, router: PoolRouter) -> None:
         """The workers' callers wait in `router`'s queue, beside everyone else's (queue_desk.py)."""
         self.desk = QueueDesk(router, self._send_to)
+        router.on_queued = lambda count: self._tell_all(msg.QueueLength(count))
 
     def _send_to(self, generation: int, message: msg.WorkerCommand) -> None:
+        self._tell_all(message, generation)
+
+    def _tell_all(self, message: msg.WorkerCommand, generation: int | None = None) -> None:
         with self._lock:
-            worker = next((w for w in self._workers if w.generation == generation and not w.gone), None)
-        if worker is not None:
+            workers = [w for w in self._workers if not w.gone and generation in (None, w.generation)]
+        for worker in workers:
             worker.child.send(message)
 
     def status(self) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ Three conversations, each over a `channel.Channel` (one pickled batch per write)
         engine -> main     EngineReady, EngineFailed
     the main process <-> a media worker          (media_workers.py <-> media_worker.py)
         main -> worker     Offer, Input, RecordingQuery, Relink, Stop;
-                           Grant, QueueNews, Dropped, Refused (the room's queue: queue_desk.py)
+                           Grant, QueueNews, Dropped, Refused, QueueLength (the room's queue: queue_desk.py)
         worker -> main     WorkerReady, Reply, Outputs, Closed; Admit, Placed, Leave, Heard
 
 A receiver matches on the type (`match message: case Push(rid=rid, samples=samples): ...`), never on a
@@ -232,6 +232,13 @@ class QueueNews:
 
 
 @dataclass(frozen=True, slots=True)
+class QueueLength:
+    """How many callers wait in the room's queue, sent to every worker when it changes (their pages' room line)."""
+
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
 class Dropped:
     """The room ended a queued call (its wait limit, its silence, no engine left)."""
 
@@ -297,5 +304,5 @@ ClientMessage = Start | Push | Release | MediaLag
 ServerMessage = Started | Refused | StateChange | Out | PoolFigures
 EngineCommand = EndCalls | Stop
 EngineReport = EngineReady | EngineFailed
-WorkerCommand = Offer | Input | RecordingQuery | Relink | Stop | Grant | QueueNews | Dropped | Refused
+WorkerCommand = Offer | Input | RecordingQuery | Relink | Stop | Grant | QueueNews | Dropped | Refused | QueueLength
 WorkerReport = WorkerReady | Reply | Outputs | Closed | Admit | Placed | Leave | Heard

@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..errors import CallerError
@@ -109,6 +110,8 @@ class PoolRouter:
         self._placer: asyncio.Task | None = None
         self._counts = collections.Counter[str]()  # refused, held back, and ended in this queue by reason
         self._reason = WaitReason.SLOTS  # why the queue waits: no slot anywhere, or no headroom where one is free
+        self.on_queued: Callable[[int], None] | None = None  # the media workers' pages show the queue's length
+        self._told = 0
 
     @property
     def slots_total(self) -> int:
@@ -187,8 +190,10 @@ class PoolRouter:
     async def _seat(self, call: RoutedCall, engines: list[EngineLink]) -> bool:
         """A seat now for `call` on one of `engines` (the most room first): True once it needs no
         more seating. Each engine decides atomically: two doors cannot both count on one free slot."""
-        for engine in sorted(engines, key=lambda e: (-e.figures.admitting, -e.figures.headroom_ms, -e.figures.slots_free)):
-            if await call.take(engine, self.engines.index(engine)):
+        numbered = [(i, e) for i, e in enumerate(self.engines) if e in engines]  # before any await: `replace`
+        numbered.sort(key=lambda ie: (-ie[1].figures.admitting, -ie[1].figures.headroom_ms, -ie[1].figures.slots_free))
+        for index, engine in numbered:
+            if await call.take(engine, index):
                 return True
         return False
 
@@ -196,45 +201,58 @@ class PoolRouter:
         """The queue's rules (wait limit, silence) on the router's clock, and the queue's head
         taking the first seat an engine frees (their figures say where to ask)."""
         while self._waiting:
-            now = time.monotonic()
-            for call in self._waiting:
-                if call.state == CallState.QUEUED and (why := queue_expiry(self.config, now, call.queued_at,
-                                                                           call.heard_at)):
-                    log.info("call %s ended in the queue: %s", call.id, why)
-                    call.end(why)
-            for gone in [c for c in self._waiting if c.state == CallState.ENDED]:  # hung up, or waited too long
-                self._counts[f"ended:{EndReason.kind(gone.end_reason or 'ended')}"] += 1
-                self._waiting.remove(gone)
-            if not self._waiting:
-                return
-            head = self._waiting[0]
-            if not any(e.alive for e in self.engines):
-                for call in self._waiting:
-                    call.end(NO_ENGINE)
-                continue
-            free = [e for e in self.engines if e.alive and e.figures.slots_free > 0]
-            # A free slot its engine does not admit to is a lack of capacity; one it admits to
-            # but did not give (the figures are half a second old) was taken meanwhile.
-            short = any(not e.figures.admitting for e in free)
-            self._reason = WaitReason.CAPACITY if short else WaitReason.SLOTS
-            self._renumber()
             try:
-                seated = await self._seat(head, free) if free else False
-            except CallerError as exc:  # a bad request the engine refuses: this caller's alone
-                head.end(EndReason.error(exc))
-                continue
-            if not seated:
+                await self._place_head()
+            except Exception:  # a bug here must not stop the queue: its rules and its seats
+                log.exception("placing the queue's head failed; trying again")
                 await asyncio.sleep(PLACE_SECONDS)
-            elif head in self._waiting and head.state != CallState.ENDED:
-                self._waiting.remove(head)
+        self._renumber()
+
+    async def _place_head(self) -> None:
+        """One look at the queue: its rules, then a seat for its head if an engine shows one."""
+        now = time.monotonic()
+        for call in self._waiting:
+            if call.state == CallState.QUEUED and (why := queue_expiry(self.config, now, call.queued_at,
+                                                                       call.heard_at)):
+                log.info("call %s ended in the queue: %s", call.id, why)
+                call.end(why)
+        for gone in [c for c in self._waiting if c.state == CallState.ENDED]:  # hung up, or waited too long
+            self._counts[f"ended:{EndReason.kind(gone.end_reason or 'ended')}"] += 1
+            self._waiting.remove(gone)
+        if not self._waiting:
+            return
+        head = self._waiting[0]
+        if not any(e.alive for e in self.engines):
+            for call in self._waiting:
+                call.end(NO_ENGINE)
+            return
+        free = [e for e in self.engines if e.alive and e.figures.slots_free > 0]
+        # A free slot its engine does not admit to is a lack of capacity; one it admits to but did
+        # not give (the figures are half a second old) was taken meanwhile.
+        self._reason = WaitReason.CAPACITY if any(not e.figures.admitting for e in free) else WaitReason.SLOTS
+        self._renumber()
+        try:
+            seated = await self._seat(head, free) if free else False
+        except CallerError as exc:  # a bad request the engine refuses: this caller's alone
+            head.end(EndReason.error(exc))
+            return
+        if not seated:
+            await asyncio.sleep(PLACE_SECONDS)
+        elif head in self._waiting and head.state != CallState.ENDED:
+            self._waiting.remove(head)
 
     def _renumber(self) -> None:
-        """Places from 1, and why they wait; a call held back for headroom (a slot free somewhere) counts once."""
-        for position, call in enumerate(self._waiting, 1):
+        """Places from 1 for those still waiting, and why they wait; a call held back for headroom
+        (a slot free somewhere) counts once. `on_queued` hears the queue's length when it changes."""
+        waiting = [c for c in self._waiting if c.state == CallState.QUEUED]
+        for position, call in enumerate(waiting, 1):
             if self._reason == WaitReason.CAPACITY and not call.held_back:
                 call.held_back = True
                 self._counts["held_back"] += 1
             call.moved(position, self._reason)
+        if len(waiting) != self._told and self.on_queued is not None:
+            self.on_queued(len(waiting))
+        self._told = len(waiting)
 
     def close(self) -> None:
         """Close every link (their calls end); the callers still waiting here are told, on their loop."""

@@ -94,7 +94,7 @@ class _Client:
             self.refuse(rid, "caller", f"bad sampling settings: {exc}")
             return
         except PoolFullError as exc:
-            self.refuse(rid, "full" if start.may_queue else "busy", str(exc), exc.cause)
+            self.refuse(rid, "full" if start.may_queue else "busy", str(exc), str(exc.cause))
             return
         except PoolClosedError as exc:
             self.refuse(rid, "closed", str(exc))

@@ -24,13 +24,15 @@ from ..sampling_params import SamplingParams
 from ..serving.headroom import WaitReason
 from ..serving.room import CallState, EndReason, PoolClosedError, PoolFullError
 from . import messages as msg
-from .engine_link import EngineLink
+from .engine_link import START_TIMEOUT, EngineLink
 from .pool_router import PoolRouter
 from .routed_call import RoutedCall
 
 log = logging.getLogger(__name__)
 
-GRANT_TIMEOUT = 15.0  # a worker's time to start a granted call on its engine and say so
+# A worker's time to start a granted call on its engine and say so: longer than its own wait for
+# the engine (START_TIMEOUT), so that a slow engine's refusal comes back as an answer.
+GRANT_TIMEOUT = START_TIMEOUT + 5.0
 WORKER_GONE = EndReason.error("media worker lost")
 
 DeskMessage = msg.Admit | msg.Placed | msg.Leave | msg.Heard
@@ -43,13 +45,14 @@ class DeskEntry(RoutedCall):
         super().__init__(admit.voice, admit.persona, SamplingParams(**admit.sampling), admit.door)
         self.desk, self.worker, self.rid = desk, worker, admit.rid
         self.placed = False  # seated on an engine by its worker: the room's queue is done with it
-        self.on_leave = None
 
     @property
     def state(self) -> CallState:
         return CallState.PREFILL if self.placed else super().state
 
     async def take(self, engine: EngineLink, index: int) -> bool:
+        if self.state == CallState.ENDED:
+            return True  # it left meanwhile: nothing to seat
         outcome = await self.desk.grant(self, index)
         if outcome.outcome == "caller":
             raise CallerError(outcome.message)
@@ -79,6 +82,7 @@ class QueueDesk:
         self._entries: dict[tuple[int, int], DeskEntry] = {}  # (worker, rid) -> its caller, until seated or ended
         self._grants: dict[tuple[int, int], asyncio.Future[msg.Placed]] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._gone: set[int] = set()  # workers that stopped: nobody answers for their callers
 
     def send(self, worker: int, message: msg.WorkerCommand) -> None:
         self._send(worker, message)
@@ -100,7 +104,7 @@ class QueueDesk:
         """A worker's message, on the router's loop."""
         key = (worker, message.rid)
         match message:
-            case msg.Admit():
+            case msg.Admit() if worker not in self._gone:
                 task = asyncio.get_running_loop().create_task(self._admit(worker, message))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -123,9 +127,13 @@ class QueueDesk:
         except CallerError as exc:
             self._refuse(entry, "caller", str(exc))
         except PoolFullError as exc:
-            self._refuse(entry, "full", str(exc), exc.cause)
+            self._refuse(entry, "full", str(exc), str(exc.cause))
         except PoolClosedError as exc:
             self._refuse(entry, "closed", str(exc))
+        except Exception as exc:  # a bug here must not leave the worker's caller without an answer
+            log.exception("media worker %d: placing call %s failed", worker, entry.id)
+            entry.end(EndReason.error(type(exc).__name__))
+            self._refuse(entry, "closed", f"the room failed to place the call ({type(exc).__name__})")
         else:
             if entry.state != CallState.QUEUED:
                 self._entries.pop((worker, admit.rid), None)
@@ -137,14 +145,16 @@ class QueueDesk:
     async def grant(self, entry: DeskEntry, engine: int) -> msg.Placed:
         """Offer `entry` a seat on engine number `engine`; the worker's answer."""
         key = (entry.worker, entry.rid)
+        if entry.worker in self._gone:
+            return msg.Placed(entry.rid, "gone")
         fut: asyncio.Future[msg.Placed] = asyncio.get_running_loop().create_future()
         self._grants[key] = fut
         self.send(entry.worker, msg.Grant(entry.rid, engine))
         try:
             placed = await asyncio.wait_for(fut, GRANT_TIMEOUT)
-        except TimeoutError:
-            log.warning("media worker %d: no answer to a seat for call %s; giving up its place", *key)
-            placed = msg.Placed(entry.rid, "gone")
+        except TimeoutError:  # the worker (or its engine) is slow: the caller keeps its place
+            log.warning("media worker %d: no answer to a seat for call %s within %.0f s", *key, GRANT_TIMEOUT)
+            placed = msg.Placed(entry.rid, "busy")
         finally:
             self._grants.pop(key, None)
         if placed.outcome in ("seated", "gone", "caller"):
@@ -159,6 +169,7 @@ class QueueDesk:
 
     def worker_gone(self, worker: int) -> None:
         """A worker stopped: its callers leave the queue, and a pending seat finds nobody."""
+        self._gone.add(worker)
         for (w, rid), fut in list(self._grants.items()):
             if w == worker and not fut.done():
                 fut.set_result(msg.Placed(rid, "gone"))

@@ -80,6 +80,8 @@ class RoutedCall(WaitingCall):
         """Take a seat on `engine` (number `index` of the room's) if it has one now: True when
         this caller needs no more seating (seated, or gone meanwhile). CallerError for a request
         the engine refuses."""
+        if self.state == CallState.ENDED:
+            return True  # it left meanwhile: nothing to seat
         try:
             inner = await engine.acquire(self.voice, self.persona, self.sampling, self.door, queue=False)
         except (PoolFullError, PoolClosedError):

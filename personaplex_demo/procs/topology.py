@@ -4,9 +4,10 @@
         main process: page + WebRTC peers + handlers + SlotPool + engine
     media workers (--media-workers N, the default on a CUDA host), or several devices
     (--devices cuda:0,cuda:1 / cpu,cpu)
-        main process: page (+ peers and handlers when there are no media workers)
+        main process: page (+ peers and handlers when there are no media workers); the room's
+                      one queue (PoolRouter, with several engines)
         one engine process per device: SlotPool + engine + PoolServer
-        N media workers: WebRTC peers + handlers (PoolRouter -> EngineLink -> PoolServer)
+        N media workers: WebRTC peers + handlers (DeskRoom -> EngineLink -> PoolServer)
 
 With media workers, even one engine gets a process of its own: the ticker is the one thread that
 must never wait, and in the main process it would share the GIL with the page's HTTP server and

@@ -131,7 +131,7 @@ class Call(CallView, WaitingCall):
     def set_queue_position(self, position: int, reason: WaitReason) -> None:
         if (self.queue_position, self.wait_reason) != (position, reason):
             self.queue_position, self.wait_reason = position, reason
-            self._wake()  # lets a handler that shows the position refresh it
+            self._wake()  # a waiter looks again (a door shows the new place: serving/door.py)
 
     @property
     def live_since(self) -> float | None:

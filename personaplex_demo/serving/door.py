@@ -7,6 +7,7 @@ decides nothing the room decides (the queue's rules, the wait limit, the end of 
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass
 
@@ -64,6 +65,7 @@ class Ended:
 
 
 DoorEvent = Queued | Preparing | Live | Frame | Ended
+WAIT_LOOK_SECONDS = 0.2  # how soon a waiting caller hears that its place changed
 
 
 class DoorCall:
@@ -93,7 +95,8 @@ class DoorCall:
 
     def push(self, samples: np.ndarray) -> None:
         """The caller's audio as it arrived: heard while live; while queued, it tells the room the
-        caller is still there (the room decides when a silent one has gone)."""
+        caller is still there (a caller who was sending audio and stopped has gone: the room
+        decides when). A door whose callers send nothing while they wait need not push then."""
         if self.call is not None and self.call.state in (CallState.LIVE, CallState.QUEUED):
             self.call.push_audio(samples)
 
@@ -110,17 +113,27 @@ class DoorCall:
             raise RuntimeError("next_event before the call started")
         if (news := self._news()) is not None:
             return news
+        if call.state.waiting:
+            return await self._wait(call, timeout)
         try:
-            if call.state.waiting:
-                try:
-                    await call.wait_live(timeout)
-                except TimeoutError:
-                    pass
-                return self._news()
             out = await call.next_output(timeout)
         except CallEnded:
             return self._news(drained=True)
         return Frame(out) if out is not None else self._news()
+
+    async def _wait(self, call: CallHandle, timeout: float) -> DoorEvent | None:
+        """While the call waits: the first news (a new place, the prefill, live), looked at every
+        WAIT_LOOK_SECONDS (a place changes without waking `wait_live`). A call that ended while
+        waiting may have had frames first: the next call drains them before its end is news."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            try:
+                await call.wait_live(min(left, WAIT_LOOK_SECONDS))
+            except (TimeoutError, CallEnded):
+                pass
+            if (news := self._news()) is not None or not call.state.waiting:
+                return news
+        return None
 
     def _news(self, drained: bool = False) -> DoorEvent | None:
         """The call's state, if the door was not told it yet. An end is news once the frames

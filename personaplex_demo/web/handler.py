@@ -11,7 +11,8 @@ Life of a call (fastrtc runs `start_up`, `receive` and `emit` concurrently):
 
 1. `start_up` reads the page's inputs and asks the room for a slot. The slot's system prompt is
    prefilled at once (or the caller waits in the queue, with the position on the page).
-2. Until the slot is live, microphone audio is dropped: the model is not listening yet.
+2. Until the slot is live, microphone audio is not heard (the model is not listening yet);
+   while queued it tells the room that the caller is still there.
 3. `emit` returns each agent frame, plus transcript and status updates for the page.
 4. Hang-up (`shutdown`), a closed tab (the room's idle release), the time limit and a full room
    all free the slot; everything but a plain hang-up ends the call with a message

@@ -21,7 +21,7 @@ import ray
 from ...logs import configure_logging
 from ...runtime.build import RuntimeOptions
 from ...serving.config import PoolConfig
-from ..engine_process import ServedEngine
+from ..engine_process import END_CALLS_JOIN_SECONDS, ServedEngine
 
 log = logging.getLogger(__name__)
 
@@ -77,5 +77,5 @@ class EngineActor:
         self.engine.end_calls()
 
     def stop(self) -> None:
-        self.engine.stop()
+        self.engine.stop(join_timeout=END_CALLS_JOIN_SECONDS)
         self._stopped.set()
