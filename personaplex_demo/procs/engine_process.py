@@ -30,7 +30,7 @@ from .channel import Channel
 from .launcher import Child, Inbox, stop_children
 from .links import Address
 from .messages import EndCalls, EngineFailed, EngineReady
-from .pool_server import ROOM_SECONDS, PoolServer
+from .pool_server import FIGURES_SECONDS, PoolServer
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +62,15 @@ def page_facts(runtime: Runtime) -> dict[str, Any]:
 
 class ServedEngine:
     """One engine as every engine host runs it (an engine process, a Ray actor): the runtime on
-    its device, its SlotPool, and the PoolServer that the rooms' links reach."""
+    its device, its SlotPool, and the PoolServer that the engine links reach."""
 
     def __init__(self, options: RuntimeOptions, pool: PoolConfig, device: str, address: Address, authkey: bytes,
-                 name: str, facts: dict[str, Any] | None = None, room_seconds: float = ROOM_SECONDS) -> None:
+                 name: str, facts: dict[str, Any] | None = None, figures_seconds: float = FIGURES_SECONDS) -> None:
         from ..runtime.build import build_runtime
 
         self.runtime = build_runtime(replace(options, device=device))
         self.pool = SlotPool(self.runtime.engine, self.runtime.pool_config(pool))
-        self.server = PoolServer(self.pool, address, authkey, name=name, room_seconds=room_seconds,
+        self.server = PoolServer(self.pool, address, authkey, name=name, figures_seconds=figures_seconds,
                                  facts={**page_facts(self.runtime), **(facts or {})})
         self.facts = self.server.facts  # what every link's Hello says
 

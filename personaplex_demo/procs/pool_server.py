@@ -38,8 +38,8 @@ from .links import Address, accept_link, listen
 
 log = logging.getLogger(__name__)
 
-ROOM_SECONDS = 0.5  # how often every client gets the pool's figures (and the ticks since the last time)
-MAX_SAMPLES = 1000  # ticks kept between two room messages (12.5 a second are due)
+FIGURES_SECONDS = 0.5  # how often every client gets the pool's figures (and the ticks since the last time)
+MAX_SAMPLES = 1000  # ticks kept between two figures messages (12.5 a second are due)
 STATE_POLL_SECONDS = 0.5  # a waiting call's queue position is re-read this often
 CLIENT_GONE = EndReason.error("media worker lost")
 RELAY_FAILED = EndReason.error("engine relay failed")
@@ -161,7 +161,7 @@ class PoolServer:
     """One SlotPool for the `EngineLink`s of other processes: one `_Client` per connection."""
 
     def __init__(self, pool: SlotPool, address: Address, authkey: bytes, name: str = "engine",
-                 facts: dict[str, Any] | None = None, room_seconds: float = ROOM_SECONDS) -> None:
+                 facts: dict[str, Any] | None = None, figures_seconds: float = FIGURES_SECONDS) -> None:
         self.pool = pool
         self.name = name
         self.facts = dict(facts or {})  # the engine's facts for the Hello (model name, voices, ...)
@@ -169,7 +169,7 @@ class PoolServer:
         self._authkey = authkey
         self._listener = listen(address)  # AF_UNIX for a path, TCP for (host, port)
         self.address: Address = address if isinstance(address, str) else self._listener.getsockname()[:2]
-        self.room_seconds = room_seconds  # the figures double as a heartbeat: procs/watchdog.py
+        self.figures_seconds = figures_seconds  # the figures double as a heartbeat: procs/watchdog.py
         self._clients: list[_Client] = []
         self._lock = threading.Lock()
         self._numbers = itertools.count(1)
@@ -261,7 +261,7 @@ class PoolServer:
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.create_task(self._room())
+        self.loop.create_task(self._send_figures())
         try:
             self.loop.run_forever()
         finally:
@@ -272,9 +272,9 @@ class PoolServer:
             if len(self._samples) < MAX_SAMPLES:  # nobody collects them when no client is connected
                 self._samples.append((tick_seconds, latencies))
 
-    async def _room(self) -> None:
+    async def _send_figures(self) -> None:
         while True:
-            await asyncio.sleep(self.room_seconds)
+            await asyncio.sleep(self.figures_seconds)
             with self._lock:
                 clients = list(self._clients)
             with self._samples_lock:

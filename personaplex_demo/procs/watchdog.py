@@ -2,8 +2,8 @@
 
 An engine process on this machine that dies closes its socket, and the kernel tells us at once
 (EOF). An engine on another machine whose host loses power or network sends nothing at all, and
-TCP (or Ray's own health checks, 15-55 s) would take long to notice. Every engine sends its room
-figures several times a second (`PoolServer.room_seconds`), even with no call, so silence itself
+TCP (or Ray's own health checks, 15-55 s) would take long to notice. Every engine sends its pool's
+figures several times a second (`PoolServer.figures_seconds`), even with no call, so silence itself
 is the signal: after `limit` seconds of it the link is given up (`EngineLink.lose`) and the
 engine's calls end with a message, while the others go on.
 """

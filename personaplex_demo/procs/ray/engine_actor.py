@@ -26,7 +26,7 @@ from ..engine_process import END_CALLS_JOIN_SECONDS, ServedEngine
 log = logging.getLogger(__name__)
 
 ENGINE_RESOURCE = "personaplex_engine"  # a CPU node offers engines with `ray start --resources`
-HEARTBEAT_SECONDS = 0.25  # room figures this often: the page's watchdog hears silence within ~1 s
+HEARTBEAT_SECONDS = 0.25  # pool figures this often: the page's watchdog hears silence within ~1 s
 CONCURRENCY = 4  # until_stopped waits in one thread; endpoint, end_calls and stop need the others
 
 
@@ -49,7 +49,7 @@ class EngineActor:
         self.engine = ServedEngine(spec.runtime, spec.pool, device, (node, 0), spec.authkey, spec.name,
                                    facts={"node": node, "node_id": ray.get_runtime_context().get_node_id(),
                                           "pid": os.getpid()},
-                                   room_seconds=HEARTBEAT_SECONDS)
+                                   figures_seconds=HEARTBEAT_SECONDS)
         self.server = self.engine.server
         # The page's machine may not have the model's files: it counts persona tokens with this copy
         # (in the Hello every link gets).
