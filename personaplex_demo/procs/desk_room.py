@@ -15,59 +15,39 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import time
 from collections.abc import Callable
 
 from ..errors import CallerError
 from ..sampling_params import SamplingParams
-from ..serving.config import PoolConfig
 from ..serving.headroom import WaitReason
-from ..serving.metrics import PoolMetrics, TickListener
+from ..serving.metrics import PoolMetrics
 from ..serving.room import DOOR_PAGE, CallHandle, CallState, EndReason, PoolClosedError
 from . import messages as msg
 from .engine_link import DEFAULT_SAMPLING, START_TIMEOUT, EngineLink, refusal
-from .pool_router import UnreachableEngine, combine_metrics
+from .pool_router import EngineSet, UnreachableEngine
 from .routed_call import RoutedCall
 
 log = logging.getLogger(__name__)
 
-HEARD_SECONDS = 1.0  # a queued caller's audio is reported to the main process this often
 ANSWER_SECONDS = START_TIMEOUT + 5.0  # per engine the room may offer a seat on (queue_desk.GRANT_TIMEOUT)
 
 
-class DeskRoom:
+class DeskRoom(EngineSet):
     """The room as a media worker's doors see it; `send` reaches the main process's desk."""
 
     def __init__(self, engines: list[EngineLink | UnreachableEngine], send: Callable[[msg.WorkerReport], None]) -> None:
-        self.engines = engines
+        super().__init__(engines)
         self._send = send
-        self.config: PoolConfig = next((e.config for e in engines if e.alive), engines[0].config)
         self._rids = itertools.count(1)
         self._calls: dict[int, RoutedCall] = {}  # waiting for a seat
         self._first: dict[int, asyncio.Future[None]] = {}  # acquire waits for the desk's first answer
         self._tasks: set[asyncio.Task] = set()
         self.queued_in_room = 0  # the main process's queue, every worker's and door's callers (QueueLength)
 
-    @property
-    def slots_total(self) -> int:
-        return sum(e.slots_total for e in self.engines if e.alive)
-
     def snapshot(self) -> PoolMetrics:
         """The engines' figures, with the room's queue as the main process last told it."""
-        metrics = combine_metrics([e.snapshot() for e in self.engines if e.alive])
+        metrics = self.engines_figures()
         return dataclasses.replace(metrics, queue_length=metrics.queue_length + self.queued_in_room)
-
-    def add_tick_listener(self, listener: TickListener) -> None:
-        for engine in self.engines:
-            engine.add_tick_listener(listener)
-
-    def report_media_lag(self, seconds: float, source: str = "local") -> None:
-        for engine in self.engines:
-            engine.report_media_lag(seconds, source)
-
-    def replace(self, old: EngineLink | UnreachableEngine, new: EngineLink) -> None:
-        """An engine linked to again (it came back, or answers at last) in place of its lost link."""
-        self.engines = [new if e is old else e for e in self.engines]
 
     async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING,
                       door: str = DOOR_PAGE) -> CallHandle:
@@ -77,7 +57,7 @@ class DeskRoom:
         call = RoutedCall(voice, persona, sampling, door)
         rid = next(self._rids)
         call.on_leave = lambda reason: self._leave(rid, reason)
-        call.on_heard = self._heard_reporter(rid)
+        call.on_heard = lambda: self._send(msg.Heard(rid))
         first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._calls[rid], self._first[rid] = call, first
         self._send(msg.Admit(rid, voice, persona, dataclasses.asdict(sampling), door))
@@ -99,18 +79,6 @@ class DeskRoom:
         """The caller gave up its place (or never got one): the main process lets it go."""
         if self._calls.pop(rid, None) is not None:
             self._send(msg.Leave(rid, reason))
-
-    def _heard_reporter(self, rid: int) -> Callable[[], None]:
-        last = 0.0
-
-        def heard() -> None:
-            nonlocal last
-            now = time.monotonic()
-            if now - last >= HEARD_SECONDS:
-                last = now
-                self._send(msg.Heard(rid))
-
-        return heard
 
     # ---- the desk's messages (on the worker's loop) --------------------------------------------
 
@@ -168,6 +136,5 @@ class DeskRoom:
         for call in self._calls.values():
             call.end(EndReason.SHUTDOWN)
         self._calls.clear()
-        for engine in self.engines:
-            engine.close()
+        self.close_links()
 

@@ -57,7 +57,7 @@ def combine_metrics(metrics: list[PoolMetrics]) -> PoolMetrics:
 
 class UnreachableEngine:
     """An engine on another machine that did not answer when this process started (its machine
-    may be gone): placement skips it until a link to it is made (`PoolRouter.replace`)."""
+    may be gone): placement skips it until a link to it is made (`EngineSet.replace`)."""
 
     alive = False
     slots_total = 0
@@ -91,20 +91,58 @@ class RequestRules(Protocol):
     def validate_request(self, voice: str, persona: str, sampling: SamplingParams) -> None: ...
 
 
-class PoolRouter:
+class EngineSet:
+    """The engine links a room reaches, for both rooms built on them (`PoolRouter` in the main
+    process, `desk_room.DeskRoom` in a media worker): the app's settings, their slots and figures,
+    and the tick listeners, kept across a link made again (`replace`)."""
+
+    def __init__(self, engines: list[EngineLink | UnreachableEngine]) -> None:
+        if not engines:
+            raise ValueError("a room needs at least one engine")
+        self.engines = list(engines)
+        # Every engine has the app's settings (the first one linked says them).
+        self.config = next((e.config for e in self.engines if e.alive), self.engines[0].config)
+        self._tick_listeners: list[TickListener] = []
+
+    @property
+    def slots_total(self) -> int:
+        return sum(e.slots_total for e in self.engines if e.alive)
+
+    def engines_figures(self) -> PoolMetrics:
+        """The running engines' figures as one."""
+        return combine_metrics([e.snapshot() for e in self.engines if e.alive])
+
+    def add_tick_listener(self, listener: TickListener) -> None:
+        self._tick_listeners.append(listener)
+        for engine in self.engines:
+            engine.add_tick_listener(listener)
+
+    def replace(self, old: EngineLink | UnreachableEngine, new: EngineLink) -> None:
+        """An engine linked to again (a restarted Ray actor, or one that answers at last) in place
+        of its lost link: new calls may go to it; the old one's calls have ended."""
+        for listener in self._tick_listeners:
+            new.add_tick_listener(listener)
+        # A new list, not an edit: the doors' loops iterate the old one meanwhile.
+        self.engines = [new if e is old else e for e in self.engines]
+
+    def report_media_lag(self, seconds: float, source: str = "local") -> None:
+        for engine in self.engines:
+            engine.report_media_lag(seconds, source)
+
+    def close_links(self) -> None:
+        for engine in self.engines:
+            engine.close()
+
+
+class PoolRouter(EngineSet):
     """Several engines' pools as one `Room`. A call goes to an engine that takes it now (a free
     slot with headroom in its tick, serving/headroom.py), the one with the most headroom first.
     When none does, it waits in the router's one queue (`RoutedCall`), and the head of that queue
     takes the first seat that any engine frees. Engines that stopped are skipped."""
 
     def __init__(self, engines: list[EngineLink | UnreachableEngine], rules: RequestRules | None = None) -> None:
-        if not engines:
-            raise ValueError("a PoolRouter needs at least one engine")
-        self.engines = list(engines)
+        super().__init__(engines)
         self.rules = rules
-        # Every engine has the app's settings (the first one linked says them); the queue is the router's.
-        self.config = next((e.config for e in self.engines if e.alive), self.engines[0].config)
-        self._tick_listeners: list[TickListener] = []
         self._waiting: list[RoutedCall] = []  # in order of arrival
         self._arrivals = itertools.count(1)
         self._placer: asyncio.Task | None = None
@@ -113,12 +151,8 @@ class PoolRouter:
         self.on_queued: Callable[[int], None] | None = None  # the media workers' pages show the queue's length
         self._told = 0
 
-    @property
-    def slots_total(self) -> int:
-        return sum(e.slots_total for e in self.engines if e.alive)
-
     def snapshot(self) -> PoolMetrics:
-        m = combine_metrics([e.snapshot() for e in self.engines if e.alive])
+        m = self.engines_figures()
         ended = collections.Counter(m.calls_ended)
         ended.update({k.removeprefix("ended:"): v for k, v in self._counts.items() if k.startswith("ended:")})
         return dataclasses.replace(m, queue_length=m.queue_length + self.queued, calls_ended=dict(ended),
@@ -129,23 +163,6 @@ class PoolRouter:
     def queued(self) -> int:
         """Callers in the router's queue (not those who just hung up)."""
         return sum(c.state == CallState.QUEUED for c in self._waiting)
-
-    def add_tick_listener(self, listener: TickListener) -> None:
-        self._tick_listeners.append(listener)
-        for engine in self.engines:
-            engine.add_tick_listener(listener)
-
-    def replace(self, old: EngineLink, new: EngineLink) -> None:
-        """An engine that came back (a restarted Ray actor) in place of its stopped self: new
-        calls may go to it; the old one's calls have ended."""
-        for listener in self._tick_listeners:
-            new.add_tick_listener(listener)
-        # A new list, not an edit: the doors' loops iterate the old one meanwhile.
-        self.engines = [new if e is old else e for e in self.engines]
-
-    def report_media_lag(self, seconds: float, source: str = "local") -> None:
-        for engine in self.engines:
-            engine.report_media_lag(seconds, source)
 
     def engine_status(self) -> list[dict[str, Any]]:
         """Per engine, for /api/status: its name, where it runs, whether it runs, and its pool's figures."""
@@ -267,5 +284,4 @@ class PoolRouter:
                 placer.get_loop().call_soon_threadsafe(end_waiting)
             except RuntimeError:
                 pass  # that loop has closed
-        for engine in self.engines:
-            engine.close()
+        self.close_links()

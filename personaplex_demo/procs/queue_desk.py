@@ -62,10 +62,11 @@ class DeskEntry(RoutedCall):
             self.end(EndReason.HANGUP)
         return outcome.outcome != "busy"
 
-    def moved(self, position: int, reason: WaitReason) -> None:
-        if (self.position, self.waiting_for) != (position, reason):
-            super().moved(position, reason)
-            self.desk.send(self.worker, msg.QueueNews(self.rid, position, str(reason)))
+    def moved(self, position: int, reason: WaitReason) -> bool:
+        if not super().moved(position, reason):
+            return False
+        self.desk.send(self.worker, msg.QueueNews(self.rid, position, str(reason)))
+        return True
 
     def end(self, reason: str) -> None:
         if self._ended is None and not self.placed:

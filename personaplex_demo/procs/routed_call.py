@@ -25,6 +25,7 @@ from ..serving.call import checked_audio
 from ..serving.headroom import WaitReason
 from ..serving.room import CallState, EndReason, PoolClosedError, PoolFullError, SlotOutput
 from ..serving.waiting import WaitingCall
+from .engine_link import HEARD_SECONDS
 
 if TYPE_CHECKING:
     from .engine_link import EngineLink, RemoteCall
@@ -46,7 +47,9 @@ class RoutedCall(WaitingCall):
         self.queued_at = time.monotonic()
         self.heard_at: float | None = None  # the caller's latest audio while queued
         self.on_leave: Callable[[str], None] | None = None  # told when the caller gives up its place
-        self.on_heard: Callable[[], None] | None = None  # told when the caller's audio comes while queued
+        # Told that the caller's audio still comes while queued, at most every HEARD_SECONDS.
+        self.on_heard: Callable[[], None] | None = None
+        self._heard_told = -HEARD_SECONDS
         self._ended: str | None = None
 
     def __repr__(self) -> str:
@@ -102,11 +105,13 @@ class RoutedCall(WaitingCall):
             self._ended = str(reason)
             self._wake()
 
-    def moved(self, position: int, reason: WaitReason) -> None:
-        """Its place in the queue, or why it waits."""
-        if (self.position, self.waiting_for) != (position, reason):
-            self.position, self.waiting_for = position, WaitReason(reason)
-            self._wake()
+    def moved(self, position: int, reason: WaitReason) -> bool:
+        """Its place in the queue, or why it waits; True if either changed."""
+        if (self.position, self.waiting_for) == (position, reason):
+            return False
+        self.position, self.waiting_for = position, WaitReason(reason)
+        self._wake()
+        return True
 
     # ---- the door's side -----------------------------------------------------------------------
 
@@ -116,8 +121,9 @@ class RoutedCall(WaitingCall):
             return
         checked_audio(samples)  # bad audio is the caller's error at any time
         if self.state == CallState.QUEUED:
-            self.heard_at = time.monotonic()
-            if self.on_heard is not None:
+            self.heard_at = now = time.monotonic()
+            if self.on_heard is not None and now - self._heard_told >= HEARD_SECONDS:
+                self._heard_told = now
                 self.on_heard()
 
     def time_left(self) -> float | None:
