@@ -69,6 +69,43 @@ def test_batch_isolation_with_random_neighbours_and_recycles(tiny_cache_dir):
     np.testing.assert_array_equal(np.stack(frames), alone)
 
 
+def test_a_call_is_token_exact_in_every_batch_bucket_and_when_its_row_moves_down(tiny_cache_dir):
+    """One caller in an 8-slot room: its neighbours arrive and leave, so its ticks run in batches
+    of 8, 4, 2 and 1 rows and its conversation moves down to lower rows as the room thins out;
+    its tokens equal the same call alone in a 1-slot room, and its agent audio too (to float
+    precision)."""
+    rng = np.random.default_rng(5)
+    audio = speech_like(rng, 70)
+    alone_engine = make_engine(tiny_cache_dir, 1)
+    alone_engine.start_session(0, "NATM1", PERSONA, GREEDY)
+    alone = [alone_engine.step(x[None]) for x in audio]
+
+    engine = make_engine(tiny_cache_dir, 8)
+    assert engine.buckets == [1, 2, 4, 8]
+    for slot in range(6):
+        engine.start_session(slot, str(rng.choice(engine.voice_names)), "You are a chef.", SamplingParams(seed=slot))
+    engine.start_session(6, "NATM1", PERSONA, GREEDY)
+    assert engine.places.row_of[6] == 6
+    leaving = {10: [0, 1, 2], 25: [3, 4], 40: [5]}  # 7, 4, 2, then 1 call left
+    rows_run, rows_of_call = [], set()
+    for i, x in enumerate(audio):
+        for slot in leaving.get(i, []):
+            engine.end_session(slot)
+        if i == 55:  # a newcomer takes the lowest free row, beside the call
+            engine.start_session(3, "NATF2", "", SamplingParams(seed=9))
+        pcm = rng.uniform(-0.5, 0.5, size=(8, 1920)).astype(np.float32)
+        pcm[6] = x
+        out = engine.step(pcm)
+        rows_run.append(out.rows)
+        rows_of_call.add(engine.places.row_of[6])
+        np.testing.assert_array_equal(out.tokens[6], alone[i].tokens[0], err_msg=f"tick {i}")
+        # The decoder's sums run in another order at another batch size: equal to float precision.
+        np.testing.assert_allclose(out.pcm[6], alone[i].pcm[0], atol=1e-5, err_msg=f"tick {i}")
+        assert out.text[6] == alone[i].text[0]
+    assert set(rows_run) == {8, 4, 2, 1} and rows_run[-1] == 2
+    assert rows_of_call == {6, 0} and engine.places.row_of[3] == 1  # moved once, to the lowest free row
+
+
 def test_fast_prefill_equals_stepwise_and_cache_is_reused(tiny_cache_dir):
     rng = np.random.default_rng(3)
     audio = speech_like(rng, 40)

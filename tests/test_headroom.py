@@ -15,6 +15,7 @@ import pytest
 from starlette.applications import Starlette
 
 from personaplex_demo.engine.pcm import TickOutput
+from personaplex_demo.engine.rows import batch_bucket
 from personaplex_demo.procs.pool_router import PoolRouter
 from personaplex_demo.sampling_params import SamplingParams
 from personaplex_demo.serving.call import Call
@@ -42,6 +43,14 @@ def measured(policy: HeadroomPolicy, rows: int, seconds: float, at: float, ticks
     for i in range(ticks):
         policy.record_tick(at + i * TICK, rows, seconds)
     return at + ticks * TICK
+
+
+def joined(policy: HeadroomPolicy, calls: int, seconds: float = 40 * MS) -> float:
+    """Calls that joined one by one: each batch below `calls` measured within budget from 0 s."""
+    now = 0.0
+    for rows in range(1, calls):
+        now = measured(policy, rows, seconds, now)
+    return now
 
 
 # ---- the policy, costs injected ------------------------------------------------------------------
@@ -120,9 +129,9 @@ def test_a_lagging_event_loop_holds_admission_until_its_reports_recover_or_age()
 
 def test_shedding_waits_for_a_sustained_overload_then_restarts_its_clock():
     policy = HeadroomPolicy(HeadroomConfig(shed_after_seconds=3.0))
-    now = measured(policy, 4, 120 * MS, 0.0, ticks=25)  # 2 s over budget
+    now = measured(policy, 4, 120 * MS, joined(policy, 4), ticks=25)  # the mean is over budget for 0.7 s
     assert not policy.shed_due(now, 4)
-    now = measured(policy, 4, 120 * MS, now, ticks=20)  # 3.6 s
+    now = measured(policy, 4, 120 * MS, now, ticks=30)  # 3.1 s
     assert policy.shed_due(now, 4)
     assert not policy.shed_due(now, 3)  # the clock restarted: the smaller batch gets its own 3 s
     now = measured(policy, 3, 100 * MS, now, ticks=40)
@@ -135,7 +144,7 @@ def test_shedding_waits_for_a_sustained_overload_then_restarts_its_clock():
 
 def test_no_more_calls_are_shed_while_the_last_shed_left_the_ticks_as_long():
     policy = HeadroomPolicy(HeadroomConfig(shed_after_seconds=3.0))
-    now = measured(policy, 4, 100 * MS, 0.0, ticks=40)
+    now = measured(policy, 4, 100 * MS, joined(policy, 4), ticks=60)
     assert policy.shed_due(now, 4)
     now = measured(policy, 3, 98 * MS, now, ticks=60)  # the host, not the rows: no shorter
     assert not policy.shed_due(now, 3)
@@ -146,11 +155,37 @@ def test_no_more_calls_are_shed_while_the_last_shed_left_the_ticks_as_long():
 
 def test_one_short_tick_right_after_a_shed_does_not_end_the_overload():
     policy = HeadroomPolicy(HeadroomConfig(shed_after_seconds=3.0))
-    now = measured(policy, 4, 100 * MS, 0.0, ticks=40)
+    now = measured(policy, 4, 100 * MS, joined(policy, 4), ticks=60)
     assert policy.shed_due(now, 4)
     now = measured(policy, 3, 40 * MS, now, ticks=1)  # the first tick of the smaller batch, alone, is short
     now = measured(policy, 3, 98 * MS, now, ticks=60)  # then the ticks are as long as before the shed
     assert not policy.shed_due(now, 3)  # the host's doing: no second shed
+
+
+def test_a_call_is_shed_only_when_one_call_fewer_steps_a_batch_measured_within_budget():
+    """Calls step in batch buckets (1, 2, 4, 8): shedding one of 4 calls leaves a batch of 4, and
+    a tick that is slow at every size is the host's doing; neither is helped by ending a call."""
+    policy = HeadroomPolicy(HeadroomConfig(shed_after_seconds=3.0), bucket=lambda n: batch_bucket(n, [1, 2, 4, 8]))
+    now = measured(policy, 1, 40 * MS, 0.0)
+    now = measured(policy, 2, 50 * MS, now)
+    now = measured(policy, 4, 100 * MS, now, ticks=60)  # 4 calls, over budget for 4.8 s
+    assert not policy.shed_due(now, 4)  # 3 calls would step 4 rows all the same
+    assert policy.shed_due(now, 3)  # 2 calls step 2 rows, measured at 50 ms
+    host = HeadroomPolicy(HeadroomConfig(shed_after_seconds=3.0))
+    now = measured(host, 1, 95 * MS, 0.0)  # the host is slow: one call alone is over budget too
+    now = measured(host, 2, 100 * MS, now, ticks=60)
+    assert not host.shed_due(now, 2)
+    assert not host.admits(now, 2)  # the overload holds admission instead
+
+
+def test_admission_asks_the_cost_of_the_batch_the_calls_would_step():
+    policy = HeadroomPolicy(HeadroomConfig(), bucket=lambda n: batch_bucket(n, [1, 2, 4, 8]))
+    now = measured(policy, 1, 20 * MS, 0.0)
+    now = measured(policy, 2, 30 * MS, now)
+    now = measured(policy, 4, 78 * MS, now)  # past the measured margin: 76 ms is the line
+    assert policy.admits(now, 1)  # a second call steps 2 rows: 30 ms
+    assert not policy.admits(now, 2) and not policy.admits(now, 3)  # a third or fourth steps 4 rows
+    assert policy.predicted(now, 8) is not None
 
 
 def test_a_short_spike_is_not_an_overload_and_shedding_can_be_turned_off():

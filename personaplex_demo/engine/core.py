@@ -6,6 +6,10 @@ every row), installs system prompts from the parallel prefill (`prompt.PrefixCac
 one tick for the whole batch with no host sync. Every row keeps its own offset `local`: its
 staging column is `local % CT`, its RoPE position and KV ring index count only its own steps,
 so a recycled row is exactly a fresh session.
+
+A tick steps the first n rows of the batch, n one of `buckets` (engine/rows.py): the state's
+first n rows are a batch of their own (`LMState.head`), sharing the storage, so a tick costs what
+its rows cost, not what the slots do (docs/engine.md § Ticks sized by the live calls).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from ..model.ring import RingKV
 from ..sampling_params import SamplingParams
 from .cuda_graphs import CudaGraphed
 from .prompt import PrefixCache, VoiceTokens
+from .rows import batch_buckets
 from .sampling import SamplingState, TopK, sample, stream_keys, top_k_bucket, top_k_buckets
 from .staging import StagingRing
 from .tokens import USER_ROWS
@@ -53,6 +58,18 @@ class LMState:
             part.reset_rows(rows)
         self.live.masked_fill_(rows, False)
 
+    def head(self, rows: int) -> LMState:
+        """The first `rows` rows as a batch of their own, sharing this state's storage."""
+        return LMState(self.kv.head(rows), self.ring.head(rows), self.text.head(rows), self.audio.head(rows),
+                       self.live[:rows])
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row `dst` continues row `src`'s conversation; `src` is no longer live."""
+        for part in (self.kv, self.ring, self.text, self.audio):
+            part.move_row(src, dst)
+        self.live[dst] = self.live[src]
+        self.live[src] = False
+
 
 @dataclass
 class RowBook:
@@ -64,9 +81,9 @@ class RowBook:
 
 
 class CoreStep(NamedTuple):
-    frame: torch.Tensor  # [B, 17] emitted frame of every row (meaningful where `emitted`)
-    emitted: torch.Tensor  # [B] the row stepped and its offset is past the delays
-    live: torch.Tensor  # [B] the row is in conversation: its frame is real output
+    frame: torch.Tensor  # [n, 17] emitted frame of every row stepped (meaningful where `emitted`)
+    emitted: torch.Tensor  # [n] the row stepped and its offset is past the delays
+    live: torch.Tensor  # [n] the row is in conversation: its frame is real output
 
 
 class LockstepCore:
@@ -85,6 +102,9 @@ class LockstepCore:
         # User rows are always given, so depformer steps 8..15 never change an output.
         self.dep_steps = 8 if skip_user_steps else self.cfg.dep_q
         self.state = LMState.empty(lm, batch_size, self.device, dtype, self.context)
+        # The batch sizes a tick runs at, and each one's view of the state.
+        self.buckets = self.batch_buckets()
+        self._heads = {n: self.state.head(n) for n in self.buckets}
         self.rows = [RowBook() for _ in range(batch_size)]
         self.prefixes = PrefixCache(lm, dtype, self.context, self.device, prefix_cache_size)
         self._slots = torch.arange(batch_size, device=self.device)
@@ -101,19 +121,24 @@ class LockstepCore:
         self._graphed_listen = CudaGraphed(self._live_listen, "lockstep temporal", graphs)
         self._graphed_speak = CudaGraphed(self._speak, "lockstep depformer", graphs)
 
+    def batch_buckets(self) -> list[int]:
+        """The batch sizes a tick may run at (engine/rows.py)."""
+        return batch_buckets(self.B)
+
     @property
     def graphed(self) -> list[CudaGraphed]:
         """The CUDA-graph wrappers of the tick (for checks and start-up capture)."""
         return [self._graphed_listen, self._graphed_speak]
 
-    def graph_keys(self) -> tuple[list[int | None], list[tuple[int, int]]]:
-        """Every key the tick can meet: the temporal part's visible-slot buckets and the
-        depformer part's (text, audio) top-k buckets (docs/engine.md § CUDA graphs)."""
+    def graph_keys(self) -> tuple[list[int], list[int | None], list[tuple[int, int]]]:
+        """Every key the tick can meet: its batch buckets, the temporal part's visible-slot
+        buckets and the depformer part's (text, audio) top-k buckets; each part has a graph per
+        batch bucket and key of its own (docs/engine.md § CUDA graphs)."""
         visible: list[int | None] = [None]
         if self.attend_filled:
             visible = [*range(VISIBLE_BUCKET, self.context, VISIBLE_BUCKET), None]
         top_k = [(t, a) for t in top_k_buckets(self.cfg.text_card) for a in top_k_buckets(self.cfg.card)]
-        return visible, top_k
+        return list(self.buckets), visible, top_k
 
     @torch.no_grad()
     def capture_graphs(self) -> int:
@@ -122,16 +147,17 @@ class LockstepCore:
         tick changes nothing a row can see. Returns the number of graphs held."""
         if any(r.live for r in self.rows):
             raise RuntimeError("capture_graphs runs before any row is live")
-        visible_keys, top_k_keys = self.graph_keys()
+        batches, visible_keys, top_k_keys = self.graph_keys()
         served_top_k = self._top_k
-        codes = torch.zeros(self.B, 8, dtype=torch.long, device=self.device)
         try:
-            for visible in visible_keys:
-                self._visible = visible
-                h, target, prov, rows = self._graphed_listen.capture(codes, key=visible)
-            for top_k in top_k_keys:
-                self._top_k = top_k
-                self._graphed_speak.capture(h, target, prov, rows, rows, key=top_k)
+            for n in batches:
+                codes = torch.zeros(n, 8, dtype=torch.long, device=self.device)
+                for visible in visible_keys:
+                    self._visible = visible
+                    h, target, prov, rows = self._graphed_listen.capture(codes, key=visible)
+                for top_k in top_k_keys:
+                    self._top_k = top_k
+                    self._graphed_speak.capture(h, target, prov, rows, rows, key=top_k)
         finally:
             self._top_k = served_top_k
         return sum(g.captured for g in self.graphed)
@@ -171,6 +197,12 @@ class LockstepCore:
     def end(self, slot: int) -> None:
         self.set_live(slot, False)
 
+    def move(self, src: int, dst: int) -> None:
+        """Row `dst` takes over row `src`'s conversation, to the token (a free row below it, so
+        that ticks step fewer rows); `src` is left not live."""
+        self.state.move_row(src, dst)
+        self.rows[dst], self.rows[src] = self.rows[src], RowBook()
+
     def set_live(self, slot: int, live: bool) -> None:
         self.state.live[slot] = live
         self.rows[slot].live = live
@@ -201,24 +233,30 @@ class LockstepCore:
 
     @torch.no_grad()
     def step(self, user_codes: torch.Tensor) -> CoreStep:
-        """One tick. user_codes [B, 8] for the live rows (others are ignored)."""
+        """One tick of the first n rows, n = len(user_codes), one of `buckets`: user_codes
+        [n, 8] for the live rows (others are ignored). Every live row must be among them."""
+        n = user_codes.shape[0]
+        if n not in self._heads or any(r.live for r in self.rows[n:]):
+            raise ValueError(f"a tick of {n} rows (buckets {self.buckets}) would leave a live row behind")
         self._visible = self.visible_slots()
         h, target, prov, rows = self._graphed_listen(user_codes.to(self.device), key=self._visible)
         res = self._graphed_speak(h, target, prov, rows, rows, key=self._top_k)
         self._count_step()
         return res
 
-    def _user_staging(self, user_codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        values = torch.zeros(self.B, self.state.ring.K, dtype=torch.long, device=self.device)
+    def _user_staging(self, user_codes: torch.Tensor, st: LMState) -> tuple[torch.Tensor, torch.Tensor]:
+        n = user_codes.shape[0]
+        values = torch.zeros(n, st.ring.K, dtype=torch.long, device=self.device)
         values[:, USER_ROWS] = user_codes
-        mask = torch.zeros(self.B, self.state.ring.K, dtype=torch.bool, device=self.device)
-        mask[:, USER_ROWS] = self.state.live.view(-1, 1)
+        mask = torch.zeros(n, st.ring.K, dtype=torch.bool, device=self.device)
+        mask[:, USER_ROWS] = st.live.view(-1, 1)
         return values, mask
 
     def _live_listen(self, user_codes: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        values, mask = self._user_staging(user_codes)
-        rows = self.state.live.clone()
-        return (*self._listen(values, mask, rows, visible=self._visible), rows)
+        st = self._heads[user_codes.shape[0]]
+        values, mask = self._user_staging(user_codes, st)
+        rows = st.live.clone()
+        return (*self._listen(st, values, mask, rows, visible=self._visible), rows)
 
     def _tick(self, values: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor,
               override: tuple[torch.Tensor, torch.Tensor] | None = None, visible: int | None = None) -> CoreStep:
@@ -227,15 +265,14 @@ class LockstepCore:
         mask [B]) replaces the input embedding of some rows; attention reads the first
         `visible` ring slots (all when None)."""
         live = self.state.live.clone()
-        h, target, prov = self._listen(values, mask, rows, override, visible)
+        h, target, prov = self._listen(self.state, values, mask, rows, override, visible)
         return self._speak(h, target, prov, rows, live)
 
-    def _listen(self, values: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor,
+    def _listen(self, st: LMState, values: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor,
                 override: tuple[torch.Tensor, torch.Tensor] | None = None,
                 visible: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Stage the tokens and run the temporal transformer: (h [B, 1, D], the target column
-        [B, 17] and where it is provided [B, 17])."""
-        st = self.state
+        """Stage the tokens of the rows of `st` and run the temporal transformer: (h [n, 1, D],
+        the target column [n, 17] and where it is provided [n, 17])."""
         st.ring.stage(values, mask)
         st.ring.warm_up(rows)
         inp, target, prov = st.ring.columns()
@@ -247,8 +284,9 @@ class LockstepCore:
 
     def _speak(self, h: torch.Tensor, target: torch.Tensor, prov: torch.Tensor, rows: torch.Tensor,
                live: torch.Tensor) -> CoreStep:
-        """Sample the text token, run the depformer over the agent's audio, commit and emit."""
-        st = self.state
+        """Sample the text token, run the depformer over the agent's audio, commit and emit, for
+        the first len(h) rows."""
+        st = self._heads[h.shape[0]]
         n = self.dep_steps
         seeds = torch.cat([st.text.seed.view(-1, 1), st.audio.seed.view(-1, 1).expand(-1, n)], dim=1)
         keys = stream_keys(seeds, st.ring.local, self._streams)

@@ -2,7 +2,9 @@
 80 ms frame per `step` (docs/engine.md).
 
 `LockstepEngine` wraps the token-level `LockstepCore` with Mimi (PCM in and out), voices, the
-tokenizer and the transcript, and is what the SlotPool drives.
+tokenizer and the transcript, and is what the SlotPool drives. The pool speaks of slots; the
+engine keeps each slot's conversation in a row of its batch, the rows in use always the lowest,
+and a tick steps only the batch bucket that holds them (engine/rows.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..sampling_params import SamplingParams
 from .core import LockstepCore
 from .cuda_graphs import CudaGraphed
 from .prompt import VoiceTokens
+from .rows import RowPlaces, batch_bucket
 from .tokens import AGENT_ROWS, AUDIO_INITIAL, SILENCE_CODES, TEXT_PAD
 
 log = logging.getLogger(__name__)
@@ -31,10 +34,13 @@ MAX_PERSONA_TOKENS = 512
 
 @dataclass
 class TickOutput:
-    pcm: np.ndarray  # float32 [B, 1920]: agent audio; zeros for rows that are not live
-    text: list[str]  # per row: transcript text that became final this tick ("" if none)
+    """One tick's output by slot."""
+
+    pcm: np.ndarray  # float32 [B, 1920]: agent audio; zeros for slots that are not live
+    text: list[str]  # per slot: transcript text that became final this tick ("" if none)
     tokens: np.ndarray | None = None  # int64 [B, 17]: the emitted frame (text, agent, user codes)
-    live: np.ndarray | None = None  # bool [B]: rows whose output is a real conversation frame
+    live: np.ndarray | None = None  # bool [B]: slots whose output is a real conversation frame
+    rows: int | None = None  # the batch the tick stepped (its bucket); None: every slot
 
 
 _CONTROL = {c for c in range(32) if chr(c) not in "\n\t"} | set(range(127, 160))
@@ -92,9 +98,14 @@ class LockstepEngine:
                                context=context, cuda_graphs=cuda_graphs)
         self.mimi = mimi
         self.mimi_state = mimi.init_state(batch_size, device=self.device)
+        self.places = RowPlaces(batch_size)  # slot <-> row
+        # Each batch bucket's first rows of the codec state: a tick of n rows encodes and decodes n.
+        self._mimi_heads = {n: self.mimi_state.head(n) for n in self.core.buckets}
         graphs = cuda_graphs and self.device.type == "cuda"
-        self._encode = CudaGraphed(lambda pcm: mimi.encode_step(pcm, self.mimi_state), "mimi encode", graphs)
-        self._decode = CudaGraphed(lambda codes: mimi.decode_step(codes, self.mimi_state), "mimi decode", graphs)
+        self._encode = CudaGraphed(lambda pcm: mimi.encode_step(pcm, self._mimi_heads[pcm.shape[0]]),
+                                   "mimi encode", graphs)
+        self._decode = CudaGraphed(lambda codes: mimi.decode_step(codes, self._mimi_heads[codes.shape[0]]),
+                                   "mimi decode", graphs)
         self.tokenizer = tokenizer
         self.voices = voices
         self.max_persona_tokens = max_persona_tokens
@@ -130,10 +141,19 @@ class LockstepEngine:
         if not any(g.enabled for g in self.graphed):
             return 0
         held = self.core.capture_graphs()
-        pcm = torch.zeros(self.batch_size, self.frame_size, device=self.device)
-        self._encode.capture(pcm)
-        self._decode.capture(self._silence.view(1, -1).expand(self.batch_size, -1).contiguous())
+        for n in self.core.buckets:
+            self._encode.capture(torch.zeros(n, self.frame_size, device=self.device))
+            self._decode.capture(self._silence.view(1, -1).expand(n, -1).contiguous())
         return held + self._encode.captured + self._decode.captured
+
+    @property
+    def buckets(self) -> list[int]:
+        """The batch sizes a tick runs at (engine/rows.py)."""
+        return list(self.core.buckets)
+
+    def bucket(self, rows: int) -> int:
+        """The batch a tick of `rows` conversations steps."""
+        return batch_bucket(rows, self.core.buckets)
 
     @property
     def voice_names(self) -> list[str]:
@@ -162,10 +182,15 @@ class LockstepEngine:
         prompt = self.voices.load(voice, self.dtype, self.device, dim=self.core.cfg.dim)
         tokens = VoiceTokens(prompt.name, prompt.embeddings.reshape(prompt.length, -1), prompt.cache[0])
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
-        self.core.start(slot, tokens, ids, sampling, seed)
+        row = self.places.take(slot)
+        try:
+            self.core.start(row, tokens, ids, sampling, seed)
+        except BaseException:
+            self.places.free(slot)
+            raise
         self._transcripts[slot].reset()
         self._codec_reset.add(slot)
-        log.debug("slot %d: session started (voice %s, %d persona tokens)", slot, voice, len(ids))
+        log.debug("slot %d: session started on row %d (voice %s, %d persona tokens)", slot, row, voice, len(ids))
 
     def prefix_cached(self, voice: str, persona: str) -> bool:
         """Whether a session of (voice, persona) would start from the prefix cache, without a
@@ -174,7 +199,10 @@ class LockstepEngine:
 
     def end_session(self, slot: int) -> str:
         """Stop `slot`; returns any transcript text still held back."""
-        self.core.end(slot)
+        row = self.places.free(slot)
+        if row is not None:
+            self.core.end(row)
+        self._codec_reset.discard(slot)
         return self._transcripts[slot].flush()
 
     def sanitize(self, pcm: np.ndarray) -> np.ndarray:
@@ -194,13 +222,35 @@ class LockstepEngine:
 
     @torch.no_grad()
     def step(self, pcm: np.ndarray) -> TickOutput:
-        pcm_t = torch.from_numpy(self.sanitize(pcm)).to(self.device)
+        """One 80 ms tick: pcm [B, 1920] by slot in, the output by slot."""
+        pcm = self.sanitize(pcm)
+        for src, dst in self.places.compaction(self.core.buckets):
+            self.core.move(src, dst)
+            self.mimi_state.move_row(src, dst)
+        n = batch_bucket(self.places.top, self.core.buckets)
+        slots = self.places.slots_in(n)
+        held = slots >= 0
+        rows_pcm = np.zeros((n, self.frame_size), dtype=np.float32)
+        rows_pcm[held] = pcm[slots[held]]
+        out, ids = self._step_rows(torch.from_numpy(rows_pcm).to(self.device))
+        host = self._to_host(torch.cat([out, ids.float()], dim=1))
+        by_slot = np.zeros((self.batch_size, host.shape[1]), dtype=np.float32)
+        by_slot[slots[held]] = host[held]
+        out_np, frame = np.ascontiguousarray(by_slot[:, :self.frame_size]), by_slot[:, self.frame_size:].astype(np.int64)
+        # A slot without a row has zeros here, and no word: only a row that spoke has text.
+        texts = [self._transcripts[b].push(i) if spoke and i != TEXT_PAD else ""
+                 for b, (i, spoke) in enumerate(zip(frame[:, 0].tolist(), frame[:, 17].tolist()))]
+        return TickOutput(out_np, texts, frame[:, :17], frame[:, 17].astype(bool), rows=n)
+
+    def _step_rows(self, pcm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first len(pcm) rows through Mimi and the LM: (agent audio [n, 1920], and the
+        text id, the rest of the frame and whether the row spoke [n, 18])."""
         # A new caller's codec starts fresh, as the reference resets Mimi after the prompt.
-        fresh = [s for s in self._codec_reset if self.core.is_live(s)]
+        fresh = [row for s in self._codec_reset if (row := self.places.row_of[s]) is not None and self.core.is_live(row)]
         if fresh:
             self.mimi.reset_rows(self.mimi_state, fresh)
-            self._codec_reset.difference_update(fresh)
-        codes = self._encode(pcm_t)
+            self._codec_reset.difference_update(self.places.slot_at[row] for row in fresh)
+        codes = self._encode(pcm)
         res = self.core.step(codes)
         audio = res.frame[:, AGENT_ROWS]
         speak = res.live & res.emitted
@@ -213,8 +263,4 @@ class LockstepEngine:
         text_ids = torch.where(speak, res.frame[:, 0], torch.full_like(res.frame[:, 0], TEXT_PAD))
         # One host transfer per tick: the PCM, then the tokens and the mask as floats (every id is
         # below 2^24, so exact), in one block.
-        ids = torch.cat([text_ids[:, None], res.frame[:, 1:], speak[:, None].long()], dim=1)
-        host = self._to_host(torch.cat([out, ids.float()], dim=1))
-        out_np, frame = np.ascontiguousarray(host[:, :self.frame_size]), host[:, self.frame_size:].astype(np.int64)
-        texts = [self._transcripts[b].push(i) if i != TEXT_PAD else "" for b, i in enumerate(frame[:, 0].tolist())]
-        return TickOutput(out_np, texts, frame[:, :17], frame[:, 17].astype(bool))
+        return out, torch.cat([text_ids[:, None], res.frame[:, 1:], speak[:, None].long()], dim=1)

@@ -80,6 +80,14 @@ class SamplingState:
         self.greedy.masked_fill_(rows, True)
         self.seed.masked_fill_(rows, 0)
 
+    def head(self, rows: int) -> SamplingState:
+        """The first `rows` rows, sharing this state's storage."""
+        return SamplingState(self.temperature[:rows], self.top_k[:rows], self.greedy[:rows], self.seed[:rows])
+
+    def move_row(self, src: int, dst: int) -> None:
+        for t in (self.temperature, self.top_k, self.greedy, self.seed):
+            t[dst] = t[src]
+
     def set_row(self, row: int, temperature: float, top_k: int, greedy: bool, seed: int) -> None:
         self.temperature[row] = temperature
         self.top_k[row] = top_k

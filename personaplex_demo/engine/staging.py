@@ -7,6 +7,8 @@ Every row has its own offset `local`; row k of a frame provided at offset o goes
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .tokens import AUDIO_INITIAL, TEXT_INITIAL
@@ -29,6 +31,16 @@ class StagingRing:
         self.cache[rows] = self.initial.view(-1, 1)
         self.provided[rows] = False
         self.local[rows] = 0
+
+    def head(self, rows: int) -> StagingRing:
+        """The first `rows` rows, sharing this ring's storage."""
+        view = copy.copy(self)
+        view.cache, view.provided, view.local = self.cache[:rows], self.provided[:rows], self.local[:rows]
+        return view
+
+    def move_row(self, src: int, dst: int) -> None:
+        for t in (self.cache, self.provided, self.local):
+            t[dst] = t[src]
 
     def _col(self, offset: torch.Tensor) -> torch.Tensor:
         return (offset % self.CT).view(-1, 1, 1).expand(-1, self.K, 1)

@@ -33,6 +33,10 @@ class StepwiseCore(LockstepCore):
         super().__init__(*args, **kwargs)
         self.prompts: dict[int, _Prompt] = {}
 
+    def batch_buckets(self) -> list[int]:
+        # A prompt in flight is stepped by row, in the whole batch: one bucket, so rows never move.
+        return [self.B]
+
     def recycle(self, slot: int) -> None:
         super().recycle(slot)
         self.prompts.pop(slot, None)
@@ -53,7 +57,7 @@ class StepwiseCore(LockstepCore):
         if not self.prompts:
             return super().step(user_codes)
         st, B = self.state, self.B
-        values, mask = self._user_staging(user_codes.to(self.device))
+        values, mask = self._user_staging(user_codes.to(self.device), st)
         rows = st.live.clone()
         dead = torch.zeros(B, dtype=torch.bool, device=self.device)
         embeddings = torch.zeros(B, self.cfg.dim, dtype=self.dtype, device=self.device)

@@ -3,7 +3,9 @@
 One call of `Mimi.encode_step` turns one 80 ms frame (1920 samples) per batch row into 8 codes,
 one call of `Mimi.decode_step` turns 8 codes per row back into 1920 samples. Streaming state is
 explicit: `Mimi.init_state(B)` returns tensors with a leading batch dimension, and any subset of
-rows can be reset to a fresh stream without touching the others (`Mimi.reset_rows`).
+rows can be reset to a fresh stream without touching the others (`Mimi.reset_rows`); `head(n)`
+is the first n rows as a smaller batch sharing the storage, and `move_row` moves a stream to
+another row (docs/engine.md § Ticks sized by the live calls).
 
 Module and parameter names reproduce the official checkpoint layout
 (`tokenizer-e351c8d8-checkpoint125.safetensors`, 318 keys), so the file loads with
@@ -53,6 +55,14 @@ class EncoderState:
         for s in [*self.seanet, self.transformer, self.downsample]:
             s.reset_rows(mask)
 
+    def head(self, rows: int) -> EncoderState:
+        return EncoderState([s.head(rows) for s in self.seanet], self.transformer.head(rows),
+                            self.downsample.head(rows))
+
+    def move_row(self, src: int, dst: int) -> None:
+        for s in [*self.seanet, self.transformer, self.downsample]:
+            s.move_row(src, dst)
+
 
 @dataclass
 class DecoderState:
@@ -63,6 +73,14 @@ class DecoderState:
     def reset_rows(self, mask: Tensor) -> None:
         for s in [self.upsample, self.transformer, *self.seanet]:
             s.reset_rows(mask)
+
+    def head(self, rows: int) -> DecoderState:
+        return DecoderState(self.upsample.head(rows), self.transformer.head(rows),
+                            [s.head(rows) for s in self.seanet])
+
+    def move_row(self, src: int, dst: int) -> None:
+        for s in [self.upsample, self.transformer, *self.seanet]:
+            s.move_row(src, dst)
 
 
 @dataclass
@@ -79,6 +97,15 @@ class MimiState:
     def reset_rows(self, mask: Tensor) -> None:
         self.encoder.reset_rows(mask)
         self.decoder.reset_rows(mask)
+
+    def head(self, rows: int) -> MimiState:
+        """The first `rows` rows, sharing this state's storage (a smaller batch to step)."""
+        return MimiState(self.encoder.head(rows), self.decoder.head(rows))
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row `dst` continues row `src`'s streams; `src` is left as it was."""
+        self.encoder.move_row(src, dst)
+        self.decoder.move_row(src, dst)
 
 
 def _row_mask(rows: Rows, batch_size: int, device: torch.device) -> Tensor:

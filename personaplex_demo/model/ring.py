@@ -110,6 +110,15 @@ class RingKV:
         self.kv.index_fill_(2, rows.nonzero()[:, 0], 0.0)
         self.end.masked_fill_(rows, 0)
 
+    def head(self, rows: int) -> RingKV:
+        """The first `rows` rows, sharing this cache's storage: stepping it steps them."""
+        return RingKV(self.kv[:, :, :rows], self.end[:rows])
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row `dst` becomes what row `src` is (every layer's ring and the end); `src` is left as it was."""
+        self.kv[:, :, dst] = self.kv[:, :, src]
+        self.end[dst] = self.end[src]
+
     def advance(self, steps: int, context: int | None, active: Tensor | None = None,
                 visible: int | None = None) -> Attend:
         """Take `steps` new keys per row (only rows where `active` [B] is true; None: all) and

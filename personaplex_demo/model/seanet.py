@@ -28,6 +28,14 @@ class ConvState:
         if self.fresh is not None:
             self.fresh.masked_fill_(mask, True)
 
+    def head(self, rows: int) -> ConvState:
+        return ConvState(self.carry[:rows], None if self.fresh is None else self.fresh[:rows])
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.carry[dst] = self.carry[src]
+        if self.fresh is not None:
+            self.fresh[dst] = self.fresh[src]
+
 
 @dataclass
 class ConvTrState:
@@ -37,6 +45,12 @@ class ConvTrState:
 
     def reset_rows(self, mask: Tensor) -> None:
         self.tail.masked_fill_(mask[:, None, None], 0.0)
+
+    def head(self, rows: int) -> ConvTrState:
+        return ConvTrState(self.tail[:rows])
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.tail[dst] = self.tail[src]
 
 
 

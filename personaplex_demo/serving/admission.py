@@ -7,6 +7,8 @@ leads to happen together.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .call import Call
 from .clock import Clock
 from .config import PoolConfig
@@ -18,9 +20,13 @@ from .slot_table import SlotTable
 
 
 class Admission:
-    def __init__(self, config: PoolConfig, clock: Clock, table: SlotTable, counters: PoolCounters) -> None:
+    """`bucket`: the batch the engine steps for a number of calls (LockstepEngine.bucket), by
+    which the headroom curve is kept; None where the engine steps every call as a row."""
+
+    def __init__(self, config: PoolConfig, clock: Clock, table: SlotTable, counters: PoolCounters,
+                 bucket: Callable[[int], int] | None = None) -> None:
         self.config = config
-        self.policy = HeadroomPolicy(config.headroom())
+        self.policy = HeadroomPolicy(config.headroom(), bucket)
         self._clock = clock
         self._table = table
         self._counters = counters

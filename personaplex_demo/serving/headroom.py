@@ -3,8 +3,10 @@
 A slot count is a promise the machine may not keep (a slower host, a busy one, contexts that grow).
 So the pool asks this policy before it seats a caller, and again every tick:
 
-- `CostCurve` learns what a tick costs at each number of rows on this machine: the mean of the
+- `CostCurve` learns what a tick costs at each batch it steps on this machine: the mean of the
   recent tick times at each batch size, and a slope between sizes for sizes not seen yet. The
+  engine steps its calls in batch buckets (engine/rows.py: 3 calls step a batch of 4), so the
+  policy asks the cost of the bucket that a number of calls would step (`bucket`). The
   mean, not a high percentile, because that is what decides whether the ticker keeps up: the
   pacer catches up after a long tick (serving/pacing.py), so a caller misses audio only when the
   ticks take longer than 80 ms on average.
@@ -14,9 +16,11 @@ So the pool asks this policy before it seats a caller, and again every tick:
   (the doors report their event loops' lag). Until a tick time is trusted it follows
   `--slots auto`'s arithmetic (`prior_rows`).
 - `HeadroomPolicy.shed_due` says when the ticks have been over budget for long enough that one call
-  (the newest, by the pool's rule) must end so that the others keep real time, unless the last
-  shed did not make the ticks any shorter (then the cost is not the rows', and ending more calls
-  would not help).
+  (the newest, by the pool's rule) must end so that the others keep real time: only when a row
+  is what pushes the tick over, that is when the batch one call fewer would step was measured
+  lately within the budget, and not again while the last shed did not make the ticks any
+  shorter. Overload from outside the rows (a busy host, the media) holds admission instead:
+  ending healthy calls would not help it.
 
 Everything is plain numbers: times are passed in (`now`), so tests drive it without a clock.
 docs/serving.md § Admission by headroom explains the rules and the defaults.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,8 +104,10 @@ class HeadroomPolicy:
     """The admission and shedding rules; see the module docstring. Not thread-safe: the pool holds
     its lock around every call."""
 
-    def __init__(self, config: HeadroomConfig) -> None:
+    def __init__(self, config: HeadroomConfig, bucket: Callable[[int], int] | None = None) -> None:
         self.config = config
+        # The batch a tick of n calls steps (the engine's buckets); n itself where it steps every call.
+        self.bucket = bucket if bucket is not None else (lambda calls: calls)
         self.curve = CostCurve(config)
         self._recent: collections.deque[float] = collections.deque(maxlen=config.samples_per_size)
         self._lags: dict[str, tuple[float, float]] = {}  # door -> (when, lag seconds)
@@ -115,7 +122,7 @@ class HeadroomPolicy:
     # ---- measurements ----------------------------------------------------------------------------
 
     def record_tick(self, now: float, rows: int, seconds: float) -> None:
-        """One tick of `rows` rows took `seconds`."""
+        """One tick that stepped a batch of `rows` rows took `seconds`."""
         self.curve.record(now, rows, seconds)
         self._recent.append(seconds)
         if self.recent() > self.config.budget_seconds:
@@ -161,28 +168,30 @@ class HeadroomPolicy:
             return False
         # A size ticked at lately, within the budget, is taken again as it was (a call ended, a
         # waiting one takes its place); a size not measured is predicted, and needs the margin.
-        known = figures.get(rows + 1)
+        batch = self.bucket(rows + 1)
+        known = figures.get(batch)
         if known is not None:
             return known <= budget * (1.0 - self.config.measured_margin)
-        predicted = self.curve.predict(now, rows + 1, figures)
+        predicted = self.curve.predict(now, batch, figures)
         return predicted is not None and predicted <= self.limit
 
     def headroom(self, now: float, rows: int) -> float:
         """Seconds of the budget left if one more call joined `rows` (negative: over), for the
         gauge: the budget less the predicted tick, or less the recent tick while none is predicted."""
         recent = self.recent()
-        predicted = self.curve.predict(now, rows + 1) if rows else None
+        predicted = self.curve.predict(now, self.bucket(rows + 1)) if rows else None
         return self.config.budget_seconds - max(recent if predicted is None else predicted, recent)
 
     def shed_due(self, now: float, live: int) -> bool:
         """True when the ticks have been over budget for `shed_after_seconds` with more than one
-        call live; the clock restarts, so the next shed waits as long at the smaller batch. Not
+        call live, and one call fewer would step a smaller batch that was measured lately within
+        the budget; the clock restarts, so the next shed waits as long at the smaller batch. Not
         again while the last shed left the ticks as long as they were (less than 5 % shorter):
         then the host, not the rows, is the cost, and more calls ended would not help."""
         cfg = self.config
         if not cfg.shed or live <= 1 or self._over_since is None:
             return False
-        if now - self._over_since < cfg.shed_after_seconds:
+        if now - self._over_since < cfg.shed_after_seconds or not self.row_is_the_cost(now, live):
             return False
         recent = self.recent()
         if self._shed_at is not None and recent > 0.95 * self._shed_at:
@@ -190,3 +199,13 @@ class HeadroomPolicy:
         self._over_since, self._shed_at = now, recent
         self._recent.clear()  # judge the smaller batch by its own ticks
         return True
+
+    def row_is_the_cost(self, now: float, live: int) -> bool:
+        """Whether ending one of `live` calls would bring the tick within the budget, as
+        measured: the batch one call fewer steps is smaller, and it ticked lately within the
+        budget (with the margin a measured size keeps, so that the room does not churn)."""
+        smaller = self.bucket(live - 1)
+        if smaller >= self.bucket(live):
+            return False
+        cost = self.curve.measured(now).get(smaller)
+        return cost is not None and cost <= self.config.budget_seconds * (1.0 - self.config.measured_margin)
