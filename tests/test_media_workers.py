@@ -231,6 +231,12 @@ async def one_queue_for_everyone(app: LaunchedApp) -> None:
         await sdk.conn.close()
         await until(lambda: app.status()["slots_free"] == 2 and app.status()["queue_length"] == 0, 10,
                     "an empty room")
+    # A caller's audio is not decoded while it waits, and is heard once it is seated: the four who
+    # went live (two of them from the queue) were heard, and nobody's audio was decoded while waiting.
+    closed = [(int(heard), int(waiting)) for heard, waiting in re.findall(
+        r"closed after (\d+) packets in, \d+ frames out, (\d+) decoded while waiting", app.log.read_text())]
+    assert len(closed) == 6 and sum(heard > 0 for heard, _ in closed) == 4, closed
+    assert all(waiting == 0 for _, waiting in closed), closed
 
 
 async def test_two_cpu_engines_with_int8_weights_each_take_a_call(tiny_cache_dir, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 from personaplex_demo.api import errors as codes
 from personaplex_demo.api.access import SocketLimiter, client_address, key_accepted, presented_key
-from personaplex_demo.api.audio_in import InputAudio, decode_pcm16
+from personaplex_demo.api.audio_in import InputAudio, decode_pcm16, pcm16_samples
 from personaplex_demo.api.client_events import parse
 from personaplex_demo.api.errors import RealtimeError
 from personaplex_demo.api.session import Dialect, SessionSettings, apply_update, session_object
@@ -178,6 +178,12 @@ def test_bad_audio_payloads(payload, code):
     with pytest.raises(RealtimeError) as info:
         decode_pcm16(payload)
     assert info.value.code == code
+
+
+def test_a_waiting_callers_audio_is_counted_without_being_decoded():
+    for n in (0, 1, 2, 3, 959, 960, 1921):
+        audio = base64.b64encode(np.arange(n, dtype="<i2").tobytes()).decode()
+        assert pcm16_samples(audio) == decode_pcm16(audio).size == n
 
 
 # ---- turns -----------------------------------------------------------------------------------

@@ -191,6 +191,30 @@ def test_install_gives_receivers_the_arrival_jitter_buffer_for_audio_only():
         receiver.JitterBuffer = before
 
 
+async def test_a_waiting_callers_packets_are_dropped_before_decoding_and_taken_again_after():
+    """aiortc's receiver switch, as `receive_audio` turns it: off, an arriving RTP packet goes
+    no further than the receiver's first check (its source is not even noted, let alone decoded)."""
+    from aiortc import RTCPeerConnection
+    from aiortc.rtp import RtpPacket
+
+    from personaplex_demo.rtc.patches import receive_audio
+
+    pc = RTCPeerConnection()
+    try:
+        assert not receive_audio(pc, False)  # no audio receiver yet: nothing to switch
+        pc.addTransceiver("audio", direction="recvonly")
+        receiver = pc.getReceivers()[0]
+        sources = receiver._RTCRtpReceiver__active_ssrc  # what the receiver notes of each packet first
+        assert receive_audio(pc, False)
+        await receiver._handle_rtp_packet(RtpPacket(payload_type=96, sequence_number=1, ssrc=11), arrival_time_ms=0)
+        assert sources == {}
+        assert receive_audio(pc, True)
+        await receiver._handle_rtp_packet(RtpPacket(payload_type=96, sequence_number=2, ssrc=11), arrival_time_ms=0)
+        assert list(sources) == [11]
+    finally:
+        await pc.close()
+
+
 def test_every_patched_library_is_pinned_at_the_version_its_patches_were_written_for():
     from pathlib import Path
 

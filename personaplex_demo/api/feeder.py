@@ -15,7 +15,7 @@ import numpy as np
 
 from ..frame import FRAME_SAMPLES
 from ..serving.room import CallHandle, CallState
-from .audio_in import InputAudio
+from .audio_in import InputAudio, decode_pcm16, pcm16_samples
 from .config import RealtimeConfig
 
 SILENCE = np.zeros(FRAME_SAMPLES, np.int16)
@@ -27,12 +27,24 @@ class Feeder:
         self.audio = InputAudio(config.input_buffer_seconds)
         self.in_flight = 0  # frames handed to the room and not yet answered by an output
         self.frames_in = 0
+        self.dropped_before_live = 0  # samples appended while the call was not live (not heard)
         self.last_audio_at = time.monotonic()
 
-    def append(self, samples: np.ndarray, event_id: str | None) -> None:
-        """Hold appended audio (RealtimeError past the bound)."""
+    def append(self, audio: str, call: CallHandle | None, event_id: str | None) -> bool:
+        """Hold an appended chunk of base64 PCM16 while `call` is live (RealtimeError when it is
+        not PCM16 or past the bound); True if it was held. Before the call is live the model is
+        not listening: the chunk is only counted, neither decoded nor held, so that a caller
+        waiting in the queue costs the reading of its events and no more."""
+        if call is not None and call.state != CallState.LIVE:
+            self.dropped_before_live += pcm16_samples(audio)
+            return False
+        samples = decode_pcm16(audio, event_id)  # before any call, a bad chunk is still refused
+        if call is None:
+            self.dropped_before_live += samples.size
+            return False
         self.audio.append(samples, event_id)
         self.last_audio_at = time.monotonic()
+        return True
 
     def live(self) -> None:
         """The call went live: a pause is counted from now."""

@@ -25,7 +25,6 @@ from ..serving.door import DoorCall, Ended, Frame, Live, Preparing, Queued, Refu
 from ..serving.room import (
     DOOR_REALTIME,
     CallHandle,
-    CallState,
     EndReason,
     Room,
     end_message,
@@ -64,7 +63,6 @@ class RealtimeSocket:
         self.turns = TurnTracker(dialect, config.turn_end_seconds, config.speech_dbfs)
         self.outbox = Outbox()
         self.frames_out = 0
-        self.dropped_before_live = 0  # samples appended while the call was not live (not heard)
         self.update_refused = False  # a session.update was refused and none taken since
         self._tasks: set[asyncio.Task] = set()
         self._reader: asyncio.Task | None = None
@@ -172,16 +170,15 @@ class RealtimeSocket:
                 if self.call is None:
                     await self._start_call(ev.event_id)
             case "input_audio_buffer.append":
-                samples = decode_pcm16(field(ev, "audio", str), ev.event_id)
+                audio = field(ev, "audio", str)
                 if self.call is None and not self.update_refused:
                     # No session.update at all: the default voice and persona. (After a refused one
-                    # the client is still choosing; its audio is not heard yet.)
+                    # the client is still choosing; its audio is not heard yet.) A chunk that is not
+                    # PCM16 is refused before a call starts for it.
+                    decode_pcm16(audio, ev.event_id)
                     await self._start_call(ev.event_id)
-                if self.call is None or self.call.state != CallState.LIVE:
-                    self.dropped_before_live += samples.size  # the model is not listening yet
-                    return
-                self.feeder.append(samples, ev.event_id)
-                self.feeder.feed(self.call)
+                if self.feeder.append(audio, self.call, ev.event_id):
+                    self.feeder.feed(self.call)
             case "input_audio_buffer.clear":
                 self.feeder.audio.clear()
                 self.send(event("input_audio_buffer.cleared"))

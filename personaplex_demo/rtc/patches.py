@@ -2,7 +2,8 @@
 written for.
 
 They replace a module attribute or a setting that the library looks up at run time, so that the
-app needs no fork: aiortc's Opus encoder, audio level and jitter buffer, fastrtc's outgoing audio
+app needs no fork: aiortc's Opus encoder, audio level and jitter buffer, its receivers' switch
+(`receive_audio`), fastrtc's outgoing audio
 track (rtc/audio.py says why), aioice's host addresses and consent checks, Gradio's record of past
 events, and the offer handling of fastrtc's WebRTC component (one instance at a time, never its
 class). Each one first
@@ -117,6 +118,22 @@ def _replace_class(module: Any, name: str, package: str, make: Any) -> None:
     cls = make()
     cls.patched_here = True
     setattr(module, name, cls)
+
+
+def receive_audio(pc: Any, on: bool) -> bool:
+    """Turn the decoding of the audio that `pc`'s peer sends on or off; False where `pc` has no
+    audio receiver to switch. Off, aiortc drops each RTP packet as it arrives, after SRTP and
+    before the jitter buffer, the Opus decoder, the resampler and the handler: a caller waiting
+    in the queue, whose audio is not heard, costs almost nothing. This is aiortc 1.16's own
+    switch (`RTCRtpReceiver._enabled`) for a transceiver that only sends; the browser is not told
+    and keeps sending, so the audio is there again at once when the switch is turned on."""
+    written_for("aiortc")
+    receivers = [t.receiver for t in pc.getTransceivers() if t.kind == "audio"]
+    for receiver in receivers:
+        if not hasattr(receiver, "_enabled"):
+            return False
+        receiver._enabled = on
+    return bool(receivers)
 
 
 # ---- fastrtc (one component or host instance, never the class) -----------------------------------
