@@ -12,6 +12,7 @@ caller went live for `--settle` seconds), it measures `--seconds` and sorts ever
 Then it hangs up one live caller and times how long until a waiting one hears the agent.
 
     python bench/admission.py --slots 12 --seconds 20 [--write]
+    python bench/admission.py --modes headroom --runs 3 --compare DIR   (three runs in a row, here and at DIR)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import json
 import logging
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -28,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import media  # noqa: E402
-from bench.common import command_line, machine, machine_line, md_table, replace_section  # noqa: E402
+from bench.common import md_table, publish  # noqa: E402
 
 log = logging.getLogger("bench.admission")
 FULLY_LIVE_AUDIO = 0.98  # s of agent audio per wall second
@@ -160,6 +162,9 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=6.0, help="seconds without a new live call that count as settled")
     ap.add_argument("--modes", nargs="+", default=["headroom", "slots"], choices=["headroom", "slots"])
     ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--runs", type=int, default=1, help="runs of each mode, in a row")
+    ap.add_argument("--compare", default=None, metavar="DIR",
+                    help="also run app.py from another checkout (a git worktree of an older commit), before each run here")
     ap.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -167,18 +172,23 @@ def main() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     media.SpeechLikeTrack = media.make_track_class()
     rows = []
-    for mode in a.modes:
-        app = media.App(a.slots, ["--max-queue", "32", "--admission", mode], a.cache_dir)
-        try:
-            rows.append(asyncio.run(media.with_loopback(run(app, a.slots, a.seconds, a.settle, mode))))
-        finally:
-            app.close()
-        log.info("\n%s", table(rows[-1:]))
-    body = table(rows) + "\n\n" + reading(rows)
-    print(body)
-    if a.write:
-        replace_section(SECTION, body, command=command_line(), info=machine())
-        log.info("wrote BENCHMARKS.md § %s (%s)", SECTION, machine_line(machine()))
+    checkouts = [("", media.REPO)]
+    if a.compare:
+        other = Path(a.compare).resolve()
+        commit = subprocess.run(["git", "-C", str(other), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() or other.name
+        checkouts.insert(0, (f", at {commit}", other))
+    for _ in range(a.runs):
+        for mode in a.modes:
+            for label, repo in checkouts:
+                app = media.App(a.slots, ["--max-queue", "32", "--admission", mode], a.cache_dir, repo)
+                try:
+                    rows.append(asyncio.run(media.with_loopback(run(app, a.slots, a.seconds, a.settle, mode))))
+                finally:
+                    app.close()
+                rows[-1].mode += label
+                log.info("\n%s", table(rows[-1:]))
+    publish(SECTION, table(rows) + "\n\n" + reading(rows), a.write)
 
 
 if __name__ == "__main__":

@@ -227,7 +227,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def graph_checks(setup: Setup, dry_run: bool) -> list:
     from bench.gpu_checks import graphs_equal_eager, graphs_on_second_device
 
-    ticks, every = (40, 10) if dry_run else (200, 50)
+    ticks, every = (60, 6) if dry_run else (200, 20)  # calls join and leave: every batch bucket, rows moving
     out = [graphs_equal_eager(setup.lm, setup.mimi, setup.tokenizer, setup.voices, setup.device, setup.dtype,
                               4, ticks, every, setup.persona),
            graphs_on_second_device(setup.lm, setup.mimi, setup.tokenizer, setup.voices, setup.dtype, setup.persona,

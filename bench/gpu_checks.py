@@ -235,26 +235,41 @@ def graphs_summary(infos: list[GraphInfo]) -> str:
 
 def play_both(engines: list[LockstepEngine], voices, batch: int, ticks: int, recycle_every: int,
               persona: str) -> tuple[bool, bool, str]:
-    """Feed both engines the same audio and sessions (a slot recycled every `recycle_every` ticks,
-    with a new persona: a real prefill) until their outputs first differ.
+    """Feed both engines the same audio and sessions until their outputs first differ. Every
+    `recycle_every` ticks the number of calls moves one step along 1, 2, ... `batch`, ... 1: a
+    new call (a real prefill: a new persona) on the lowest free slot, or the lowest live call
+    hung up, so that the ticks meet every batch bucket and rows move down (engine/rows.py).
     Returns (tokens equal, PCM equal, what happened)."""
     names = voices.names
     rng = np.random.default_rng(0)
+    pattern = [*range(1, batch + 1), *range(batch - 1, 0, -1)]
+    live: list[int] = []
+    buckets: set[int] = set()
     for t in range(ticks):
         if t % recycle_every == 0:
-            for slot in range(batch) if t == 0 else [(t // recycle_every) % batch]:
+            target = pattern[(t // recycle_every) % len(pattern)]
+            if len(live) < target:
+                slot = min(set(range(batch)) - set(live))
                 text = persona if t == 0 else f"{persona} This is call {t}."
                 for eng in engines:
                     eng.start_session(slot, names[(slot + t) % len(names)], text, SamplingParams(seed=1000 * t + slot))
+                live.append(slot)
+            elif len(live) > target:
+                slot = min(live)
+                for eng in engines:
+                    eng.end_session(slot)
+                live.remove(slot)
         pcm = (0.1 * rng.standard_normal((batch, 1920))).astype(np.float32)
         a, b = (eng.step(pcm) for eng in engines)
+        buckets.add(a.rows)
         tokens_equal, pcm_equal = np.array_equal(a.tokens, b.tokens), np.array_equal(a.pcm, b.pcm)
         if not (tokens_equal and pcm_equal):
             rows = (a.tokens != b.tokens).any(axis=1) | (a.pcm != b.pcm).any(axis=1)
             err = float(np.abs(a.pcm - b.pcm).max())
-            return tokens_equal, pcm_equal, (f"first difference at tick {t}, slot {int(np.nonzero(rows)[0][0])} "
-                                             f"(max |dPCM| {err:.2g})")
-    return True, True, f"{ticks} ticks, a recycle every {recycle_every}: tokens and PCM equal"
+            return tokens_equal, pcm_equal, (f"first difference at tick {t}, slot {int(np.nonzero(rows)[0][0])}, "
+                                             f"batch {a.rows} (max |dPCM| {err:.2g})")
+    return True, True, (f"{ticks} ticks, a call joining or leaving every {recycle_every}, batches "
+                        f"{sorted(buckets)}: tokens and PCM equal")
 
 
 def graphs_equal_eager(lm, mimi, tokenizer, voices, device: torch.device, dtype: torch.dtype, batch: int,

@@ -17,12 +17,17 @@ Once every caller is live it measures, for `--seconds`:
 - per caller, the agent audio received per wall second and the longest gap between frames;
 - the page updates (SSE `process_generating` messages) per caller per second.
 
+`--waiting W ...` adds W callers after the live ones, who wait in the queue (`--max-queue W`) while
+the window is measured: what a caller costs the server while it waits, against the same live
+callers alone (W = 0) in the same run.
+
 `--engine-only` runs the same slots without any WebRTC: the pool is fed frames in process by
 as many in-process callers, so `app tree - engine only` is what the media path costs per caller
 as long as the app keeps up; once one process is saturated (one core of GIL), the thread split
 is the measure that still holds.
 
     python bench/media.py --callers 1 2 4 8 --slots 8 --seconds 20 [--write]
+    python bench/media.py --callers 2 --slots 2 --waiting 0 8 --compare DIR     (what a waiting caller costs)
     python bench/media.py --callers 4 --slots 4 --ray-nodes 2 --app-args '--media-workers 2' \
         --app-args '--engines ray --slots 2'     (two tiny engines as Ray actors, beside media workers)
 """
@@ -57,6 +62,7 @@ from bench.common import (  # noqa: E402
     md_table,
     replace_section,
 )
+from personaplex_demo.web import mic_hold  # noqa: E402
 
 log = logging.getLogger("bench.media")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -216,6 +222,7 @@ class PageCaller:
         self.stream_task: asyncio.Task | None = None
         self.tasks: list[asyncio.Task] = []
         self.args = ["NATF2", PERSONA, 0.7, 25, 0.8, 250, 1000 + index]
+        self.held_mic = None  # the microphone, while the call waits
 
     def in_window(self, t: float) -> bool:
         return self.window is not None and self.window[0] <= t < self.window[1]
@@ -263,7 +270,14 @@ class PageCaller:
             return await r.json()
 
     async def on_message(self, message: str) -> None:
-        kind = json.loads(message).get("type")
+        kind, data = json.loads(message).get("type"), json.loads(message).get("data")
+        sender = next((s for s in self.pc.getSenders() if s.kind == "audio"), None)
+        if kind == "log" and data == mic_hold.HOLD and sender is not None and sender.track is not None:
+            self.held_mic = sender.track  # as the page's script does (web/mic_hold.py): no audio while waiting
+            sender.replaceTrack(None)
+        elif kind == "log" and data == mic_hold.SEND and sender is not None and self.held_mic is not None:
+            sender.replaceTrack(self.held_mic)
+            self.held_mic = None
         if kind == "send_input":
             await self.join(self.events.tick, [self.webrtc_id, *self.args])
         elif kind == "fetch_output" and not self.relay_running:
@@ -337,6 +351,8 @@ def make_track_class():
         async def recv(self) -> AudioFrame:
             if self.t0 is None:
                 self.t0 = time.monotonic()
+            if (late := time.monotonic() - (self.t0 + self.n * 0.02)) > 0.1:
+                self.n += int(late / 0.02)  # a microphone nobody read for a while (held): no backlog
             await asyncio.sleep(max(0.0, self.t0 + self.n * 0.02 - time.monotonic()))
             t = (np.arange(960) + self.n * 960) / 48000
             gate = 1.0 if (self.n // 50) % 3 else 0.0  # talk two seconds, pause one
@@ -372,6 +388,7 @@ class Row:
     live: int
     ticker: float = float("nan")  # cores of the busiest thread: the engine's ticker
     load_generator: float = float("nan")  # cores this benchmark's own callers used, on the same machine
+    waiting: int = 0  # callers waiting in the queue during the window (not counted in `callers`)
 
     @property
     def rest_per_caller(self) -> float:
@@ -395,11 +412,11 @@ async def with_loopback(run):
         aiortc.rtcrtpsender.get_encoder = encoder_factory
 
 
-async def run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
-    return await with_loopback(_run_webrtc(app, n, seconds, settle))
+async def run_webrtc(app: App, n: int, seconds: float, settle: float, waiting: int = 0) -> Row:
+    return await with_loopback(_run_webrtc(app, n, seconds, settle, waiting))
 
 
-async def _run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
+async def _run_webrtc(app: App, n: int, seconds: float, settle: float, waiting: int = 0) -> Row:
     import aiohttp
 
     async with aiohttp.ClientSession() as http:
@@ -414,6 +431,14 @@ async def _run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"only {app.status()['slots_live']} of {n} calls went live")
             await asyncio.sleep(0.5)
+        queued = [PageCaller(http, app.base, events, n + i) for i in range(waiting)]
+        for c in queued:
+            await c.start()
+            await asyncio.sleep(0.3)
+        while app.status()["queue_length"] < waiting:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {app.status()['queue_length']} of {waiting} callers waiting")
+            await asyncio.sleep(0.5)
         await asyncio.sleep(settle)
         t0, cpu0, own0 = time.monotonic(), app.cpu(), time.process_time()
         for c in callers:
@@ -421,7 +446,10 @@ async def _run_webrtc(app: App, n: int, seconds: float, settle: float) -> Row:
         await asyncio.sleep(seconds)
         cpu1, t1, own1 = app.cpu(), time.monotonic(), time.process_time()
         status = app.status()
-        for c in callers:
+        if status["queue_length"] != waiting or status["slots_live"] != n:
+            raise RuntimeError(f"{status['slots_live']} live and {status['queue_length']} waiting at the end of the "
+                               f"window, not {n} and {waiting}")
+        for c in callers + queued:
             await c.stop()
     cores = (cpu1.total - cpu0.total) / (t1 - t0)
     audio = [c.result.audio_s / seconds for c in callers]
@@ -520,6 +548,23 @@ def media_cost(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def waiting_cost(rows: list[Row]) -> str:
+    """Each run with callers waiting against the same mode's run without: the server's CPU per
+    waiting caller, beside what the media of a live caller costs (everything but the engine's
+    ticker, per live caller, in the run without)."""
+    alone = {(r.mode, r.callers): r for r in rows if not r.waiting}
+    lines = []
+    for r in rows:
+        base = alone.get((r.mode.rsplit(f", {r.waiting} waiting", 1)[0], r.callers)) if r.waiting else None
+        if base is None:
+            continue
+        per_waiting = (r.cores - base.cores) / r.waiting
+        lines.append(f"- {r.mode}: ({r.cores:.3f} - {base.cores:.3f}) / {r.waiting} = {per_waiting:.4f} core per "
+                     f"waiting caller, against {base.rest_per_caller:.3f} core of media per live caller "
+                     f"({per_waiting / base.rest_per_caller:.2f} of it)")
+    return ("\n\nWhat a waiting caller costs:\n" + "\n".join(lines)) if lines else ""
+
+
 def main() -> None:
     global SpeechLikeTrack
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -535,6 +580,8 @@ def main() -> None:
                          "engine each (bench/ray_cluster.py), its CPU counted with the app's")
     ap.add_argument("--label", default=None, help="the mode's name in the table (default: from --app-args)")
     ap.add_argument("--engine-only", action="store_true", help="also run the engine-only baseline")
+    ap.add_argument("--waiting", type=int, nargs="+", default=[0],
+                    help="callers who wait in the queue beside the live ones, each count a run (default: none)")
     ap.add_argument("--compare", default=None, metavar="DIR",
                     help="also run app.py from another checkout (e.g. a git worktree of an older commit), "
                          "alternating with this one at each caller count")
@@ -553,17 +600,21 @@ def main() -> None:
         other = Path(a.compare).resolve()
         commit = subprocess.run(["git", "-C", str(other), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip() or other.name
-        apps.insert(0, (f"{apps[0][0]}, at {commit}", other, modes[0]))
+        # Each mode at the other checkout, then here.
+        apps = [app for name, repo, m in apps for app in ((f"{name}, at {commit}", other, m), (name, repo, m))]
     for n in a.callers:
         for name, repo, mode in apps:
-            app = App(a.slots, mode.split(), a.cache_dir, repo, a.ray_nodes)
-            try:
-                row = asyncio.run(run_webrtc(app, n, a.seconds, a.settle))
-            finally:
-                app.close()
-            row.mode = name
-            rows.append(row)
-            log.info("%s", table([row]))
+            for waiting in a.waiting:
+                extra = mode.split() + (["--max-queue", str(waiting)] if waiting else [])
+                app = App(a.slots, extra, a.cache_dir, repo, a.ray_nodes)
+                try:
+                    row = asyncio.run(run_webrtc(app, n, a.seconds, a.settle, waiting))
+                finally:
+                    app.close()
+                row.mode = name + (f", {waiting} waiting" if waiting else "")
+                row.waiting = waiting
+                rows.append(row)
+                log.info("%s", table([row]))
         if a.engine_only:
             # Its own process, so the engine run starts as cold as the app's did.
             out = subprocess.run([sys.executable, __file__, "--engine-only-run", str(n), str(a.slots), str(a.seconds),
@@ -573,7 +624,7 @@ def main() -> None:
                 raise RuntimeError(out.stderr[-3000:])
             rows.append(Row(**json.loads(out.stdout.strip().splitlines()[-1])))
             log.info("%s", table(rows[-1:]))
-    body = table(rows) + "\n\n" + media_cost(rows)
+    body = table(rows) + "\n\n" + media_cost(rows) + waiting_cost(rows)
     print(body)
     if a.write:
         replace_section(a.section, body, command=command_line(), info=machine())

@@ -26,6 +26,8 @@ from aiortc.mediastreams import MediaStreamTrack
 from av import AudioFrame
 from gradio_client.utils import apply_diff
 
+from personaplex_demo.web import mic_hold
+
 
 async def wait_all_free(pool, seconds: float = 3.0) -> None:
     """Wait until every slot of `pool` (anything with `snapshot()` and `slots_total`) is free."""
@@ -33,6 +35,14 @@ async def wait_all_free(pool, seconds: float = 3.0) -> None:
     while time.monotonic() < deadline and pool.snapshot().slots_free < pool.slots_total:
         await asyncio.sleep(0.05)
     assert pool.snapshot().slots_free == pool.slots_total
+
+
+def catch_up(track) -> None:
+    """A microphone runs in real time whether or not anyone reads it: after a pause in reading
+    (the page held it while the call waited) its next frame is the current one, not a backlog."""
+    late = time.monotonic() - (track.t0 + track.n * 0.02)
+    if late > 0.1:
+        track.n += int(late / 0.02)
 
 
 class ToneTrack(MediaStreamTrack):
@@ -47,6 +57,7 @@ class ToneTrack(MediaStreamTrack):
     async def recv(self) -> AudioFrame:
         if self.t0 is None:
             self.t0 = time.monotonic()
+        catch_up(self)
         await asyncio.sleep(max(0.0, self.t0 + self.n * 0.02 - time.monotonic()))
         t = (np.arange(960) + self.n * 960) / 48000
         pcm = (self.amplitude * 32767 * np.sin(2 * np.pi * self.freq * t)).astype(np.int16)
@@ -77,6 +88,7 @@ class FeedbackTrack(MediaStreamTrack):
     async def recv(self) -> AudioFrame:
         if self.t0 is None:
             self.t0 = time.monotonic()
+        catch_up(self)
         await asyncio.sleep(max(0.0, self.t0 + self.n * 0.02 - time.monotonic()))
         while self.heard:
             self.buffered = np.concatenate([self.buffered, self.heard.popleft()])
@@ -102,6 +114,7 @@ class Caller:
         self.energy = 0.0
         self.last_audio_at: float | None = None
         self.messages: list[str] = []
+        self.held_mic: MediaStreamTrack | None = None  # the microphone, while the call waits
 
     def on_message(self, message: str) -> None:
         """A data channel message from the server (the page reacts to some of them)."""
@@ -114,6 +127,7 @@ class Caller:
         @channel.on("message")
         def on_message(msg):
             self.messages.append(msg)
+            self.mic_hold(msg)
             self.on_message(msg)
 
         @self.pc.on("track")
@@ -138,6 +152,17 @@ class Caller:
         if "sdp" in answer:
             await self.pc.setRemoteDescription(RTCSessionDescription(answer["sdp"], answer["type"]))
         return answer
+
+    def mic_hold(self, message: str) -> None:
+        """As the page's script does (web/mic_hold.py): hold the microphone while the call waits."""
+        data = json.loads(message).get("data") if message.startswith("{") else None
+        sender = next((s for s in self.pc.getSenders() if s.kind == "audio"), None)
+        if data == mic_hold.HOLD and sender is not None and sender.track is not None:
+            self.held_mic = sender.track
+            sender.replaceTrack(None)
+        elif data == mic_hold.SEND and sender is not None and self.held_mic is not None:
+            sender.replaceTrack(self.held_mic)
+            self.held_mic = None
 
     async def send_offer(self, body: dict) -> dict:
         raise NotImplementedError

@@ -24,6 +24,7 @@ from .browser_support import (
     require,
     start_call,
     stop_call,
+    wait_for,
 )
 
 pytestmark = pytest.mark.browser
@@ -116,6 +117,37 @@ def test_a_call_in_chromium(mode, request, mic_wav, tmp_path):
         assert fig["latency_ms"]["answers"] > 0 and fig["packets"]["received"] > 0, fig
         assert "Call ended" in page.locator("#status-line").inner_text()
         page.screenshot(path=str(ARTIFACTS / f"browser-after-call{shot}.png"), full_page=True)
+
+
+def test_a_waiting_page_sends_no_audio_until_its_slot_is_prepared(app, mic_wav, tmp_path):
+    """Two calls fill the room's two slots; a third page waits in the queue with its microphone
+    held (no RTP leaves it), and sends again once a hang-up seats it (web/mic_hold.py)."""
+    with chromium(tmp_path / "udd", mic_wav) as ctx:
+        pages = [ctx.new_page() for _ in range(3)]
+        for page in pages:
+            page.add_init_script(RECORD_PCS)
+            page.goto(app.base_url + "/", wait_until="networkidle")
+        for page in pages[:2]:
+            start_call(page)
+        wait_for(lambda: app.status()["slots_live"] == 2, 20, "two calls live")
+        waiting = pages[2]
+        start_call(waiting)
+        waiting.wait_for_function("document.querySelector('#status-line').innerText.includes('in the queue')",
+                                  timeout=10_000)
+        waiting.wait_for_timeout(500)  # packets sent before the hold reached the page
+        before = waiting.evaluate(OUTBOUND_PACKETS)
+        waiting.wait_for_timeout(3_000)
+        assert waiting.evaluate(OUTBOUND_PACKETS) - before <= 1, "the waiting page kept sending its microphone"
+        stop_call(pages[0])
+        waiting.wait_for_function("document.querySelector('#status-line').innerText.includes('Live')",
+                                  timeout=15_000)
+        sent, since = waiting.evaluate(OUTBOUND_PACKETS), time.monotonic()
+        waiting.wait_for_timeout(2_000)
+        rate = (waiting.evaluate(OUTBOUND_PACKETS) - sent) / (time.monotonic() - since)
+        assert 18 < rate < 32, f"{rate:.1f} microphone packets a second once seated"
+        for page in pages[1:]:
+            stop_call(page)
+        wait_for(lambda: app.status()["slots_free"] == 2, 5, "both slots free")
 
 
 def controls(page) -> dict[str, str]:

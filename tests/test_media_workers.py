@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from personaplex_demo.procs.topology import default_media_workers, resolve_devices
+from personaplex_demo.web import mic_hold
 
 from .browser_support import LaunchedApp, launched_app
 from .callers import PageCaller, PageConfig
@@ -225,6 +226,9 @@ async def one_queue_for_everyone(app: LaunchedApp) -> None:
         await sdk.wait_for(lambda: any(getattr(e, "position", None) == 3 for _, e in sdk.events
                                        if e.type == "personaplex.queue"), 10, "the socket at place 3")
         assert app.status()["queue_length"] == 3
+        # The page's protocol: a waiting caller holds its microphone; a seated one sends it again.
+        assert all(any(mic_hold.HOLD in m for m in c.messages) for c in callers[2:])
+        assert all(c.held_mic is None for c in callers[2:4]) and all(c.held_mic is not None for c in callers[4:])
         for caller in callers[2:]:
             await caller.hang_up()
         await sdk.wait_live(30)  # the socket's turn comes once the page callers have gone

@@ -12,8 +12,9 @@ Life of a call (fastrtc runs `start_up`, `receive` and `emit` concurrently):
 1. `start_up` reads the page's inputs and asks the room for a slot. The slot's system prompt is
    prefilled at once (or the caller waits in the queue, with the position on the page).
 2. Until the slot is live, microphone audio is not heard (the model is not listening yet). While
-   the call waits in the queue its peer's audio is not even decoded (`receive_audio`): a waiting
-   caller costs almost nothing; a closed tab is noticed by ICE consent (rtc/patches.py).
+   the call waits in the queue the page holds its microphone and the server decodes nothing of
+   it (web/mic_hold.py): a waiting caller costs almost nothing; a closed tab is noticed by ICE
+   consent (rtc/patches.py).
 3. `emit` returns each agent frame, plus transcript and status updates for the page.
 4. Hang-up (`shutdown`), a closed tab (the room's idle release), the time limit and a full room
    all free the slot; everything but a plain hang-up ends the call with a message
@@ -39,7 +40,6 @@ from ..errors import CallerError
 from ..frame import SAMPLE_RATE
 from ..rtc.audio import output_frame_samples
 from ..rtc.input_audio import InputResampler
-from ..rtc.patches import receive_audio
 from ..serving.door import DoorCall, Ended, Frame, Live, Preparing, Queued, Refusal, RefusalKind
 from ..serving.headroom import WaitReason
 from ..serving.loop_lag import ensure_probe
@@ -48,6 +48,7 @@ from ..serving.room import end_message as room_end_message
 from .call_figures import CallFigures
 from .echo import WARNING as ECHO_WARNING
 from .echo import EchoDetector
+from .mic_hold import MicHold
 from .page_inputs import CallRequest
 from .recording import CallRecording, RecordingFiles, RecordingStore
 from .status import STATUS_SECONDS, PageThrottle, SharedFigures, room_line, status_line
@@ -91,13 +92,6 @@ class FinalUpdates:
             return self._updates.pop(webrtc_id, None)
 
 
-def receive_caller_audio(peers: Callable[[str], Any] | None, webrtc_id: str | None, on: bool) -> None:
-    """Decode a caller's audio (on), or drop its packets unread while it waits (off): its peer
-    connection's receiver switch (rtc/patches.py `receive_audio`), where the peer is known."""
-    if peers and webrtc_id and (pc := peers(webrtc_id)) is not None:
-        receive_audio(pc, on)
-
-
 class Phase(enum.Enum):
     """Where a handler is in its call; fastrtc runs `start_up`, `receive` and `emit` concurrently."""
 
@@ -136,7 +130,7 @@ class CallHandler(AsyncStreamHandler):
         self.recording: CallRecording | None = None
         self.transcript = ""
         self.packets_in = 0
-        self.decoded_waiting = 0  # frames decoded while the call waited in the queue (none, with a peer)
+        self.mic = MicHold()
         self.frames_out = 0
         self._input = InputResampler(SAMPLE_RATE)
         self._started = asyncio.Event()  # set when STARTING is over
@@ -179,7 +173,7 @@ class CallHandler(AsyncStreamHandler):
             self.phase = Phase.ACTIVE
             call = self.door_call.call
             self.figures.queued = call.state == CallState.QUEUED
-            receive_caller_audio(self.peers, self.webrtc_id, call.state != CallState.QUEUED)
+            self.mic.set(call.state == CallState.QUEUED, self.channel, self.peers, self.webrtc_id)
             self.recording = self.recordings.start(self.call_id, req.recording_meta(self.call_id, self.model_name))
             log.info("call %s: %s, voice %s (room call %s)", self.call_id, call.state, req.voice, call.id)
         else:
@@ -201,7 +195,7 @@ class CallHandler(AsyncStreamHandler):
     # ---- microphone -------------------------------------------------------------------------
 
     def resample(self, frame):  # fastrtc's hook for each decoded frame (rtc/input_audio.py)
-        self.decoded_waiting += int(self.call is not None and self.call.state == CallState.QUEUED)
+        self.mic.decoded_held += self.mic.held
         return self._input.resample(frame)
 
     async def receive(self, frame: tuple[int, np.ndarray]) -> None:
@@ -222,11 +216,11 @@ class CallHandler(AsyncStreamHandler):
         if not audio.size:
             return
         audio = audio.reshape(-1)
-        # Queue or prefill: the model is not listening yet, so the audio is not heard (played late
-        # it would only add delay); in the queue it tells the room the caller is still there.
-        self.door_call.push(audio)
         if self.call.state != CallState.LIVE:
+            # Queue or prefill: not heard yet (played late it would only add delay). A waiting page
+            # holds its microphone (web/mic_hold.py); its connection says whether it is there.
             return
+        self.door_call.push(audio)
         self.echo.caller(audio, self._last_receive)
         self.packets_in += 1
         if self.recording is not None:
@@ -261,8 +255,8 @@ class CallHandler(AsyncStreamHandler):
             case Ended(reason=reason):
                 return await self._ended_with(reason)
             case Queued() | Preparing() | Live() as news:
-                # In the queue the caller's audio is not even decoded; from its prefill on it is.
-                receive_caller_audio(self.peers, self.webrtc_id, not isinstance(news, Queued))
+                # In the queue the caller's microphone is held; from its prefill on it is heard.
+                self.mic.set(isinstance(news, Queued), self.channel, self.peers, self.webrtc_id)
                 if isinstance(news, Live):
                     self.figures.mark("live", time.monotonic())
                 return self._update(status_due=True)
@@ -337,7 +331,7 @@ class CallHandler(AsyncStreamHandler):
         if self.call is not None:
             self.door_call.hang_up()
             log.info("call %s: closed after %d packets in, %d frames out, %d decoded while waiting", self.call_id,
-                     self.packets_in, self.frames_out, self.decoded_waiting)
+                     self.packets_in, self.frames_out, self.mic.decoded_held)
         if self.phase not in (Phase.CLOSING, Phase.CLOSED):  # no final update went to the page yet
             self.phase = Phase.ENDED
             if self.webrtc_id is not None:

@@ -30,6 +30,7 @@ from ..serving.room import Room
 from .call_figures import TRIP_PENDING
 from .deeplink import SEED_RANGE, LinkRules, NumberRule, add_deep_links, number_rule
 from .handler import CallHandler, FinalUpdates
+from .mic_hold import MIC_HOLD_SCRIPT
 from .page_inputs import PageInputs
 from .recording import RecordingStore
 from .status import SharedFigures, queue_reason, room_line
@@ -178,7 +179,7 @@ class Page:
         with gr.Blocks(title=options.title) as demo:
             # Gradio 5.50 deprecates Blocks(css=..., head=...) and its launch() takes neither yet; the
             # page config reads these.
-            demo.css, demo.head = CSS, TRIP_SCRIPT
+            demo.css, demo.head = CSS, TRIP_SCRIPT + MIC_HOLD_SCRIPT
             gr.Markdown(f"# {options.title}\nTalk out loud with NVIDIA PersonaPlex-7B, a full-duplex speech model: "
                         "it listens and speaks at the same time. Pick a voice and a persona, then press **Record**. "
                         f"{limit_text}")

@@ -1,0 +1,103 @@
+"""A waiting caller's microphone, held: while a call waits in the queue nothing of its audio is
+heard, so the page stops sending it and the server stops decoding it
+(docs/serving.md § The room contract, "Waiting costs (almost) nothing").
+
+The handler says so over the call's data channel, as a fastrtc "log" message (which fastrtc's own
+page code ignores unless it is one of its two pause words): `HOLD` when the call is queued,
+`SEND` when its slot is being prepared. The page's script (`MIC_HOLD_SCRIPT`) then takes its
+microphone off the peer connection's audio sender (`replaceTrack(null)`: no RTP at all) and puts
+it back; a held microphone is stopped when the connection closes. On the server the peer's audio
+receiver is switched off meanwhile (rtc/patches.py `receive_audio`), for a client that keeps
+sending anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..rtc.patches import receive_audio
+
+log = logging.getLogger(__name__)
+
+HOLD = "personaplex:hold-microphone"  # the call waits: send no audio
+SEND = "personaplex:send-microphone"  # the call's slot is being prepared: send it again
+
+
+def message(held: bool) -> str:
+    """The data-channel message that tells the page to hold or send its microphone."""
+    return json.dumps({"type": "log", "data": HOLD if held else SEND})
+
+
+class MicHold:
+    """One call's side: hold the microphone while the call waits, send it from its prefill on."""
+
+    def __init__(self) -> None:
+        self.held = False
+        self.decoded_held = 0  # the caller's frames decoded while held: none, where the peer is known
+
+    def set(self, held: bool, channel: Any, peers: Callable[[str], Any] | None, webrtc_id: str | None) -> None:
+        """Hold (True) or release the microphone; tells the page once per change, and switches the
+        peer's audio receiver where the peer is known."""
+        if held == self.held:
+            return
+        self.held = held
+        if peers and webrtc_id and (pc := peers(webrtc_id)) is not None:
+            receive_audio(pc, not held)
+        if channel is not None:
+            try:
+                channel.send(message(held))
+            except Exception as exc:  # a channel closing under us: the call ends anyway
+                log.debug("could not tell the page to %s its microphone: %s", "hold" if held else "send", exc)
+
+
+# Wraps RTCPeerConnection as the page's other script does (web/page.py TRIP_SCRIPT): each new
+# connection's "text" data channel is listened to for HOLD and SEND.
+MIC_HOLD_SCRIPT = r"""
+<script>
+(() => {
+  const Peer = window.RTCPeerConnection;
+  if (!Peer) return;
+  const HOLD = "__HOLD__", SEND = "__SEND__";
+  window.RTCPeerConnection = function (...args) {
+    const pc = new Peer(...args);
+    const held = new Map();  // audio sender -> its microphone track, while the call waits
+    const hear = async (data) => {
+      let msg;
+      try { msg = JSON.parse(data); } catch { return; }
+      if (!msg || msg.type !== "log") return;
+      if (msg.data === HOLD) {
+        for (const sender of pc.getSenders()) {
+          if (sender.track && sender.track.kind === "audio") {
+            held.set(sender, sender.track);
+            await sender.replaceTrack(null);
+          }
+        }
+      } else if (msg.data === SEND) {
+        for (const [sender, track] of held) {
+          held.delete(sender);
+          if (pc.signalingState !== "closed") await sender.replaceTrack(track);
+        }
+      }
+    };
+    const open = pc.createDataChannel.bind(pc);
+    pc.createDataChannel = (...a) => {
+      const channel = open(...a);
+      channel.addEventListener("message", (e) => hear(e.data));
+      return channel;
+    };
+    const close = pc.close.bind(pc);
+    pc.close = () => {  // fastrtc stops the tracks its senders hold; a held one is ours to stop
+      for (const track of held.values()) track.stop();
+      held.clear();
+      return close();
+    };
+    return pc;
+  };
+  window.RTCPeerConnection.prototype = Peer.prototype;
+  Object.setPrototypeOf(window.RTCPeerConnection, Peer);
+})();
+</script>
+""".replace("__HOLD__", HOLD).replace("__SEND__", SEND)
