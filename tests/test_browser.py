@@ -119,18 +119,23 @@ def test_a_call_in_chromium(mode, request, mic_wav, tmp_path):
         page.screenshot(path=str(ARTIFACTS / f"browser-after-call{shot}.png"), full_page=True)
 
 
-def test_a_waiting_page_sends_no_audio_until_its_slot_is_prepared(app, mic_wav, tmp_path):
-    """Two calls fill the room's two slots; a third page waits in the queue with its microphone
-    held (no RTP leaves it), and sends again once a hang-up seats it (web/mic_hold.py)."""
+@pytest.fixture(scope="module")
+def one_slot_app(need_browser, tiny_cache_dir, tmp_path_factory):
+    with launched_app(tmp_path_factory.mktemp("app"), tiny_cache_dir, args=["--slots", "1"]) as launched:
+        yield launched
+
+
+def test_a_waiting_page_sends_no_audio_until_its_slot_is_prepared(one_slot_app, mic_wav, tmp_path):
+    """One call fills the room's one slot; a second page waits in the queue with its microphone
+    held (no RTP leaves it), and sends again once the hang-up seats it (web/mic_hold.py)."""
+    app = one_slot_app
     with chromium(tmp_path / "udd", mic_wav) as ctx:
-        pages = [ctx.new_page() for _ in range(3)]
-        for page in pages:
+        first, waiting = ctx.new_page(), ctx.new_page()
+        for page in (first, waiting):
             page.add_init_script(RECORD_PCS)
             page.goto(app.base_url + "/", wait_until="networkidle")
-        for page in pages[:2]:
-            start_call(page)
-        wait_for(lambda: app.status()["slots_live"] == 2, 20, "two calls live")
-        waiting = pages[2]
+        start_call(first)
+        wait_for(lambda: app.status()["slots_live"] == 1, 20, "the first call live")
         start_call(waiting)
         waiting.wait_for_function("document.querySelector('#status-line').innerText.includes('in the queue')",
                                   timeout=10_000)
@@ -138,16 +143,15 @@ def test_a_waiting_page_sends_no_audio_until_its_slot_is_prepared(app, mic_wav, 
         before = waiting.evaluate(OUTBOUND_PACKETS)
         waiting.wait_for_timeout(3_000)
         assert waiting.evaluate(OUTBOUND_PACKETS) - before <= 1, "the waiting page kept sending its microphone"
-        stop_call(pages[0])
+        stop_call(first)
         waiting.wait_for_function("document.querySelector('#status-line').innerText.includes('Live')",
                                   timeout=15_000)
         sent, since = waiting.evaluate(OUTBOUND_PACKETS), time.monotonic()
         waiting.wait_for_timeout(2_000)
         rate = (waiting.evaluate(OUTBOUND_PACKETS) - sent) / (time.monotonic() - since)
         assert 18 < rate < 32, f"{rate:.1f} microphone packets a second once seated"
-        for page in pages[1:]:
-            stop_call(page)
-        wait_for(lambda: app.status()["slots_free"] == 2, 5, "both slots free")
+        stop_call(waiting)
+        wait_for(lambda: app.status()["slots_free"] == 1, 5, "the slot free")
 
 
 def controls(page) -> dict[str, str]:

@@ -162,15 +162,12 @@ def test_one_short_tick_right_after_a_shed_does_not_end_the_overload():
     assert not policy.shed_due(now, 3)  # the host's doing: no second shed
 
 
-def test_a_call_is_shed_only_when_one_call_fewer_steps_a_batch_measured_within_budget():
-    """Calls step in batch buckets (1, 2, 4, 8): shedding one of 4 calls leaves a batch of 4, and
-    a tick that is slow at every size is the host's doing; neither is helped by ending a call."""
-    policy = HeadroomPolicy(HeadroomConfig(shed_after_seconds=3.0), bucket=lambda n: batch_bucket(n, [1, 2, 4, 8]))
-    now = measured(policy, 1, 40 * MS, 0.0)
-    now = measured(policy, 2, 50 * MS, now)
-    now = measured(policy, 4, 100 * MS, now, ticks=60)  # 4 calls, over budget for 4.8 s
-    assert not policy.shed_due(now, 4)  # 3 calls would step 4 rows all the same
-    assert policy.shed_due(now, 3)  # 2 calls step 2 rows, measured at 50 ms
+def test_a_call_is_shed_only_when_the_room_one_call_smaller_was_measured_within_budget():
+    """The newest call is what pushed the tick over when the room ticked within budget without
+    it; a tick that is slow with one call fewer too is the host's doing: nobody is shed."""
+    policy = HeadroomPolicy(HeadroomConfig(shed_after_seconds=3.0))
+    now = measured(policy, 4, 100 * MS, joined(policy, 4), ticks=60)  # 3 calls ticked at 40 ms
+    assert policy.shed_due(now, 4)
     host = HeadroomPolicy(HeadroomConfig(shed_after_seconds=3.0))
     now = measured(host, 1, 95 * MS, 0.0)  # the host is slow: one call alone is over budget too
     now = measured(host, 2, 100 * MS, now, ticks=60)
@@ -178,14 +175,19 @@ def test_a_call_is_shed_only_when_one_call_fewer_steps_a_batch_measured_within_b
     assert not host.admits(now, 2)  # the overload holds admission instead
 
 
-def test_admission_asks_the_cost_of_the_batch_the_calls_would_step():
+def test_one_more_call_costs_the_rows_it_adds_and_the_room_grows_one_measured_call_at_a_time():
+    """Calls step batch buckets of 1, 2, 4, 8 rows: a third call opens the bucket of 4 (two more
+    rows), a fourth adds none, a fifth opens the bucket of 8 (four more)."""
     policy = HeadroomPolicy(HeadroomConfig(), bucket=lambda n: batch_bucket(n, [1, 2, 4, 8]))
     now = measured(policy, 1, 20 * MS, 0.0)
-    now = measured(policy, 2, 30 * MS, now)
-    now = measured(policy, 4, 78 * MS, now)  # past the measured margin: 76 ms is the line
-    assert policy.admits(now, 1)  # a second call steps 2 rows: 30 ms
-    assert not policy.admits(now, 2) and not policy.admits(now, 3)  # a third or fourth steps 4 rows
-    assert policy.predicted(now, 8) is not None
+    now = measured(policy, 2, 30 * MS, now)  # 10 ms a row
+    assert policy.predicted(now, 3) == pytest.approx(50 * MS)  # 2 more rows
+    assert policy.admits(now, 2)
+    assert policy.predicted(now, 4) is None and not policy.admits(now, 3)  # 3 calls not measured yet
+    now = measured(policy, 3, 52 * MS, now)
+    assert policy.predicted(now, 4) == pytest.approx(52 * MS)  # the same 4 rows: only the call's own share
+    now = measured(policy, 4, 60 * MS, now)
+    assert policy.predicted(now, 5) > 90 * MS and not policy.admits(now, 4)  # 4 more rows at ~10 ms
 
 
 def test_a_short_spike_is_not_an_overload_and_shedding_can_be_turned_off():

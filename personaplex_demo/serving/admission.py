@@ -21,7 +21,7 @@ from .slot_table import SlotTable
 
 class Admission:
     """`bucket`: the batch the engine steps for a number of calls (LockstepEngine.bucket), by
-    which the headroom curve is kept; None where the engine steps every call as a row."""
+    which the headroom curve prices one more call; None where the engine steps every call as a row."""
 
     def __init__(self, config: PoolConfig, clock: Clock, table: SlotTable, counters: PoolCounters,
                  bucket: Callable[[int], int] | None = None) -> None:
@@ -57,8 +57,8 @@ class Admission:
         self._count_held_back()
         return seated
 
-    def record_tick(self, now: float, rows: int, seconds: float) -> None:
-        self.policy.record_tick(now, rows, seconds)
+    def record_tick(self, now: float, calls: int, seconds: float) -> None:
+        self.policy.record_tick(now, calls, seconds)
 
     def record_media_lag(self, source: str, seconds: float) -> None:
         self.policy.record_media_lag(self._clock.monotonic(), source, seconds)

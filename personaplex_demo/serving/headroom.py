@@ -3,24 +3,24 @@
 A slot count is a promise the machine may not keep (a slower host, a busy one, contexts that grow).
 So the pool asks this policy before it seats a caller, and again every tick:
 
-- `CostCurve` learns what a tick costs at each batch it steps on this machine: the mean of the
-  recent tick times at each batch size, and a slope between sizes for sizes not seen yet. The
-  engine steps its calls in batch buckets (engine/rows.py: 3 calls step a batch of 4), so the
-  policy asks the cost of the bucket that a number of calls would step (`bucket`). The
+- `CostCurve` learns what a tick costs with each number of calls on this machine: the mean of
+  the recent tick times at each number, and for one call more than measured, the rows it would
+  add at a slope per row. The engine steps its calls in batch buckets (engine/rows.py: 3 calls
+  step a batch of 4), so a call within a bucket adds no rows (only its own media and
+  bookkeeping), and the call that opens the next bucket adds a bucket's worth (`bucket`). The
   mean, not a high percentile, because that is what decides whether the ticker keeps up: the
   pacer catches up after a long tick (serving/pacing.py), so a caller misses audio only when the
   ticks take longer than 80 ms on average.
 - `HeadroomPolicy.admits` says whether the rows held now plus one more stay inside the budget:
   measured lately at that size (with a 5 % margin), or predicted (with a 15 % one), while the
-  callers' media keeps up
-  (the doors report their event loops' lag). Until a tick time is trusted it follows
+  callers' media keeps up (the doors report their event loops' lag). Until a tick time is trusted it follows
   `--slots auto`'s arithmetic (`prior_rows`).
 - `HeadroomPolicy.shed_due` says when the ticks have been over budget for long enough that one call
-  (the newest, by the pool's rule) must end so that the others keep real time: only when a row
-  is what pushes the tick over, that is when the batch one call fewer would step was measured
-  lately within the budget, and not again while the last shed did not make the ticks any
-  shorter. Overload from outside the rows (a busy host, the media) holds admission instead:
-  ending healthy calls would not help it.
+  (the newest, by the pool's rule) must end so that the others keep real time: only when that
+  call is what pushes the tick over, that is when the room one call smaller was measured lately
+  within the budget, and not again while the last shed did not make the ticks any shorter.
+  Overload from outside the room's calls (a busy host) holds admission instead: ending healthy
+  calls would not help it.
 
 Everything is plain numbers: times are passed in (`now`), so tests drive it without a clock.
 docs/serving.md § Admission by headroom explains the rules and the defaults.
@@ -59,45 +59,50 @@ class HeadroomConfig:
 
 
 class CostCurve:
-    """Tick seconds by batch size (rows stepped), as measured on this machine."""
+    """Tick seconds by the number of calls a tick carried, as measured on this machine, priced
+    by the rows those calls step (`rows`: the engine's batch bucket of a number of calls)."""
 
-    def __init__(self, config: HeadroomConfig) -> None:
+    def __init__(self, config: HeadroomConfig, rows: Callable[[int], int] | None = None) -> None:
         self.config = config
-        self._ticks: dict[int, collections.deque[tuple[float, float]]] = {}  # rows -> (when, seconds)
+        self.rows = rows if rows is not None else (lambda calls: calls)
+        self._ticks: dict[int, collections.deque[tuple[float, float]]] = {}  # calls -> (when, seconds)
 
-    def record(self, now: float, rows: int, seconds: float) -> None:
-        ticks = self._ticks.setdefault(rows, collections.deque(maxlen=self.config.samples_per_size))
+    def record(self, now: float, calls: int, seconds: float) -> None:
+        ticks = self._ticks.setdefault(calls, collections.deque(maxlen=self.config.samples_per_size))
         ticks.append((now, seconds))
 
     def measured(self, now: float) -> dict[int, float]:
-        """The mean tick time at each size with enough recent ticks."""
+        """The mean tick time at each number of calls with enough recent ticks."""
         cfg, out = self.config, {}
-        for rows, ticks in self._ticks.items():
+        for calls, ticks in self._ticks.items():
             if len(ticks) >= cfg.min_samples and now - ticks[-1][0] <= cfg.memory_seconds:
-                out[rows] = float(np.mean([s for _, s in ticks]))
+                out[calls] = float(np.mean([s for _, s in ticks]))
         return out
 
-    def predict(self, now: float, rows: int, figures: dict[int, float] | None = None) -> float | None:
-        """Seconds a tick of `rows` rows is expected to take; None when nothing is known yet.
-        `figures`: `measured(now)`, when the caller has it already.
+    def predict(self, now: float, calls: int, figures: dict[int, float] | None = None) -> float | None:
+        """Seconds a tick of `calls` calls is expected to take; None when it is not known well
+        enough: nothing measured yet, or more than one call beyond the nearest measured number
+        below (the room grows by one measured step at a time). `figures`: `measured(now)`, when
+        the caller has it already.
 
-        A size measured recently answers for itself. Otherwise the nearest smaller measured size
-        plus a slope per row: fitted between the measured sizes when there are two or more, else
-        that size's cost shared out per row (a fixed part counted as if it grew with the rows, so
-        the guess errs on the safe side until the next size is measured)."""
+        A number measured recently answers for itself. One more call costs the rows it adds to
+        the batch (none within a bucket, a whole bucket's worth at its edge) at a slope per row:
+        fitted through the measured figures against their rows when they span two batch sizes or
+        more, else the nearest figure shared out per row (a fixed part counted as if it grew with
+        the rows, so the guess errs on the safe side until the next size is measured)."""
         figures = self.measured(now) if figures is None else figures
-        if rows in figures:
-            return figures[rows]
-        below = [r for r in figures if r < rows]
-        if not below:
+        if calls in figures:
+            return figures[calls]
+        below = [c for c in figures if c < calls]
+        if not below or calls - max(below) > 1:
             return None
         base = max(below)
-        slope = figures[base] / base
-        if len(figures) >= 2:
-            sizes = np.array(sorted(figures), dtype=np.float64)
-            fitted = float(np.polyfit(sizes, [figures[int(r)] for r in sizes], 1)[0])
+        slope = figures[base] / self.rows(base)
+        if len({self.rows(c) for c in figures}) >= 2:
+            known = sorted(figures)
+            fitted = float(np.polyfit([self.rows(c) for c in known], [figures[c] for c in known], 1)[0])
             slope = max(fitted, 0.0)
-        return figures[base] + slope * (rows - base)
+        return figures[base] + slope * (self.rows(calls) - self.rows(base))
 
 
 class HeadroomPolicy:
@@ -107,8 +112,7 @@ class HeadroomPolicy:
     def __init__(self, config: HeadroomConfig, bucket: Callable[[int], int] | None = None) -> None:
         self.config = config
         # The batch a tick of n calls steps (the engine's buckets); n itself where it steps every call.
-        self.bucket = bucket if bucket is not None else (lambda calls: calls)
-        self.curve = CostCurve(config)
+        self.curve = CostCurve(config, bucket)
         self._recent: collections.deque[float] = collections.deque(maxlen=config.samples_per_size)
         self._lags: dict[str, tuple[float, float]] = {}  # door -> (when, lag seconds)
         self._over_since: float | None = None
@@ -121,9 +125,9 @@ class HeadroomPolicy:
 
     # ---- measurements ----------------------------------------------------------------------------
 
-    def record_tick(self, now: float, rows: int, seconds: float) -> None:
-        """One tick that stepped a batch of `rows` rows took `seconds`."""
-        self.curve.record(now, rows, seconds)
+    def record_tick(self, now: float, calls: int, seconds: float) -> None:
+        """One tick that carried `calls` live calls took `seconds`."""
+        self.curve.record(now, calls, seconds)
         self._recent.append(seconds)
         if self.recent() > self.config.budget_seconds:
             if self._over_since is None:
@@ -168,30 +172,29 @@ class HeadroomPolicy:
             return False
         # A size ticked at lately, within the budget, is taken again as it was (a call ended, a
         # waiting one takes its place); a size not measured is predicted, and needs the margin.
-        batch = self.bucket(rows + 1)
-        known = figures.get(batch)
+        known = figures.get(rows + 1)
         if known is not None:
             return known <= budget * (1.0 - self.config.measured_margin)
-        predicted = self.curve.predict(now, batch, figures)
+        predicted = self.curve.predict(now, rows + 1, figures)
         return predicted is not None and predicted <= self.limit
 
     def headroom(self, now: float, rows: int) -> float:
         """Seconds of the budget left if one more call joined `rows` (negative: over), for the
         gauge: the budget less the predicted tick, or less the recent tick while none is predicted."""
         recent = self.recent()
-        predicted = self.curve.predict(now, self.bucket(rows + 1)) if rows else None
+        predicted = self.curve.predict(now, rows + 1) if rows else None
         return self.config.budget_seconds - max(recent if predicted is None else predicted, recent)
 
     def shed_due(self, now: float, live: int) -> bool:
         """True when the ticks have been over budget for `shed_after_seconds` with more than one
-        call live, and one call fewer would step a smaller batch that was measured lately within
-        the budget; the clock restarts, so the next shed waits as long at the smaller batch. Not
-        again while the last shed left the ticks as long as they were (less than 5 % shorter):
-        then the host, not the rows, is the cost, and more calls ended would not help."""
+        call live, and the room one call smaller was measured lately within the budget; the
+        clock restarts, so the next shed waits as long at the smaller room. Not again while the
+        last shed left the ticks as long as they were (less than 5 % shorter): then the host,
+        not the calls, is the cost, and more calls ended would not help."""
         cfg = self.config
         if not cfg.shed or live <= 1 or self._over_since is None:
             return False
-        if now - self._over_since < cfg.shed_after_seconds or not self.row_is_the_cost(now, live):
+        if now - self._over_since < cfg.shed_after_seconds or not self.one_fewer_fits(now, live):
             return False
         recent = self.recent()
         if self._shed_at is not None and recent > 0.95 * self._shed_at:
@@ -200,12 +203,9 @@ class HeadroomPolicy:
         self._recent.clear()  # judge the smaller batch by its own ticks
         return True
 
-    def row_is_the_cost(self, now: float, live: int) -> bool:
+    def one_fewer_fits(self, now: float, live: int) -> bool:
         """Whether ending one of `live` calls would bring the tick within the budget, as
-        measured: the batch one call fewer steps is smaller, and it ticked lately within the
-        budget (with the margin a measured size keeps, so that the room does not churn)."""
-        smaller = self.bucket(live - 1)
-        if smaller >= self.bucket(live):
-            return False
-        cost = self.curve.measured(now).get(smaller)
+        measured: the room one call smaller ticked lately within the budget (with the margin a
+        measured size keeps, so that the room does not churn)."""
+        cost = self.curve.measured(now).get(live - 1)
         return cost is not None and cost <= self.config.budget_seconds * (1.0 - self.config.measured_margin)

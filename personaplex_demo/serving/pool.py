@@ -45,14 +45,13 @@ logger = logging.getLogger(__name__)
 _DEFAULT_SAMPLING = SamplingParams()
 
 
-def _checked_step(engine: LockstepEngine, pcm: np.ndarray) -> tuple[np.ndarray, list[str], int | None]:
-    """The engine's step: agent audio and text by slot, and the batch it stepped (None: not said)."""
+def _checked_step(engine: LockstepEngine, pcm: np.ndarray) -> tuple[np.ndarray, list[str]]:
     out = engine.step(pcm)
     out_pcm = np.asarray(out.pcm, dtype=np.float32)  # also turns a stray CPU tensor into numpy
     if out_pcm.shape != pcm.shape or len(out.text) != len(pcm):
         raise RuntimeError(f"engine.step returned pcm {out_pcm.shape} and {len(out.text)} texts, "
                            f"expected pcm {pcm.shape} and {len(pcm)} texts")
-    return out_pcm, [str(t) for t in out.text], getattr(out, "rows", None)
+    return out_pcm, [str(t) for t in out.text]
 
 
 class SlotPool:
@@ -210,7 +209,7 @@ class SlotPool:
             return 0
         step_start = clock.monotonic()
         try:
-            out_pcm, texts, batch = _checked_step(self.engine, pcm)
+            out_pcm, texts = _checked_step(self.engine, pcm)
         except Exception as exc:  # noqa: BLE001 -- any engine failure ends these calls, not the pool
             self._engine_failed([call for _, call, _ in rows], exc, "engine.step")
             return len(rows)
@@ -224,7 +223,7 @@ class SlotPool:
                 if call.deliver(SlotOutput(out_pcm[slot].copy(), texts[slot], self._tick, lag)) and lag is not None:
                     latencies.append(lag)
             self._windows.add_tick(now - start, latencies, step_seconds)
-            self._admission.record_tick(now, batch or len(rows), now - start)
+            self._admission.record_tick(now, len(rows), now - start)
         self._windows.notify(now - start, latencies)
         return len(rows)
 
