@@ -195,7 +195,7 @@ class CallHandler(AsyncStreamHandler):
     # ---- microphone -------------------------------------------------------------------------
 
     def resample(self, frame):  # fastrtc's hook for each decoded frame (rtc/input_audio.py)
-        self.mic.decoded_held += self.mic.held
+        self.mic.decoded()
         return self._input.resample(frame)
 
     async def receive(self, frame: tuple[int, np.ndarray]) -> None:

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 from ..rtc.patches import receive_audio
 
 log = logging.getLogger(__name__)
+
+# Audio already on its way when the hold began (in the network, the jitter buffer, the decoder's
+# queue) may still be decoded this long after it; it is not counted as decoded while held.
+IN_FLIGHT_SECONDS = 0.5
 
 HOLD = "personaplex:hold-microphone"  # the call waits: send no audio
 SEND = "personaplex:send-microphone"  # the call's slot is being prepared: send it again
@@ -36,14 +41,20 @@ class MicHold:
 
     def __init__(self) -> None:
         self.held = False
+        self.held_since = 0.0
         self.decoded_held = 0  # the caller's frames decoded while held: none, where the peer is known
+
+    def decoded(self) -> None:
+        """One frame of the caller's audio was decoded (counted when it came in a hold)."""
+        if self.held and time.monotonic() - self.held_since > IN_FLIGHT_SECONDS:
+            self.decoded_held += 1
 
     def set(self, held: bool, channel: Any, peers: Callable[[str], Any] | None, webrtc_id: str | None) -> None:
         """Hold (True) or release the microphone; tells the page once per change, and switches the
         peer's audio receiver where the peer is known."""
         if held == self.held:
             return
-        self.held = held
+        self.held, self.held_since = held, time.monotonic()
         if peers and webrtc_id and (pc := peers(webrtc_id)) is not None:
             receive_audio(pc, not held)
         if channel is not None:
