@@ -270,14 +270,8 @@ class PageCaller:
             return await r.json()
 
     async def on_message(self, message: str) -> None:
-        kind, data = json.loads(message).get("type"), json.loads(message).get("data")
-        sender = next((s for s in self.pc.getSenders() if s.kind == "audio"), None)
-        if kind == "log" and data == mic_hold.HOLD and sender is not None and sender.track is not None:
-            self.held_mic = sender.track  # as the page's script does (web/mic_hold.py): no audio while waiting
-            sender.replaceTrack(None)
-        elif kind == "log" and data == mic_hold.SEND and sender is not None and self.held_mic is not None:
-            sender.replaceTrack(self.held_mic)
-            self.held_mic = None
+        kind = json.loads(message).get("type")
+        self.held_mic = mic_hold.follow(message, self.pc, self.held_mic)  # no audio while the call waits
         if kind == "send_input":
             await self.join(self.events.tick, [self.webrtc_id, *self.args])
         elif kind == "fetch_output" and not self.relay_running:
@@ -339,6 +333,8 @@ def make_track_class():
     from aiortc.mediastreams import MediaStreamTrack
     from av import AudioFrame
 
+    from tests.callers import catch_up
+
     class _SpeechLikeTrack(MediaStreamTrack):
         """A 48 kHz microphone in real time: a tone that comes and goes, 20 ms per frame."""
 
@@ -351,8 +347,7 @@ def make_track_class():
         async def recv(self) -> AudioFrame:
             if self.t0 is None:
                 self.t0 = time.monotonic()
-            if (late := time.monotonic() - (self.t0 + self.n * 0.02)) > 0.1:
-                self.n += int(late / 0.02)  # a microphone nobody read for a while (held): no backlog
+            catch_up(self)  # a microphone nobody read for a while (held): no backlog
             await asyncio.sleep(max(0.0, self.t0 + self.n * 0.02 - time.monotonic()))
             t = (np.arange(960) + self.n * 960) / 48000
             gate = 1.0 if (self.n // 50) % 3 else 0.0  # talk two seconds, pause one

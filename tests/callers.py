@@ -127,7 +127,7 @@ class Caller:
         @channel.on("message")
         def on_message(msg):
             self.messages.append(msg)
-            self.mic_hold(msg)
+            self.held_mic = mic_hold.follow(msg, self.pc, self.held_mic)
             self.on_message(msg)
 
         @self.pc.on("track")
@@ -152,17 +152,6 @@ class Caller:
         if "sdp" in answer:
             await self.pc.setRemoteDescription(RTCSessionDescription(answer["sdp"], answer["type"]))
         return answer
-
-    def mic_hold(self, message: str) -> None:
-        """As the page's script does (web/mic_hold.py): hold the microphone while the call waits."""
-        data = json.loads(message).get("data") if message.startswith("{") else None
-        sender = next((s for s in self.pc.getSenders() if s.kind == "audio"), None)
-        if data == mic_hold.HOLD and sender is not None and sender.track is not None:
-            self.held_mic = sender.track
-            sender.replaceTrack(None)
-        elif data == mic_hold.SEND and sender is not None and self.held_mic is not None:
-            sender.replaceTrack(self.held_mic)
-            self.held_mic = None
 
     async def send_offer(self, body: dict) -> dict:
         raise NotImplementedError

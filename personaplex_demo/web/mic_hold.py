@@ -64,6 +64,27 @@ class MicHold:
                 log.debug("could not tell the page to %s its microphone: %s", "hold" if held else "send", exc)
 
 
+def follow(message: str, pc: Any, held: Any) -> Any:
+    """What a client peer does with a data-channel `message`, as the page's script does: on HOLD
+    take the microphone off `pc`'s audio sender, on SEND put `held` back; returns the microphone
+    held now (None: none). For Python peers (aiortc), whose senders take `replaceTrack(None)`."""
+    try:
+        msg = json.loads(message) if message.startswith("{") else {}
+    except ValueError:
+        return held
+    data = msg.get("data") if msg.get("type") == "log" else None
+    sender = next((s for s in pc.getSenders() if s.kind == "audio"), None)
+    if sender is None:
+        return held
+    if data == HOLD and sender.track is not None:
+        held = sender.track
+        sender.replaceTrack(None)
+    elif data == SEND and held is not None:
+        sender.replaceTrack(held)
+        held = None
+    return held
+
+
 # Wraps RTCPeerConnection as the page's other script does (web/page.py TRIP_SCRIPT): each new
 # connection's "text" data channel is listened to for HOLD and SEND.
 MIC_HOLD_SCRIPT = r"""
