@@ -1,11 +1,13 @@
 """Callers through the Realtime API with the official `openai` SDK, as a user's script holds them
-(tests/test_realtime_api.py, tests/test_media_workers.py, bench/realtime.py)."""
+(tests/test_realtime_api.py, tests/test_media_workers.py, bench/realtime.py), and through the
+GPT-Live door with plain `websockets` (`LiveClient`)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import contextlib
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -131,3 +133,40 @@ class SdkCaller:
     def audio_seconds(self, since: float, until: float | None = None) -> float:
         until = until if until is not None else time.monotonic()
         return sum(n for at, n in self.audio if since <= at <= until) / 24000
+
+
+class LiveClient:
+    """A GPT-Live client over plain `websockets`: every server event kept, in order."""
+
+    def __init__(self, ws) -> None:
+        self.ws, self.events, self.closed = ws, [], asyncio.Event()
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for message in self.ws:
+                self.events.append((time.monotonic(), json.loads(message)))
+        finally:
+            self.closed.set()
+
+    async def send(self, event: dict | str) -> None:
+        await self.ws.send(event if isinstance(event, str) else json.dumps(event))
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for _, e in self.events if e["type"] == kind]
+
+    async def wait(self, kind: str, after: int = 0, timeout: float = 10.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while not any(e["type"] == kind for _, e in self.events[after:]):
+            assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {kind}"
+            await asyncio.sleep(0.05)
+        return next(e for _, e in self.events[after:] if e["type"] == kind)
+
+    async def error(self, raw: dict | str) -> dict:
+        seen = len(self.events)
+        await self.send(raw)
+        return (await self.wait("error", after=seen))["error"]
+
+
+def pcm_event(samples: np.ndarray) -> dict:
+    return {"type": "session.input_audio.append", "audio": base64.b64encode(samples.astype("<i2").tobytes()).decode()}

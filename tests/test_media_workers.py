@@ -17,13 +17,14 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from websockets.asyncio.client import connect as ws_connect
 
 from personaplex_demo.procs.topology import default_media_workers, resolve_devices
 from personaplex_demo.web import mic_hold
 
 from .browser_support import LaunchedApp, launched_app
 from .callers import PageCaller, PageConfig
-from .sdk_callers import SdkCaller
+from .sdk_callers import LiveClient, SdkCaller
 
 pytestmark = pytest.mark.usefixtures("loopback_ice")
 
@@ -192,11 +193,14 @@ async def test_one_queue_for_page_callers_on_two_media_workers_and_a_realtime_so
 
 
 async def one_queue_for_everyone(app: LaunchedApp) -> None:
-    """Two engines of one slot, two media workers: six page callers 0.3 s apart and one Realtime
-    socket wait in one queue, kept by the main process, each in its own place in order of
-    arrival; every hang-up seats the head of it."""
+    """Two engines of one slot, two media workers: six page callers 0.3 s apart, one Realtime
+    socket and one GPT-Live socket wait in one queue, kept by the main process, each in its own
+    place in order of arrival; every hang-up seats the head of it."""
     await until(lambda: sum(w["alive"] for w in app.status()["media_workers"]) == 2, 90, "both workers")
-    async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http, SdkCaller(app.base_url, None) as sdk:
+    live_url = app.base_url.replace("http", "ws", 1) + "/v1/live/sessions"
+    async with (httpx.AsyncClient(base_url=app.base_url, timeout=30) as http, SdkCaller(app.base_url, None) as sdk,
+                ws_connect(live_url) as live_ws):
+        live = LiveClient(live_ws)
         page = await PageConfig.fetch(http)
         callers: list[PageCaller] = []
         for i in range(6):
@@ -212,9 +216,12 @@ async def one_queue_for_everyone(app: LaunchedApp) -> None:
                     f"places 1 to 4 in order of arrival (pages: {[c.status for c in callers[2:]]})")
         queued = await sdk.wait_event("personaplex.queue")
         assert queued.position == 5
-        assert app.status()["queue_length"] == 5
+        await live.send({"type": "session.start", "session": {"instructions": "You are a patient librarian.",
+                                                               "personaplex": {"room_events": True}}})
+        assert (await live.wait("personaplex.queue"))["position"] == 6
+        assert app.status()["queue_length"] == 6
         # Every worker's pages count the room's whole queue.
-        await until(lambda: all("5 waiting" in c.status for c in callers[2:]), 10,
+        await until(lambda: all("6 waiting" in c.status for c in callers[2:]), 10,
                     f"the room's queue on every page (pages: {[c.status for c in callers[2:]]})")
         # Each hang-up of a live caller seats the head of the one queue, whichever worker holds it.
         for n in range(2):
@@ -225,14 +232,20 @@ async def one_queue_for_everyone(app: LaunchedApp) -> None:
                         f"the callers behind moving up (pages: {[c.status for c in behind]})")
         await sdk.wait_for(lambda: any(getattr(e, "position", None) == 3 for _, e in sdk.events
                                        if e.type == "personaplex.queue"), 10, "the socket at place 3")
-        assert app.status()["queue_length"] == 3
+        await until(lambda: any(e.get("position") == 4 for e in live.of("personaplex.queue")), 10,
+                    "the GPT-Live socket at place 4")
+        assert app.status()["queue_length"] == 4
         # The page's protocol: a waiting caller holds its microphone; a seated one sends it again.
         assert all(any(mic_hold.HOLD in m for m in c.messages) for c in callers[2:])
         assert all(c.held_mic is None for c in callers[2:4]) and all(c.held_mic is not None for c in callers[4:])
         for caller in callers[2:]:
             await caller.hang_up()
-        await sdk.wait_live(30)  # the socket's turn comes once the page callers have gone
+        await sdk.wait_live(30)  # the sockets' turn comes once the page callers have gone
+        await live.wait("personaplex.live", timeout=30)
+        await until(lambda: app.status()["calls_by_door"] == {"realtime": 1, "live": 1}, 5,
+                    f"both sockets counted by their door ({app.status()['calls_by_door']})")
         await sdk.conn.close()
+        await live_ws.close()
         await until(lambda: app.status()["slots_free"] == 2 and app.status()["queue_length"] == 0, 10,
                     "an empty room")
     # A caller's audio is not decoded while it waits, and is heard once it is seated: the four who

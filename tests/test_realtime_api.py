@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import socket
 import time
 
@@ -18,7 +19,7 @@ from websockets.exceptions import InvalidStatus
 
 from .browser_support import LaunchedApp, launched_app, missing_tools, require
 from .callers import PageCaller, PageConfig
-from .sdk_callers import SdkCaller, speech_pcm
+from .sdk_callers import LiveClient, SdkCaller, pcm_event, speech_pcm
 
 pytestmark = pytest.mark.usefixtures("loopback_ice")
 
@@ -96,8 +97,15 @@ async def test_an_sdk_session_streams_speech_and_hears_the_agent(app, speech):
         events = [e for _, e in caller.events]
         response_id, item_id = events[start].response.id, events[start + 1].item.id
         deltas = [e for e in events if e.type == "response.output_audio.delta"]
-        assert deltas and all(d.response_id == response_id and d.item_id == item_id for d in deltas[:5])
+        first = [d for d in deltas if d.response_id == response_id]
+        assert first and all(d.item_id == item_id for d in first)
         assert len(base64.b64decode(deltas[0].delta)) == 2 * 1920  # one 80 ms frame of PCM16
+        # The speech detector heard the caller: server VAD's events, and the response it cut off.
+        started = kinds.index("input_audio_buffer.speech_started")
+        assert "input_audio_buffer.speech_stopped" in kinds[started:]
+        assert events[started].audio_start_ms < 1000 * len(speech) / 24000
+        cancelled = [e.response for e in events if e.type == "response.done" and e.response.status == "cancelled"]
+        assert all(r.status_details.reason == "turn_detected" for r in cancelled)
 
     # Hanging up frees the slot within 3 s.
     closed = time.monotonic()
@@ -137,8 +145,8 @@ async def test_two_sdk_sessions_and_a_page_caller_share_the_room(app, speech):
         await until(lambda: page.status.startswith("Live") and page.transcript, 30, "the page caller live")
         status = app.status()
         assert status["calls_by_door"] == {"realtime": 2, "page": 1}, status["calls_by_door"]
-        assert "(2 via the Realtime API)" in page.status or "(2 via the Realtime API)" in \
-            await until(lambda: next((s for _, s in reversed(page.updates) if "Realtime" in s), None), 5,
+        assert "(2 via the API)" in page.status or "(2 via the API)" in \
+            await until(lambda: next((s for _, s in reversed(page.updates) if "via the API" in s), None), 5,
                         "the room line on the page")
         await both
         # Each has its own transcript.
@@ -191,7 +199,10 @@ async def test_one_client_address_opens_at_most_its_share_of_sockets(app):
 BAD_BEFORE_THE_CALL = [  # (raw message, the error code it must get)
     ("{this is not json", "invalid_json"),
     (json.dumps({"type": "input_audio_buffer.rewind"}), "unknown_event"),
-    (json.dumps({"type": "conversation.item.create", "item": {"type": "message"}}), "unsupported_event"),
+    (json.dumps({"type": "conversation.item.create"}), "missing_field"),
+    (json.dumps({"type": "conversation.item.retrieve", "item_id": "item_1"}), "unsupported_event"),
+    (json.dumps({"type": "conversation.item.truncate", "item_id": "no_such_item", "audio_end_ms": 10}),
+     "invalid_field"),
     (json.dumps({"type": "session.update"}), "missing_field"),
     (json.dumps({"type": "input_audio_buffer.append"}), "missing_field"),
     (json.dumps({"type": "input_audio_buffer.append", "audio": "@@not base64@@"}), "invalid_base64"),
@@ -243,7 +254,9 @@ async def test_every_bad_input_gets_its_error_and_no_other_callers_audio_changes
         assert (await rogue.wait_event("error", timeout=5, after=seen)).error.code == "input_audio_buffer_full"
         seen = len(rogue.events)
         await rogue.conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "NATM0"}}})
-        assert (await rogue.wait_event("error", timeout=5, after=seen)).error.code == "session_locked"
+        updated = await rogue.wait_event("session.updated", timeout=5, after=seen)  # not an error: kept, and said
+        assert updated.session.audio.output.voice == "VARF2"
+        assert updated.session.model_extra["personaplex"]["locked"] == ["voice"]
         seen = len(rogue.events)
         await rogue.conn.input_audio_buffer.commit()
         await rogue.wait_event("input_audio_buffer.committed", timeout=5, after=seen)
@@ -263,30 +276,122 @@ async def test_every_bad_input_gets_its_error_and_no_other_callers_audio_changes
     await until(lambda: room_is_empty(app), 3.0, "every slot")
 
 
-async def test_a_client_that_stops_reading_is_disconnected_and_its_slot_freed(app):
+@pytest.mark.parametrize("door", ["realtime", "live"])
+async def test_a_client_that_stops_reading_is_disconnected_and_its_slot_freed(app, door):
     # A small receive buffer, so that the server's sends back up within seconds, as over a slow link.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     host, port = app.base_url.removeprefix("http://").split(":")
     sock.connect((host, int(port)))
-    async with ws_connect(ws_url(app), sock=sock, additional_headers={"Authorization": f"Bearer {KEY}"},
-                          max_queue=1) as ws:
-        await ws.send(json.dumps({"type": "session.update", "session": {"personaplex": {"room_events": True}}}))
+    url, start, append = ((ws_url(app), {"type": "session.update", "session": {}}, "input_audio_buffer.append")
+                          if door == "realtime" else
+                          (live_url(app), {"type": "session.start", "session": {}}, "session.input_audio.append"))
+    async with ws_connect(url, sock=sock, additional_headers={"Authorization": f"Bearer {KEY}"}, max_queue=1) as ws:
+        await ws.send(json.dumps(start))
         await until(lambda: app.status()["slots_live"] == 1, 30, "the call to go live")
         frames = np.zeros(1920, np.int16)
         started = time.monotonic()
 
         async def keep_talking():  # it keeps sending, it just never reads
             while True:
-                await ws.send(json.dumps({"type": "input_audio_buffer.append",
-                                          "audio": base64.b64encode(frames.tobytes()).decode()}))
+                await ws.send(json.dumps({"type": append, "audio": base64.b64encode(frames.tobytes()).decode()}))
                 await asyncio.sleep(0.08)
 
         talking = asyncio.create_task(keep_talking())
         try:
-            await until(lambda: app.status()["realtime"]["errors"].get("client_not_reading"), 60,
+            await until(lambda: app.status()[door]["errors"].get("client_not_reading"), 60,
                         "the server to give up on the client")
         finally:
             talking.cancel()
         assert time.monotonic() - started < 60
     await until(lambda: room_is_empty(app), 3.0, "its slot")
+
+
+# ---- the GPT-Live door (/v1/live/sessions) ----------------------------------------------------
+
+
+def live_url(app: LaunchedApp) -> str:
+    return app.base_url.replace("http", "ws", 1) + "/v1/live/sessions"
+
+
+async def test_a_gpt_live_session_streams_every_frame_and_closes_with_its_reason(app, speech):
+    async with ws_connect(live_url(app), additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        client = LiveClient(ws)
+        await client.send({"type": "session.start", "event_id": "start_1", "session": {
+            "model": "gpt-live-1", "instructions": "You are a calm radio host.",
+            "audio": {"format": {"type": "audio/pcm", "rate": 24000}, "output": {"voice": "NATM2"}},
+            "delegation": {"type": "responses", "responses": {"model": "gpt-5.6-luna"}},
+            "personaplex": {"room_events": True}}})
+        started = await client.wait("session.started")
+        assert started["client_event_id"] == "start_1"
+        assert started["session"]["audio"]["output"]["voice"] == "NATM2"
+        assert "delegation" in started["session"]["personaplex"]["ignored"]
+        await client.wait("personaplex.live", timeout=30)
+        assert app.status()["calls_by_door"].get("live") == 1
+        live_at = time.monotonic()
+        for k in range(0, speech.size, 2400):  # 100 ms appends in real time, as LiveKit sends them
+            await client.send(pcm_event(speech[k:k + 2400]))
+            await asyncio.sleep(max(0.0, live_at + (k + 2400) / 24000 - time.monotonic()))
+        seen = len(client.events)
+        await client.send({"type": "session.input_audio.mute", "event_id": "m1"})
+        assert (await client.wait("session.input_audio.muted", after=seen))["client_event_id"] == "m1"
+        await client.send({"type": "session.commentary.append", "event_id": "c1", "content": "Greet them."})
+        assert (await client.wait("session.commentary.appended", after=seen))["client_event_id"] == "c1"
+        await asyncio.sleep(1.0)
+        seen = len(client.events)
+        await client.send({"type": "session.close", "event_id": "close_1"})
+        closed = await client.wait("session.closed", after=seen)
+        assert closed["reason"] == "close_requested" and closed["client_event_id"] == "close_1"
+        await asyncio.wait_for(client.closed.wait(), 5)
+        assert ws.close_code == 1000
+
+    # A delta for every frame the room made, silence included, on one timeline with the text.
+    elapsed = time.monotonic() - live_at
+    deltas = client.of("session.output_audio.delta")
+    pcm = [np.frombuffer(base64.b64decode(d["delta"]), "<i2") for d in deltas]
+    assert all(p.size == 1920 for p in pcm)
+    assert len(deltas) >= real_time_share(app) * (elapsed - 1.0) / 0.08
+    words = client.of("session.output_transcript.delta")
+    assert words and all(isinstance(w["start_ms"], int) and w["end_ms"] == w["start_ms"] + 80 for w in words)
+    assert all(np.any(pcm[w["start_ms"] // 80]) for w in words), "text over silence"
+    assert all(not p.any() or np.sqrt(np.mean(p.astype(float) ** 2)) > 300 for p in pcm), "faint hiss not zeroed"
+    usage = client.of("session.usage.updated")
+    assert usage and usage[-1]["usage"]["seconds"] > 1.0
+    assert not client.of("error")
+    await until(lambda: room_is_empty(app), 3.0, "the socket's slot")
+    status = app.status()
+    assert status["calls_started_by_door"].get("live", 0) >= 1 and status["live"]["sockets_open"] == 0
+    assert "You are a calm radio host." in app.log_text()
+    metrics = app.metrics()
+    assert "personaplex_live_sockets 0.0" in metrics
+    assert re.search(r'personaplex_calls_started_by_door_total\{door="live"\} [1-9]', metrics), metrics[:2000]
+
+
+async def test_hostile_input_on_the_gpt_live_door(app):
+    with pytest.raises(InvalidStatus) as refused:
+        async with ws_connect(live_url(app), additional_headers={"Authorization": "Bearer wrong"}):
+            pass
+    assert refused.value.response.status_code == 401
+    async with ws_connect(live_url(app), additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        client = LiveClient(ws)
+        assert (await client.error("{not json"))["code"] == "invalid_json"
+        assert (await client.error({"type": "input_audio_buffer.append"}))["code"] == "unknown_event"
+        assert (await client.error(pcm_event(SILENCE)))["code"] == "session_not_started"
+        bad_format = {"type": "session.start", "session": {"audio": {"format": {"type": "audio/pcmu"}}}}
+        assert (await client.error(bad_format))["code"] == "unsupported_audio_format"
+        unknown_voice = {"type": "session.start", "event_id": "s0",
+                         "session": {"audio": {"output": {"voice": "robot"}}}}
+        error = await client.error(unknown_voice)
+        assert error["code"] == "unknown_voice" and error["client_event_id"] == "s0"
+        assert (await client.error("[" * 100_000))["code"] == "invalid_json"
+        too_big = json.dumps({"type": "session.input_audio.append", "audio": "A" * (1 << 20)})
+        assert (await client.error(too_big))["code"] == "message_too_large"
+        await client.send({"type": "session.start", "session": {"instructions": "You are terse."}})
+        await client.wait("session.started")
+        assert (await client.error({"type": "session.input_audio.append", "audio": "@@"}))["code"] == "invalid_base64"
+        assert (await client.error({"type": "session.start", "session": {}}))["code"] == "session_already_started"
+        assert not client.closed.is_set()  # every error left the socket usable
+    await until(lambda: room_is_empty(app), 3.0, "the socket's slot")
+    for code in ("invalid_json", "unknown_event", "session_not_started", "unsupported_audio_format",
+                 "message_too_large", "invalid_base64", "session_already_started"):
+        assert app.status()["live"]["errors"].get(code, 0) >= 1, code

@@ -13,8 +13,10 @@ from personaplex_demo.api import errors as codes
 from personaplex_demo.api.access import SocketLimiter, client_address, key_accepted, presented_key
 from personaplex_demo.api.audio_in import InputAudio, decode_pcm16, pcm16_samples
 from personaplex_demo.api.client_events import parse
+from personaplex_demo.api.conversation import Conversation
 from personaplex_demo.api.errors import RealtimeError
-from personaplex_demo.api.session import Dialect, SessionSettings, apply_update, session_object
+from personaplex_demo.api.live_events import parse_live, start_settings
+from personaplex_demo.api.session import Dialect, SessionSettings, apply_update, join_persona, session_object
 from personaplex_demo.api.turns import TurnTracker
 from personaplex_demo.errors import PersonaTooLongError
 from personaplex_demo.frame import FRAME_SAMPLES
@@ -62,7 +64,8 @@ def test_both_shapes_of_session_update_set_voice_persona_and_sampling():
 def test_fields_this_model_has_no_use_for_are_ignored_and_named_back():
     current = update({"type": "realtime", "tools": [{"type": "function", "name": "f"}],
                       "audio": {"input": {"turn_detection": {"type": "server_vad"}}, "output": {"speed": 1.0}}})
-    assert set(current.ignored) == {"tools", "turn_detection", "speed"}
+    assert set(current.ignored) == {"tools", "speed"}
+    assert current.speech_events  # server VAD (or semantic VAD) is what the speech detector gives
     for dialect in Dialect:
         obj = session_object(current, dialect, "sess_1", "personaplex")
         assert obj["personaplex"]["ignored"] == list(current.ignored)
@@ -106,14 +109,29 @@ def test_unknown_voice_lists_the_valid_ones_and_openai_voices_are_ignored():
         assert settings.voice == "VARF0" and "voice" in settings.ignored
 
 
-def test_voice_persona_and_sampling_are_locked_once_the_call_started():
+def test_voice_persona_and_sampling_are_kept_and_named_once_the_call_started():
     current = update({"voice": "NATF1", "instructions": "A."})
-    assert refused({"voice": "NATF0"}, current=current, started=True).code == codes.SESSION_LOCKED
-    assert refused({"personaplex": {"seed": 1}}, current=current, started=True).code == codes.SESSION_LOCKED
-    # The same values again, or room events alone, are fine.
+    later = update({"voice": "NATF0", "instructions": "B.", "personaplex": {"seed": 1}}, current=current,
+                   started=True)
+    assert later.call_fields() == current.call_fields()  # no error: frameworks take any error as fatal
+    assert later.locked == ("voice", "instructions", "sampling")
+    assert session_object(later, Dialect.CURRENT, "s", "m")["personaplex"]["locked"] == list(later.locked)
+    # The same values again, or room events alone, change nothing that is locked.
     again = update({"voice": "NATF1", "instructions": "A.", "personaplex": {"room_events": True}},
                    current=current, started=True)
-    assert again.room_events and again.voice == "NATF1"
+    assert again.room_events and again.voice == "NATF1" and again.locked == ()
+    # Several updates before the start all apply (LiveKit: the voice first, the instructions next).
+    two = update({"instructions": "Be brief."}, current=update({"audio": {"output": {"voice": "VARM1"}}}))
+    assert (two.voice, two.persona) == ("VARM1", "Be brief.")
+
+
+def test_turn_detection_null_turns_the_speech_events_off():
+    off = update({"audio": {"input": {"turn_detection": None}}})
+    assert not off.speech_events
+    assert session_object(off, Dialect.CURRENT, "s", "m")["audio"]["input"]["turn_detection"] is None
+    on = update({"turn_detection": {"type": "semantic_vad"}}, current=off)
+    assert on.speech_events
+    assert session_object(on, Dialect.BETA, "s", "m")["turn_detection"]["type"] == "server_vad"
 
 
 # ---- client events ---------------------------------------------------------------------------
@@ -125,7 +143,7 @@ def test_voice_persona_and_sampling_are_locked_once_the_call_started():
     (b"\x00\x01", codes.BINARY_MESSAGE),
     ('{"event_id": "e"}', codes.MISSING_FIELD),
     ('{"type": "input_audio_buffer.flush"}', codes.UNKNOWN_EVENT),
-    ('{"type": "conversation.item.create", "item": {}}', codes.UNSUPPORTED_EVENT),
+    ('{"type": "conversation.item.retrieve", "item_id": "x"}', codes.UNSUPPORTED_EVENT),
     (json.dumps({"type": "input_audio_buffer.append", "audio": "A" * 2000}), codes.MESSAGE_TOO_LARGE),
     (json.dumps({"type": "session.update", "session": {"instructions": "é" * 300}}, ensure_ascii=False), None),
     ('{"type": "session.update", "session": {"instructions": "' + "é" * 600 + '"}}', codes.MESSAGE_TOO_LARGE),
@@ -229,26 +247,82 @@ def test_beta_clients_get_the_beta_names():
     assert not any("output_audio" in n for n in names)
 
 
-def test_response_create_opens_at_once_with_its_metadata_and_cancel_mutes_the_turn():
+def test_response_create_opens_at_once_with_its_metadata_and_cancel_ends_the_response():
     turns = TurnTracker(Dialect.CURRENT, turn_end_seconds=0.16, speech_dbfs=-40)
     opened = turns.request({"client_event_id": "abc"})
     assert opened[0]["response"]["metadata"] == {"client_event_id": "abc"}
-    assert turns.request(None) is None  # one at a time
+    first = opened[0]["response"]["id"]
     assert types(turns.frame(LOUD, "x"))[0] == "response.output_audio.delta"
+    # A second request completes the open response and opens its own (LiveKit waits for it).
+    again = turns.request({"client_event_id": "def"})
+    assert again[-5]["response"]["status"] == "completed" and again[-5]["response"]["id"] == first
+    assert again[-4]["response"]["metadata"] == {"client_event_id": "def"}
     cancelled = turns.cancel()
     assert cancelled[-1]["response"]["status"] == "cancelled"
+    assert cancelled[-1]["response"]["status_details"]["reason"] == "client_cancelled"
     assert turns.cancel() is None
-    assert turns.frame(LOUD, "y") == []  # the rest of the cancelled turn is not sent
-    turns.frame(QUIET, "")
-    turns.frame(QUIET, "")
-    assert types(turns.frame(LOUD, "z"))[0] == "response.created"  # the next turn is
+    # The model heard the caller and goes on if it wants: its next words are a new response, a new item.
+    resumed = turns.frame(LOUD, "y")
+    assert types(resumed)[0] == "response.created" and resumed[1]["item"]["id"] != again[-3]["item"]["id"]
+    assert resumed[2]["previous_item_id"] == again[-3]["item"]["id"]
 
 
-def test_an_open_response_ends_incomplete_with_the_call():
+def test_an_open_response_ends_cancelled_with_the_call():
     turns = TurnTracker(Dialect.CURRENT, turn_end_seconds=0.8, speech_dbfs=-40)
     turns.frame(LOUD, "a")
-    assert turns.finish("time_limit")[-1]["response"]["status"] == "incomplete"
+    done = turns.finish("time_limit")[-1]["response"]
+    assert done["status"] == "cancelled" and done["status_details"]["reason"] == "time_limit"
     assert turns.finish("time_limit") == []
+
+
+def test_items_are_acknowledged_by_the_clients_id_and_text_before_the_start_joins_the_persona():
+    conversation = Conversation(Dialect.CURRENT)
+    events, text = conversation.create(parse(json.dumps({
+        "type": "conversation.item.create", "event_id": "e1",
+        "item": {"id": "item_client", "type": "message", "role": "developer",
+                 "content": [{"type": "input_text", "text": "Say hello!"}]}}), 4096))
+    assert types(events) == ["conversation.item.added", "conversation.item.done"]
+    assert events[0]["item"]["id"] == "item_client" and events[0]["item"]["role"] == "system"
+    assert events[0]["previous_item_id"] is None and text == "Say hello!"
+    assert join_persona("You are Ada.", text) == "You are Ada.\nSay hello!"
+    events, text = conversation.create(parse(json.dumps({
+        "type": "conversation.item.create", "item": {"type": "message", "role": "assistant",
+                                                     "content": [{"type": "output_text", "text": "Hi"}]}}), 4096))
+    assert text is None and events[0]["previous_item_id"] == "item_client"
+    truncated = conversation.truncate(parse(json.dumps({"type": "conversation.item.truncate", "item_id": "item_client",
+                                                        "content_index": 0, "audio_end_ms": 1500}), 4096))
+    assert truncated["type"] == "conversation.item.truncated" and truncated["audio_end_ms"] == 1500
+    assert conversation.delete(parse('{"type": "conversation.item.delete", "item_id": "item_client"}', 4096))[
+        "item_id"] == "item_client"
+    with pytest.raises(RealtimeError):
+        conversation.truncate(parse('{"type": "conversation.item.truncate", "item_id": "nope"}', 4096))
+    spoken = conversation.user_audio("item_user")
+    assert types(spoken) == ["input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"]
+    assert spoken[1]["item"]["content"][0]["type"] == "input_audio"
+
+
+def test_gpt_live_session_start_is_read_by_the_realtime_rules():
+    settings = start_settings({"model": "gpt-live-1", "instructions": "You are Ada.",
+                               "audio": {"format": {"type": "audio/pcm", "rate": 24000}, "output": {"voice": "NATM1"}},
+                               "delegation": {"type": "responses", "responses": {"model": "gpt-5.6-luna"}},
+                               "input": [{"type": "message", "role": "developer",
+                                          "content": [{"type": "input_text", "text": "Be brief."}]},
+                                         {"type": "message", "role": "user", "content": [{"type": "input_text",
+                                                                                          "text": "Hi"}]}]},
+                              Rules(), "e1")
+    assert (settings.voice, settings.persona) == ("NATM1", "You are Ada.\nBe brief.")
+    assert {"model", "delegation", "input"} <= set(settings.ignored)
+    assert start_settings({"audio": {"output": {"voice": {"id": "marin"}}}}, Rules(), None).voice == "NATF2"
+    for bad, code in (({"audio": {"format": {"type": "audio/pcmu"}}}, codes.UNSUPPORTED_AUDIO_FORMAT),
+                      ({"audio": {"output": {"voice": "NOPE"}}}, codes.UNKNOWN_VOICE),
+                      ({"instructions": "word " * 11}, codes.PERSONA_TOO_LONG), (None, codes.MISSING_FIELD)):
+        with pytest.raises(RealtimeError) as info:
+            start_settings(bad, Rules(), "e2")
+        assert info.value.code == code and info.value.event_id == "e2"
+    assert parse_live('{"type": "session.start", "session": {}}', 4096).type == "session.start"
+    with pytest.raises(RealtimeError) as info:
+        parse_live('{"type": "input_audio_buffer.append"}', 4096)
+    assert info.value.code == codes.UNKNOWN_EVENT
 
 
 # ---- at the door -----------------------------------------------------------------------------
@@ -292,3 +366,49 @@ def test_the_door_follows_its_flags_and_help_never_shows_the_key(capsys):
         parse_config(["--help"], environ={"PERSONAPLEX_API_KEY": "s3cret-value"})
     shown = capsys.readouterr().out
     assert "--api-key" in shown and "s3cret-value" not in shown and "set, from PERSONAPLEX_API_KEY" in shown
+
+
+# ---- when the caller speaks ------------------------------------------------------------------
+
+
+async def test_the_speech_detector_finds_the_callers_speech_off_the_event_loop(tmp_path):
+    import asyncio
+    import threading
+
+    from personaplex_demo.api import speech_detector
+    from personaplex_demo.api.speech_detector import SpeechConfig, SpeechEvents
+
+    from .browser_support import missing_tools, require
+    from .sdk_callers import speech_pcm
+
+    require([t for t in missing_tools() if t in ("espeak-ng", "sox")], "apt-get install -y espeak-ng sox")
+    speech = speech_pcm(tmp_path, "Hello there. Can you tell me about the weather on Mars today?")
+    pcm = np.concatenate([np.zeros(24000, np.int16), speech, np.zeros(36000, np.int16)])
+    found, threads = [], set()
+    hear = speech_detector.SpeechDetector.hear
+
+    def hear_and_note(self, frames):
+        threads.add(threading.current_thread().name)
+        return hear(self, frames)
+
+    speech_detector.SpeechDetector.hear = hear_and_note
+    try:
+        events = SpeechEvents(SpeechConfig(), lambda kind, ms: found.append((kind, ms)))
+        for k in range(pcm.size // FRAME_SAMPLES):  # four times real time
+            events.hear(pcm[k * FRAME_SAMPLES:(k + 1) * FRAME_SAMPLES])
+            await asyncio.sleep(0.02)
+        for _ in range(100):
+            if len(found) == 2:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        speech_detector.SpeechDetector.hear = hear
+    assert [kind for kind, _ in found] == ["started", "stopped"], found
+    speech_ms = 1000 * speech.size / 24000
+    assert 1000 - 400 <= found[0][1] <= 1000 + 300  # the first word, less the padding before it
+    assert speech_ms <= found[1][1] <= 1000 + speech_ms + 1000  # after the last, within the quiet that ends it
+    assert threads and all(name.startswith("speech-detector") for name in threads)
+    assert events.skipped_frames == 0
+    off = SpeechEvents(SpeechConfig(enabled=False), lambda kind, ms: found.append((kind, ms)))
+    off.hear(pcm[:FRAME_SAMPLES])
+    assert off._pending == []

@@ -211,8 +211,8 @@ async def turned_away(room, seconds: float = 5.0) -> None:
 
 
 class Arrivals:
-    """Callers through the doors' common part (`DoorCall`), the page's and the Realtime socket's
-    labels in turn, each through the next of the rooms a door may hold."""
+    """Callers through the doors' common part (`DoorCall`), the page's, the Realtime socket's and
+    the GPT-Live socket's labels in turn, each through the next of the rooms a door may hold."""
 
     def __init__(self, rooms: list[Any]) -> None:
         self.rooms, self.count = rooms, 0
@@ -220,7 +220,7 @@ class Arrivals:
     async def arrive(self, refused: bool = False) -> DoorCall:
         room = self.rooms[self.count % len(self.rooms)]
         self.count += 1
-        caller = DoorCall(room, DOORS[self.count % 2])
+        caller = DoorCall(room, DOORS[self.count % len(DOORS)])
         refusal = await caller.start("NATF2", "", SamplingParams(seed=self.count))
         assert (refusal is not None) == refused, refusal
         caller.refusal = refusal

@@ -10,20 +10,17 @@ from typing import Any
 from . import errors as e
 from .errors import RealtimeError
 
-# Events of the Realtime API that a full-duplex speech model has no counterpart for: the model
-# takes no text turns, calls no tools and keeps no editable conversation (docs/realtime.md).
+# Events of the Realtime API that a full-duplex speech model has no counterpart for: it keeps no
+# items to hand back, and its audio goes out as it is made (docs/realtime.md).
 UNSUPPORTED = {
-    "conversation.item.create": "text and function-call items cannot be added: this model only hears audio",
-    "conversation.item.delete": "the conversation lives in the model's state and cannot be edited",
-    "conversation.item.truncate": "the conversation lives in the model's state and cannot be edited",
     "conversation.item.retrieve": "items are not stored: the audio went out as it was spoken",
     "output_audio_buffer.clear": "the agent's audio is streamed as it is made; use response.cancel",
     "transcription_session.update": "this server runs a conversation model, not a transcription session",
 }
-# Events the door takes. session.update and input_audio_buffer.append carry data; the rest are
-# acknowledged (docs/realtime.md § Client events).
+# Events the door takes (docs/realtime.md § Client events).
 KNOWN = ("session.update", "input_audio_buffer.append", "input_audio_buffer.clear", "input_audio_buffer.commit",
-         "response.create", "response.cancel")
+         "response.create", "response.cancel", "conversation.item.create", "conversation.item.truncate",
+         "conversation.item.delete")
 
 
 @dataclass(frozen=True)
@@ -33,8 +30,11 @@ class ClientEvent:
     body: dict[str, Any]
 
 
-def parse(text: str | bytes | None, max_bytes: int) -> ClientEvent:
-    """One WebSocket message as a client event; RealtimeError for anything the door cannot take."""
+def parse(text: str | bytes | None, max_bytes: int, known: tuple[str, ...] = KNOWN,
+          unsupported: dict[str, str] | None = None) -> ClientEvent:
+    """One WebSocket message as a client event of a protocol that takes `known` and refuses
+    `unsupported` (the Realtime API's by default); RealtimeError for anything the door cannot take."""
+    unsupported = UNSUPPORTED if unsupported is None else unsupported
     if text is None or isinstance(text, bytes):
         raise RealtimeError(e.BINARY_MESSAGE, "send each event as a JSON text message, not binary")
     size = len(text) if len(text) > max_bytes or len(text) * 4 <= max_bytes else len(text.encode("utf-8", "replace"))
@@ -52,11 +52,11 @@ def parse(text: str | bytes | None, max_bytes: int) -> ClientEvent:
     kind = body.get("type")
     if not isinstance(kind, str) or not kind:
         raise RealtimeError(e.MISSING_FIELD, "the event has no \"type\"", param="type", event_id=event_id)
-    if kind in UNSUPPORTED:
-        raise RealtimeError(e.UNSUPPORTED_EVENT, f"{kind} is not supported: {UNSUPPORTED[kind]}",
+    if kind in unsupported:
+        raise RealtimeError(e.UNSUPPORTED_EVENT, f"{kind} is not supported: {unsupported[kind]}",
                             param="type", event_id=event_id)
-    if kind not in KNOWN:
-        raise RealtimeError(e.UNKNOWN_EVENT, f"unknown event type {kind!r}; this server takes {', '.join(KNOWN)}",
+    if kind not in known:
+        raise RealtimeError(e.UNKNOWN_EVENT, f"unknown event type {kind!r}; this server takes {', '.join(known)}",
                             param="type", event_id=event_id)
     return ClientEvent(kind, event_id, body)
 

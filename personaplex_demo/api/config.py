@@ -3,9 +3,10 @@ cli/app.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..frame import SOUND_DBFS
+from .speech_detector import SpeechConfig
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,15 @@ class RealtimeConfig:
     # An agent turn (one response) ends after this long without text or audible agent speech.
     turn_end_seconds: float = 0.8
     speech_dbfs: float = SOUND_DBFS  # agent audio louder than this (RMS) counts as speech
+    # The call starts once a client that configured its session or sent audio has changed
+    # nothing for this long (or at its first response.create): frameworks configure a session in
+    # several events.
+    settle_seconds: float = 0.25
     start_timeout_seconds: float = 60.0  # a socket that starts no call by then is closed
     # Take the client's address from X-Forwarded-For (its last hop): only behind a proxy that sets
     # it, such as a Hugging Face Space's; elsewhere a client could name any address it likes.
     trust_forwarded_for: bool = False
     model_name: str = "personaplex"
+    # When the caller speaks (silero-vad, off the tick and the event loop): the Realtime door's
+    # input_audio_buffer.speech_started / speech_stopped.
+    speech: SpeechConfig = field(default_factory=SpeechConfig)

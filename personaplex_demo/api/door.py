@@ -1,15 +1,16 @@
-"""The Realtime door: `/v1/realtime` on the app's one port, beside the page (docs/realtime.md).
+"""The API doors: `/v1/realtime` (the OpenAI Realtime protocol) and `/v1/live/sessions` (OpenAI's
+GPT-Live protocol) on the app's one port, beside the page (docs/realtime.md).
 
-`RealtimeDoor` checks a socket's key and its client's socket count before accepting it (a
-refused client gets a plain HTTP 401 or 429 and never reaches the room), picks the dialect it
-speaks, and hands the socket to a `RealtimeSocket`. It also reports itself to /api/status and
-/metrics.
+`RealtimeDoor` checks a socket's key and its client's socket count (one count for both paths)
+before accepting it (a refused client gets a plain HTTP 401 or 429 and never reaches the room),
+and hands the socket to a `RealtimeSocket` (in the dialect it speaks) or a `LiveSocket`. It also
+reports both paths to /api/status and /metrics.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -22,13 +23,16 @@ from ..serving.loop_lag import ensure_probe
 from ..serving.room import Room
 from .access import BETA_SUBPROTOCOL, SocketLimiter, client_address, key_accepted, presented_key
 from .config import RealtimeConfig
+from .live_socket import LiveSocket
 from .realtime_socket import RealtimeSocket
 from .session import Dialect, PromptRules
+from .socket_base import ApiSocket
 from .stats import DoorStats
 
 log = logging.getLogger(__name__)
 
 PATH = "/v1/realtime"
+LIVE_PATH = "/v1/live/sessions"
 
 
 def dialect_of(headers: Any, subprotocols: list[str]) -> Dialect:
@@ -41,33 +45,52 @@ class RealtimeDoor:
     def __init__(self, room: Room, rules: PromptRules, config: RealtimeConfig) -> None:
         self.room, self.rules, self.config = room, rules, config
         self.stats = DoorStats()
+        self.live_stats = DoorStats()
         self.limiter = SocketLimiter(config.max_sockets_per_client)
 
     def routes(self) -> list[WebSocketRoute]:
-        return [WebSocketRoute(PATH, self.endpoint)]
+        return [WebSocketRoute(PATH, self.endpoint), WebSocketRoute(LIVE_PATH, self.live_endpoint)]
 
     async def endpoint(self, ws: WebSocket) -> None:
         subprotocols = list(ws.scope.get("subprotocols") or [])
-        if not key_accepted(self.config.api_key, presented_key(ws.headers, subprotocols)):
-            self.stats.refuse("api_key")
-            await self._deny(ws, 401, "invalid_api_key", "this server needs an API key: send it as "
-                             "\"Authorization: Bearer <key>\" (or the openai-insecure-api-key.<key> subprotocol)")
-            return
-        address = client_address(ws.headers, ws.client.host if ws.client else None, self.config.trust_forwarded_for)
-        if not self.limiter.take(address):
-            self.stats.refuse("too_many_sockets")
-            await self._deny(ws, 429, "too_many_sockets", f"at most {self.limiter.limit} sockets may be open from "
-                             "one address; close one first")
+        dialect = dialect_of(ws.headers, subprotocols)
+        # Browsers fail a handshake that does not name one of the subprotocols they offered.
+        await self._serve(ws, self.stats, "realtime" if "realtime" in subprotocols else None,
+                          f"realtime ({dialect.value} events)",
+                          lambda: RealtimeSocket(ws, self.room, self.rules, self.config, dialect, self.stats))
+
+    async def live_endpoint(self, ws: WebSocket) -> None:
+        await self._serve(ws, self.live_stats, None, "gpt-live",
+                          lambda: LiveSocket(ws, self.room, self.rules, self.config, self.live_stats))
+
+    async def _serve(self, ws: WebSocket, stats: DoorStats, subprotocol: str | None, what: str,
+                     make_socket: Callable[[], ApiSocket]) -> None:
+        """Admit the socket (key, per-client limit), accept it, and run it until it closes."""
+        address = await self._admit(ws, list(ws.scope.get("subprotocols") or []), stats)
+        if address is None:
             return
         try:
-            dialect = dialect_of(ws.headers, subprotocols)
-            # Browsers fail a handshake that does not name one of the subprotocols they offered.
-            await ws.accept(subprotocol="realtime" if "realtime" in subprotocols else None)
+            await ws.accept(subprotocol=subprotocol)
             ensure_probe(self.room)
-            log.info("realtime socket from %s (%s events)", address, dialect.value)
-            await RealtimeSocket(ws, self.room, self.rules, self.config, dialect, self.stats).run()
+            log.info("%s socket from %s", what, address)
+            await make_socket().run()
         finally:
             self.limiter.give_back(address)
+
+    async def _admit(self, ws: WebSocket, subprotocols: list[str], stats: DoorStats) -> str | None:
+        """The client's address, its socket counted; None (and an HTTP answer) when refused."""
+        if not key_accepted(self.config.api_key, presented_key(ws.headers, subprotocols)):
+            stats.refuse("api_key")
+            await self._deny(ws, 401, "invalid_api_key", "this server needs an API key: send it as "
+                             "\"Authorization: Bearer <key>\" (or the openai-insecure-api-key.<key> subprotocol)")
+            return None
+        address = client_address(ws.headers, ws.client.host if ws.client else None, self.config.trust_forwarded_for)
+        if not self.limiter.take(address):
+            stats.refuse("too_many_sockets")
+            await self._deny(ws, 429, "too_many_sockets", f"at most {self.limiter.limit} sockets may be open from "
+                             "one address (Realtime and GPT-Live together); close one first")
+            return None
+        return address
 
     async def _deny(self, ws: WebSocket, status: int, code: str, message: str) -> None:
         body = {"error": {"type": "invalid_request_error", "code": code, "message": message}}
@@ -77,29 +100,34 @@ class RealtimeDoor:
             await ws.close(1008, message[:120])
 
     def status(self) -> dict[str, Any]:
-        """For /api/status."""
+        """For /api/status: the Realtime path's figures."""
         return {"path": PATH, "api_key_required": self.config.api_key is not None,
                 "max_sockets_per_client": self.limiter.limit, **self.stats.as_dict()}
 
-    def collector(self) -> Collector:
-        return DoorCollector(self.stats)
+    def live_status(self) -> dict[str, Any]:
+        """For /api/status: the GPT-Live path's figures."""
+        return {"path": LIVE_PATH, "api_key_required": self.config.api_key is not None,
+                "max_sockets_per_client": self.limiter.limit, **self.live_stats.as_dict()}
+
+    def collectors(self) -> list[Collector]:
+        return [DoorCollector(self.stats, "realtime", "Realtime API"), DoorCollector(self.live_stats, "live", "GPT-Live")]
 
 
 class DoorCollector(Collector):
-    def __init__(self, stats: DoorStats) -> None:
-        self.stats = stats
+    def __init__(self, stats: DoorStats, prefix: str, name: str) -> None:
+        self.stats, self.prefix, self.name = stats, prefix, name
 
     def collect(self) -> Iterable[Metric]:
         s = self.stats.as_dict()
-        yield GaugeMetricFamily("personaplex_realtime_sockets", "Open Realtime API sockets.",
+        yield GaugeMetricFamily(f"personaplex_{self.prefix}_sockets", f"Open {self.name} sockets.",
                                 value=s["sockets_open"])
-        refused = CounterMetricFamily("personaplex_realtime_sockets_refused",
-                                      "Realtime API sockets refused at the door, by why.", labels=["why"])
+        refused = CounterMetricFamily(f"personaplex_{self.prefix}_sockets_refused",
+                                      f"{self.name} sockets refused at the door, by why.", labels=["why"])
         for why in sorted({"api_key": 0, "too_many_sockets": 0, **s["refused"]}):
             refused.add_metric([why], s["refused"].get(why, 0))
         yield refused
-        errors = CounterMetricFamily("personaplex_realtime_errors", "Error events sent to Realtime API clients, "
-                                     "by code.", labels=["code"])
+        errors = CounterMetricFamily(f"personaplex_{self.prefix}_errors", f"Error events sent to {self.name} "
+                                     "clients, by code.", labels=["code"])
         for code, count in sorted(s["errors"].items()):
             errors.add_metric([code], count)
         yield errors

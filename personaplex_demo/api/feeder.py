@@ -4,12 +4,14 @@ The door holds what a client appended (`InputAudio`, bounded) and hands the call
 `feed_lead_frames` frames beyond the agent frames read back, so audio sent faster than real time
 waits here rather than in the room, and a client sending in real time adds no delay. After
 `fill_after_seconds` without audio it plays silence, for up to `fill_silence_seconds`, so the
-model keeps listening and answering through a client's pause.
+model keeps listening and answering through a client's pause. A muted client's audio is heard
+as silence (GPT-Live's `session.input_audio.mute`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -22,8 +24,10 @@ SILENCE = np.zeros(FRAME_SAMPLES, np.int16)
 
 
 class Feeder:
-    def __init__(self, config: RealtimeConfig) -> None:
+    def __init__(self, config: RealtimeConfig, heard: Callable[[np.ndarray], None] | None = None) -> None:
         self.config = config
+        self.heard = heard  # called with each frame handed to the room
+        self.muted = False
         self.audio = InputAudio(config.input_buffer_seconds)
         self.in_flight = 0  # frames handed to the room and not yet answered by an output
         self.frames_in = 0
@@ -65,6 +69,10 @@ class Feeder:
                 if self.in_flight or not filling:
                     return
                 frame = SILENCE
+            elif self.muted:
+                frame = SILENCE
             call.push_audio(frame)
+            if self.heard is not None:
+                self.heard(frame)
             self.in_flight += 1
             self.frames_in += 1

@@ -16,7 +16,7 @@ from typing import Any
 from ..frame import FRAME_SECONDS
 from .send_queue import kernel_send_queue
 
-AUDIO_EVENTS = {"response.output_audio.delta", "response.audio.delta"}
+AUDIO_EVENTS = {"response.output_audio.delta", "response.audio.delta", "session.output_audio.delta"}
 AUDIO_EVENT_BYTES = 5300  # one audio delta as JSON: 80 ms of PCM16 in base64, with its ids
 CHECK_SECONDS = 1.0
 

@@ -1,182 +1,89 @@
-"""One Realtime WebSocket: client events in, a call in the room, server events out
-(docs/realtime.md). Three tasks share the socket, all on the server's event loop, none blocking it:
+"""One Realtime WebSocket (docs/realtime.md): the OpenAI Realtime protocol on an API socket
+(api/socket_base.py).
 
-- the reader takes client events one at a time and answers each (or sends an `error`);
-- the call's runner waits for a slot (telling the client its place when it asked for room
-  events), then reads the agent's frames, turns them into responses (api/turns.py) and hands the
-  room the client's audio at the room's own pace (`_feed`);
-- the writer sends what the other two queued, and a client that stops reading is disconnected
-  once `send_backlog_seconds` of audio wait for it.
-
-The call is released when the socket closes for any reason, so a slot never outlives its socket.
+Agent frameworks configure a session in several steps before they are done (LiveKit sends the
+voice and formats in one `session.update`, the instructions in the next, then its context as
+items; pipecat its context and a `response.create`), and they stream audio from the start. So
+the call, whose voice and persona are played into the slot once, starts at the first
+`response.create`, or once the client has configured or sent audio and then changed nothing for
+`settle_seconds`. What the model cannot take later is kept and said without an `error`, since
+both frameworks treat an error as fatal or log it as one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import time
 from typing import Any
 
 from starlette.websockets import WebSocket
 
-from ..errors import PersonaTooLongError, UnknownVoiceError
-from ..serving.door import DoorCall, Ended, Frame, Live, Preparing, Queued, Refusal, RefusalKind
-from ..serving.room import (
-    DOOR_REALTIME,
-    CallHandle,
-    EndReason,
-    Room,
-    end_message,
-)
-from . import errors as e
+from ..serving.room import DOOR_REALTIME, Room, SlotOutput
 from .audio_in import decode_pcm16
 from .client_events import ClientEvent, field, parse
 from .config import RealtimeConfig
+from .conversation import Conversation
 from .errors import RealtimeError
-from .feeder import Feeder
-from .outbox import Outbox
 from .server_events import error_event, event
-from .session import Dialect, PromptRules, SessionSettings, apply_update, new_id, session_object
+from .session import (
+    Dialect,
+    PromptRules,
+    SessionSettings,
+    apply_update,
+    join_persona,
+    new_id,
+    session_object,
+)
+from .socket_base import ApiSocket
 from .stats import DoorStats
 from .turns import TurnTracker
 
 log = logging.getLogger(__name__)
 
-CLOSE_SECONDS = 2.0  # for the last events to leave and the close handshake, before giving up on a client
 
-# The WebSocket close code a call's end comes with (the words are the room's: serving/room.py).
-CLOSE_CODES = {EndReason.TIME_LIMIT: 1000, EndReason.IDLE: 1000, EndReason.QUEUE_TIMEOUT: 1013,
-               EndReason.OVERLOADED: 1013, EndReason.SHUTDOWN: 1001, EndReason.NOT_READING: 1008}
-
-
-class RealtimeSocket:
-    """The door's side of one accepted socket; `run` returns when it has closed."""
+class RealtimeSocket(ApiSocket):
+    protocol = "realtime"
+    start_hint = "send audio or response.create to start one"
 
     def __init__(self, ws: WebSocket, room: Room, rules: PromptRules, config: RealtimeConfig, dialect: Dialect,
                  stats: DoorStats) -> None:
-        self.ws, self.room, self.rules, self.config, self.dialect, self.stats = ws, room, rules, config, dialect, stats
-        self.session_id = new_id("sess")
+        super().__init__(ws, room, config, stats, DOOR_REALTIME)
+        self.rules, self.dialect = rules, dialect
         self.settings = SessionSettings()
-        self.door_call = DoorCall(room, DOOR_REALTIME)
-        self.feeder = Feeder(config)
-        self.turns = TurnTracker(dialect, config.turn_end_seconds, config.speech_dbfs)
-        self.outbox = Outbox()
-        self.frames_out = 0
+        self.conversation = Conversation(dialect)
+        self.turns = TurnTracker(dialect, config.turn_end_seconds, config.speech_dbfs, self.conversation)
         self.update_refused = False  # a session.update was refused and none taken since
-        self._tasks: set[asyncio.Task] = set()
-        self._reader: asyncio.Task | None = None
-        self._closing = False
+        self._changed_at = time.monotonic()  # the last change to the call's settings before it started
+        self._starting = False
+        self._starter: asyncio.Task | None = None
+        self._speech_item: str | None = None  # the user item the caller's current speech becomes
+        self._context: list[str] = []  # text items before the start: they follow the instructions in the persona
+        self._reply_instructions: str | None = None  # a response.create's before the start: the whole persona
 
-    @property
-    def call(self) -> CallHandle | None:
-        return self.door_call.call
-
-    # ---- the socket's life ---------------------------------------------------------------------
-
-    async def run(self) -> None:
-        self.stats.opened()
+    def opened(self) -> None:
         self.send(event("session.created", session=self._session()))
-        self._spawn(self._write())
-        self._spawn(self._expect_a_call())
-        self._reader = asyncio.create_task(self._read())
-        try:
-            await asyncio.wait({self._reader})
-        finally:
-            self.door_call.hang_up()  # idempotent: a call that ended keeps its reason
-            for task in [self._reader, *self._tasks]:
-                task.cancel()
-            self.stats.closed()
-            log.info("realtime %s closed: %d frames in, %d out, %d responses", self.session_id, self.feeder.frames_in,
-                     self.frames_out, self.turns.responses)
 
-    async def _read(self) -> None:
-        while True:
-            message = await self.ws.receive()
-            if message["type"] == "websocket.disconnect":
-                return
-            try:
-                await self._handle(parse(message.get("text", message.get("bytes")), self.config.max_message_bytes))
-            except RealtimeError as err:
-                self.error(err)
-            except Exception:  # a bug here must not cost the caller the call: say so and go on
-                log.exception("realtime %s: handling an event failed", self.session_id)
-                self.error(RealtimeError("internal_error", "the server failed on this event; it was dropped",
-                                         kind="server_error"))
+    def parse(self, text: str | bytes | None) -> ClientEvent:
+        return parse(text, self.config.max_message_bytes)
 
-    async def _write(self) -> None:
-        try:
-            while True:
-                text, audio = await self.outbox.get()
-                await self.ws.send_text(text)
-                self.outbox.sent(audio)
-        except Exception as exc:  # the client is gone: stop reading too
-            log.info("realtime %s: sending failed (%s); closing", self.session_id, type(exc).__name__)
-            if self._reader is not None:
-                self._reader.cancel()
-
-    async def _expect_a_call(self) -> None:
-        """A socket that has not started a call within `start_timeout_seconds` is closed: an open
-        socket holds a place in its client's socket limit."""
-        await asyncio.sleep(self.config.start_timeout_seconds)
-        if self.call is None:
-            self.error(RealtimeError(e.NO_SESSION, f"no call was started within {self.config.start_timeout_seconds:g}"
-                                     " s of connecting; send session.update to start one", kind="server_error"))
-            await self.close(1000, "no call was started")
-
-    async def close(self, code: int, reason: str) -> None:
-        """Send what is queued (briefly), close the socket, stop reading."""
-        if self._closing:
-            return
-        self._closing = True
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.outbox.drained(), CLOSE_SECONDS)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.ws.close(code, reason[:120]), CLOSE_SECONDS)
-        if self._reader is not None:
-            self._reader.cancel()
-
-    def send(self, ev: dict[str, Any]) -> None:
-        if not self._closing:
-            self.outbox.put(ev)
-
-    def error(self, err: RealtimeError) -> None:
-        self.stats.error(err.code)
-        log.info("realtime %s: %s", self.session_id, err)
-        self.send(error_event(err))
-
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+    def error_event(self, err: RealtimeError) -> dict[str, Any]:
+        return error_event(err)
 
     def _session(self) -> dict[str, Any]:
         return session_object(self.settings, self.dialect, self.session_id, self.config.model_name)
 
     # ---- client events -------------------------------------------------------------------------
 
-    async def _handle(self, ev: ClientEvent) -> None:
+    async def handle(self, ev: ClientEvent) -> None:
         match ev.type:
             case "session.update":
-                try:
-                    self.settings = apply_update(self.settings, field(ev, "session", dict), self.rules,
-                                                 started=self.call is not None, event_id=ev.event_id)
-                except RealtimeError:
-                    self.update_refused = self.call is None
-                    raise
-                self.update_refused = False
-                self.send(event("session.updated", session=self._session()))
-                if self.call is None:
-                    await self._start_call(ev.event_id)
+                self._update(ev)
             case "input_audio_buffer.append":
                 audio = field(ev, "audio", str)
                 if self.call is None and not self.update_refused:
-                    # No session.update at all: the default voice and persona. (After a refused one
-                    # the client is still choosing; its audio is not heard yet.) A chunk that is not
-                    # PCM16 is refused before a call starts for it.
-                    decode_pcm16(audio, ev.event_id)
-                    await self._start_call(ev.event_id)
+                    decode_pcm16(audio, ev.event_id)  # a chunk that is not PCM16 is refused before a call starts
+                    self._start_soon()
                 if self.feeder.append(audio, self.call, ev.event_id):
                     self.feeder.feed(self.call)
             case "input_audio_buffer.clear":
@@ -185,116 +92,114 @@ class RealtimeSocket:
             case "input_audio_buffer.commit":
                 # Nothing to commit: the model hears the audio as it comes. Acknowledged for clients
                 # that commit at the end of the user's turn.
-                self.send(event("input_audio_buffer.committed", previous_item_id=None, item_id=new_id("item")))
+                self.send(event("input_audio_buffer.committed", previous_item_id=self.conversation.last_item,
+                                item_id=new_id("item")))
             case "response.create":
-                if self.call is None and not self.update_refused:
-                    await self._start_call(ev.event_id)
                 response = ev.body.get("response") if isinstance(ev.body.get("response"), dict) else {}
-                opened = self.turns.request(response.get("metadata"))
-                if opened is None:
-                    raise RealtimeError("conversation_already_has_active_response", "a response is already in "
-                                        "progress: the model answers in its own time", event_id=ev.event_id)
-                self._send_all(opened)
+                if self.call is None and not self.update_refused:
+                    if isinstance(response.get("instructions"), str):  # the whole persona for this reply
+                        self._check_persona(response["instructions"], ev.event_id)
+                        self._reply_instructions = response["instructions"]
+                    await self._start(ev.event_id)
+                self.send_all(self.turns.request(response.get("metadata")))
             case "response.cancel":
-                closed = self.turns.cancel()
-                if closed is None:
-                    raise RealtimeError("response_cancel_not_active", "no response is in progress",
-                                        event_id=ev.event_id)
-                self._send_all(closed)
+                # Nothing open is nothing to cancel, not an error: the response ended already, most
+                # often cancelled by the caller's speech a moment before (LiveKit cancels twice).
+                self.send_all(self.turns.cancel() or [])
+            case "conversation.item.create":
+                self._create_item(ev)
+            case "conversation.item.truncate":
+                truncated = self.conversation.truncate(ev)
+                if truncated["item_id"] == self.turns.open_item:  # the caller cut the agent off mid-turn
+                    self.send_all(self.turns.cancel() or [])
+                self.send(truncated)
+            case "conversation.item.delete":
+                self.send(self.conversation.delete(ev))
 
-    def _send_all(self, events: list[dict[str, Any]]) -> None:
-        for ev in events:
-            self.send(ev)
+    def _update(self, ev: ClientEvent) -> None:
+        started = self.call is not None or self._starting
+        try:
+            self.settings = apply_update(self.settings, field(ev, "session", dict), self.rules, started=started,
+                                         event_id=ev.event_id)
+        except RealtimeError:
+            self.update_refused = not started
+            raise
+        self.update_refused = False
+        self.room_events = self.settings.room_events
+        if self.settings.locked:
+            log.info("realtime %s: %s kept as the call started (the model takes them once)", self.session_id,
+                     ", ".join(self.settings.locked))
+        self._changed_at = time.monotonic()
+        self.send(event("session.updated", session=self._session()))
+        if not started:
+            self._start_soon()
+
+    def _create_item(self, ev: ClientEvent) -> None:
+        events, text = self.conversation.create(ev)
+        if text is not None and self.call is None and not self._starting:
+            self._check_persona(join_persona(self.settings.persona, *self._context, text), ev.event_id)
+            self._context.append(text)
+            self._changed_at = time.monotonic()
+            self._start_soon()
+        elif text is not None:
+            log.info("realtime %s: a text item after the call started is kept in the conversation and not heard",
+                     self.session_id)
+        self.send_all(events)
+
+    def _check_persona(self, persona: str, event_id: str | None) -> None:
+        """RealtimeError if `persona` could not be the call's (checked as `instructions` are)."""
+        apply_update(self.settings, {"instructions": persona}, self.rules, started=False, event_id=event_id)
+
+    def _persona(self) -> str:
+        """The call's persona: the instructions (a reply's, else the session's), then the context's text."""
+        instructions = self._reply_instructions if self._reply_instructions is not None else self.settings.persona
+        return join_persona(instructions, *self._context)
 
     # ---- the call ------------------------------------------------------------------------------
 
-    async def _start_call(self, event_id: str | None) -> None:
-        voice, persona, sampling = self.settings.call_fields()
-        refusal = await self.door_call.start(voice, persona, sampling)
-        if refusal is not None:
-            await self._refused(refusal, event_id)
-            return
-        call = self.door_call.call
-        if self._closing:  # the socket went while the room placed the call
-            self.door_call.hang_up()
-            return
-        log.info("realtime %s: call %s (%s), voice %s", self.session_id, call.id, call.state, voice)
-        self._spawn(self._run_call(call))
+    def _start_soon(self) -> None:
+        if self._starter is None or self._starter.done():
+            self._starter = self._spawn(self._start_when_settled())
 
-    async def _refused(self, refusal: Refusal, event_id: str | None) -> None:
-        """The client's error for a call the room did not take (a bad request is the event's error)."""
-        exc = refusal.error
-        if refusal.kind == RefusalKind.CALLER:
-            code = (e.UNKNOWN_VOICE if isinstance(exc, UnknownVoiceError) else
-                    e.PERSONA_TOO_LONG if isinstance(exc, PersonaTooLongError) else e.INVALID_FIELD)
-            raise RealtimeError(code, str(exc), param="session", event_id=event_id)
-        if refusal.kind == RefusalKind.FULL:
-            self.error(RealtimeError(e.ROOM_FULL, f"the room is full and its queue too ({exc}); try again in a "
-                                     "minute", event_id=event_id, kind="server_error"))
-            await self.close(1013, "the room is full")
-        else:
-            self.error(RealtimeError(e.ROOM_CLOSED, f"the room is not taking calls: {exc}", event_id=event_id,
-                                     kind="server_error"))
-            await self.close(1001, "the room is closed")
-
-    def room_event(self, kind: str, **fields: Any) -> None:
-        if self.settings.room_events:
-            self.send(event(f"personaplex.{kind}", **fields))
-
-    async def _run_call(self, call: CallHandle) -> None:
-        try:
-            event = await self._wait_for_live()
-            if event is None:
+    async def _start_when_settled(self) -> None:
+        """Start the call once the client has changed nothing for `settle_seconds`."""
+        while self.call is None and not self._starting and not self._closing:
+            wait = self._changed_at + self.config.settle_seconds - time.monotonic()
+            if wait <= 0:
+                try:
+                    await self._start(None)
+                except RealtimeError as err:
+                    self.error(err)
                 return
-            self.room_event("live", call_id=call.id, time_left=call.time_left())
-            self.feeder.live()
-            self.feeder.feed(call)
-            while True:
-                match event if isinstance(event, Frame) else await self.door_call.next_event(0.25):
-                    case Frame(out=out):
-                        self.feeder.answered()
-                        self.frames_out += 1
-                        self._send_all(self.turns.frame(out.pcm, out.text))
-                    case Ended(reason=reason):
-                        await self._ended(reason)
-                        return
-                event = None
-                self.feeder.feed(call)
-                if self.outbox.client_stopped_reading(self.ws.scope, self.config.send_backlog_seconds):
-                    log.warning("realtime %s: the client stopped reading; closing", self.session_id)
-                    self.door_call.hang_up(EndReason.NOT_READING)
-                    self.stats.error("client_not_reading")
-                    await self.close(1008, "the client stopped reading its audio")
-                    return
-        except Exception as exc:
-            log.exception("realtime %s: the call's runner failed", self.session_id)
-            self.door_call.hang_up(EndReason.error(f"realtime door: {type(exc).__name__}"))
-            await self.close(1011, "the server failed on this call")
+            await asyncio.sleep(wait)
 
-    async def _wait_for_live(self) -> Live | Frame | None:
-        """Tell the client (with room events on) its place in the queue and when it is being
-        prepared, until the call is live (a frame before the news of it counts: the call went
-        live and ended at once); None when it ended first."""
-        while True:
-            match event := await self.door_call.next_event(1.0):
-                case Queued(position=position, reason=reason):
-                    self.room_event("queue", position=position, reason=reason)
-                case Preparing():
-                    self.room_event("preparing")
-                case Live() | Frame():
-                    return event
-                case Ended(reason=reason):
-                    await self._ended(reason)
-                    return None
-
-    async def _ended(self, reason: str) -> None:
-        self._send_all(self.turns.finish(reason))
-        if reason == EndReason.HANGUP:
-            await self.close(1000, "hang-up")
+    async def _start(self, event_id: str | None) -> None:
+        if self.call is not None or self._starting or self.update_refused:
             return
-        code, message = CLOSE_CODES.get(reason, 1011), end_message(reason)
-        if self.settings.room_events:
-            self.room_event("call_ended", reason=reason, message=message)
-        else:
-            self.error(RealtimeError(e.CALL_ENDED, f"the call ended ({reason}): {message}", kind="server_error"))
-        await self.close(code, message)
+        self._starting = True
+        try:
+            await self.start_call(self.settings.voice, self._persona(), self.settings.sampling, event_id)
+        finally:
+            self._starting = False
+
+    def on_frame(self, out: SlotOutput) -> None:
+        self.send_all(self.turns.frame(out.pcm, out.text))
+
+    def on_speech(self, kind: str, ms: int) -> None:
+        """Server VAD as the Realtime API has it: the open response is cancelled when the caller
+        starts to speak (pipecat expects the server to do so), and what they said becomes an
+        audio item when they stop."""
+        if not self.settings.speech_events:
+            return
+        if kind == "started":
+            self._speech_item = new_id("item")
+            self.send(event("input_audio_buffer.speech_started", audio_start_ms=ms, item_id=self._speech_item))
+            self.send_all(self.turns.cancel("turn_detected") or [])
+        elif self._speech_item is not None:
+            item_id, self._speech_item = self._speech_item, None
+            self.send(event("input_audio_buffer.speech_stopped", audio_end_ms=ms, item_id=item_id))
+            self.send_all(self.conversation.user_audio(item_id))
+
+    async def on_ended(self, reason: str) -> None:
+        self.send_all(self.turns.finish(reason))
+        await super().on_ended(reason)

@@ -4,8 +4,10 @@ beta one (`voice`, `input_audio_format: "pcm16"`). Every field, and what becomes
 in docs/realtime.md (§ Session).
 
 The voice, the persona (`instructions`) and the sampling settings are prefilled into a slot
-when the call starts, so they are fixed from then on; the fields this model has no use for are
-ignored and named in the session object the door sends back.
+when the call starts, so they are fixed from then on: an update after the start keeps them and
+names them under `personaplex.locked` (no error: agent frameworks treat every error as fatal).
+The fields this model has no use for are ignored and named in the session object the door sends
+back.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from ..sampling_params import SamplingParams
 from . import errors as e
 from .client_events import typed
 from .errors import RealtimeError
+from .speech_detector import SpeechConfig
 
 # Sampling settings a session may set under "personaplex" (the same as the page's).
 SAMPLING_FIELDS = {"text_temperature": float, "text_top_k": int, "audio_temperature": float, "audio_top_k": int,
                    "seed": int, "greedy": bool}
 # Fields of the Realtime API this model has no counterpart for: accepted, ignored, named back.
-IGNORED = ("turn_detection", "input_audio_transcription", "input_audio_noise_reduction", "tools", "tool_choice",
+IGNORED = ("input_audio_transcription", "input_audio_noise_reduction", "tools", "tool_choice",
            "max_response_output_tokens", "max_output_tokens", "tracing", "truncation", "include", "prompt",
            "speed", "client_secret", "expires_at")
 # OpenAI's own voices, which agent frameworks send by default (LiveKit "marin", pipecat "alloy"):
@@ -61,6 +64,8 @@ class SessionSettings:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     room_events: bool = False  # personaplex.* events (queue, live, ended): clients that know them opt in
     ignored: tuple[str, ...] = ()  # fields the last update set that this model does not use
+    locked: tuple[str, ...] = ()  # fields the last update would have changed after the call started
+    speech_events: bool = True  # input_audio_buffer.speech_started / stopped (turn_detection not null)
 
     def call_fields(self) -> tuple[str, str, SamplingParams]:
         return self.voice, self.persona, self.sampling
@@ -95,7 +100,7 @@ def _check_modalities(value: Any, where: str, event_id: str | None) -> None:
 def apply_update(current: SessionSettings, session: Any, rules: PromptRules, *, started: bool,
                  event_id: str | None = None) -> SessionSettings:
     """The settings after one `session.update`, or RealtimeError (nothing applied). `started`: the
-    call holds its slot, so voice, persona and sampling can no longer change."""
+    call holds its slot, so voice, persona and sampling keep their values (named in `locked`)."""
     if not isinstance(session, dict):
         raise RealtimeError(e.INVALID_FIELD, "session.update needs a \"session\" object", param="session",
                             event_id=event_id)
@@ -128,14 +133,20 @@ def apply_update(current: SessionSettings, session: Any, rules: PromptRules, *, 
             raise RealtimeError(e.INVALID_FIELD, f"the instructions (the persona) cannot be used: {exc}",
                                 param="session.instructions", event_id=event_id) from None
     sampling, room_events = _our_fields(current, session, event_id)
-    if started and (voice, persona, sampling) != current.call_fields():
-        raise RealtimeError(e.SESSION_LOCKED, "the voice, the instructions and the sampling settings are played "
-                            "into the model when the call starts and cannot change during it; open a new session "
-                            "to change them", param="session", event_id=event_id)
+    locked: tuple[str, ...] = ()
+    if started:
+        locked = tuple(name for name, now, was in zip(("voice", "instructions", "sampling"),
+                                                      (voice, persona, sampling), current.call_fields()) if now != was)
+        voice, persona, sampling = current.call_fields()
     ignored = tuple(name for name in IGNORED if session.get(name) not in (None, [], "")
                     or audio_in.get(name.removeprefix("input_audio_")) not in (None, [], "")
                     or audio_out.get(name) not in (None, [], ""))
-    return SessionSettings(voice, persona, sampling, room_events, ignored + (("voice",) if ignored_voice else ()))
+    speech_events = current.speech_events
+    for where in (session, audio_in):  # the beta shape's turn_detection, or the current one's
+        if "turn_detection" in where:
+            speech_events = where["turn_detection"] is not None
+    return SessionSettings(voice, persona, sampling, room_events, ignored + (("voice",) if ignored_voice else ()),
+                           locked, speech_events)
 
 
 def _object(parent: dict[str, Any], name: str, where: str, event_id: str | None) -> dict[str, Any]:
@@ -185,21 +196,40 @@ def _our_fields(current: SessionSettings, session: dict[str, Any],
 def session_object(settings: SessionSettings, dialect: Dialect, session_id: str, model: str) -> dict[str, Any]:
     """The session as `session.created` and `session.updated` show it, in the client's dialect."""
     ours = {"room_events": settings.room_events, **dataclasses.asdict(settings.sampling),
-            "ignored": list(settings.ignored)}
+            "ignored": list(settings.ignored), "locked": list(settings.locked)}
     pcm = {"type": "audio/pcm", "rate": SAMPLE_RATE}
+    turns = turn_detection(settings)
     if dialect is Dialect.BETA:
         return {"id": session_id, "object": "realtime.session", "model": model, "modalities": ["audio", "text"],
                 "instructions": settings.persona, "voice": settings.voice, "input_audio_format": "pcm16",
-                "output_audio_format": "pcm16", "input_audio_transcription": None, "turn_detection": None,
+                "output_audio_format": "pcm16", "input_audio_transcription": None, "turn_detection": turns,
                 "tools": [], "tool_choice": "none", "temperature": settings.sampling.audio_temperature,
                 "max_response_output_tokens": "inf", "personaplex": ours}
     return {"type": "realtime", "object": "realtime.session", "id": session_id, "model": model,
             "output_modalities": ["audio"], "instructions": settings.persona,
-            "audio": {"input": {"format": pcm, "transcription": None, "turn_detection": None,
+            "audio": {"input": {"format": pcm, "transcription": None, "turn_detection": turns,
                                 "noise_reduction": None},
                       "output": {"format": pcm, "voice": settings.voice, "speed": 1.0}},
             "tools": [], "tool_choice": "none", "max_output_tokens": "inf", "personaplex": ours}
 
 
+def turn_detection(settings: SessionSettings) -> dict[str, Any] | None:
+    """The session's turn detection as the Realtime API describes server VAD: the speech events
+    come from a voice-activity detector on the caller's audio (api/speech_detector.py), and the
+    model itself answers and yields (so responses are created, and interrupted, without a request)."""
+    if not settings.speech_events:
+        return None
+    vad = SpeechConfig()
+    return {"type": "server_vad", "threshold": vad.threshold, "prefix_padding_ms": vad.padding_ms,
+            "silence_duration_ms": vad.silence_ms, "idle_timeout_ms": None, "create_response": True,
+            "interrupt_response": True}
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+def join_persona(persona: str, *texts: str) -> str:
+    """The persona with more instruction text after it, a line each: what a system or developer
+    message given before the call starts becomes (the model's only text input is its prompt)."""
+    return "\n".join(part.strip() for part in (persona, *texts) if part.strip())

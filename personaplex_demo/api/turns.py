@@ -7,8 +7,11 @@ or audio louder than `speech_dbfs`) and closes after `turn_end_seconds` without 
 frames of a turn, its short pauses included, go out as audio deltas; the silence between turns
 is not sent (a client that plays deltas as they come hears the same). `response.create` opens a
 response at once (a framework that asked for a reply sees it begin), and it waits up to
-`REQUESTED_WAIT_SECONDS` for the agent to speak. `response.cancel` ends the open response and
-mutes the rest of that turn.
+`REQUESTED_WAIT_SECONDS` for the agent to speak; one that comes while a response is open
+completes it and opens the next, so the client's request always gets its own response (LiveKit
+waits for the one that echoes its metadata). `response.cancel`, a truncation of the open
+response's item, or the caller starting to speak end the open response as cancelled: the model
+heard the caller and decides itself whether to go on, and what it says next is a new response.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..frame import FRAME_SECONDS, frame_dbfs
+from .conversation import Conversation
 from .server_events import ResponseEvents
 from .session import Dialect, new_id
 
@@ -34,27 +38,23 @@ def is_speech(pcm: np.ndarray, text: str, speech_dbfs: float) -> bool:
 class TurnTracker:
     """Agent frames in, Realtime events out; one per socket."""
 
-    def __init__(self, dialect: Dialect, turn_end_seconds: float, speech_dbfs: float) -> None:
+    def __init__(self, dialect: Dialect, turn_end_seconds: float, speech_dbfs: float,
+                 conversation: Conversation | None = None) -> None:
         self.dialect = dialect
+        self.conversation = conversation or Conversation(dialect)
         self.end_frames = max(1, round(turn_end_seconds / FRAME_SECONDS))
         self.speech_dbfs = speech_dbfs
         self.current: ResponseEvents | None = None
         self.responses = 0
-        self._last_item: str | None = None
         self._transcript: list[str] = []
         self._frames = 0
         self._quiet = 0  # frames since the agent last spoke
         self._spoke = False  # in the open response
-        self._muted = False  # after response.cancel, until the agent's turn is over
 
     def frame(self, pcm: np.ndarray, text: str) -> list[dict[str, Any]]:
         """The events of one agent frame."""
         speech = is_speech(pcm, text, self.speech_dbfs)
         self._quiet = 0 if speech else self._quiet + 1
-        if self._muted:
-            if self._quiet >= self.end_frames:
-                self._muted = False
-            return []
         events: list[dict[str, Any]] = []
         if self.current is None:
             if not speech:
@@ -73,33 +73,32 @@ class TurnTracker:
             events += self._close("completed", None)
         return events
 
-    def request(self, metadata: Any) -> list[dict[str, Any]] | None:
-        """`response.create`: a response opened now (its events), or None when one is open already."""
-        if self.current is not None:
-            return None
-        return self._open(metadata)
+    def request(self, metadata: Any) -> list[dict[str, Any]]:
+        """`response.create`: a response opened now (its events), after the open one, if any, completed."""
+        events = self._close("completed", None) if self.current is not None else []
+        return events + self._open(metadata)
 
-    def cancel(self) -> list[dict[str, Any]] | None:
-        """`response.cancel`: the open response ends as cancelled, and the rest of the turn is not
-        sent; None when no response is open."""
+    def cancel(self, reason: str = "client_cancelled") -> list[dict[str, Any]] | None:
+        """The open response ends as cancelled (`reason`: the client's cancel or truncation, or
+        "turn_detected" when the caller began to speak); None when no response is open."""
         if self.current is None:
             return None
-        self._muted = self._quiet < self.end_frames
-        return self._close("cancelled", {"type": "cancelled", "reason": "client_cancelled"})
+        return self._close("cancelled", {"type": "cancelled", "reason": reason})
 
     def finish(self, reason: str) -> list[dict[str, Any]]:
-        """The call ended: an open response ends as incomplete."""
-        if self.current is None:
-            return []
-        return self._close("incomplete", {"type": "incomplete", "reason": reason})
+        """The call ended: an open response ends as cancelled, the call's end its reason ("incomplete"
+        would read as a failure to the clients)."""
+        return self.cancel(reason) or []
+
+    @property
+    def open_item(self) -> str | None:
+        return self.current.item_id if self.current is not None else None
 
     def _open(self, metadata: Any) -> list[dict[str, Any]]:
         self.current = ResponseEvents(self.dialect, new_id("resp"), new_id("item"), metadata)
         self.responses += 1
         self._transcript, self._frames, self._spoke = [], 0, False
-        events = self.current.opening(self._last_item)
-        self._last_item = self.current.item_id
-        return events
+        return self.current.opening(self.conversation.add(self.current.item_id))
 
     def _close(self, status: str, details: dict[str, Any] | None) -> list[dict[str, Any]]:
         current, self.current = self.current, None

@@ -152,7 +152,7 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
                         prevent_thread_lock=True,
                         app_kwargs={"routes": status_routes(runtime, room, lambda: status_extra(topology, door))
                                     + metrics_routes(room, [EngineCollector(lambda: topology.status()["engines"]),
-                                                            *([door.collector()] if door else [])])
+                                                            *(door.collectors() if door else [])])
                                     + (door.routes() if door else []),
                                     "middleware": [Middleware(RefuseLongQueries)]})
         except OSError:
@@ -162,7 +162,8 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
             recordings.close()
             return 1
         log.info("serving on http://%s:%d (status: /api/status, metrics: /metrics%s)", cfg.host, cfg.port,
-                 f", Realtime API: ws://{cfg.host}:{cfg.port}/v1/realtime" if door else "")
+                 f", Realtime API: ws://{cfg.host}:{cfg.port}/v1/realtime, GPT-Live: ws://{cfg.host}:{cfg.port}"
+                 "/v1/live/sessions" if door else "")
         if demo.share_url:
             log.info("public link: %s", demo.share_url)
         return demo, recordings, stop.wait()
@@ -180,7 +181,8 @@ def realtime_door(cfg: AppConfig, topology: Topology):
     from ..api.door import RealtimeDoor
 
     if cfg.api_key is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("the Realtime API (/v1/realtime) is open to anyone who reaches this port: set --api-key "
+        log.warning("the API sockets (/v1/realtime, /v1/live/sessions) are open to anyone who reaches this port: "
+                    "set --api-key "
                     "(PERSONAPLEX_API_KEY) to require a key, or --no-realtime to turn it off")
     return RealtimeDoor(topology.room, topology.runtime.engine, RealtimeConfig(
         api_key=cfg.api_key, max_sockets_per_client=cfg.realtime_max_sockets,
@@ -189,7 +191,8 @@ def realtime_door(cfg: AppConfig, topology: Topology):
 
 def status_extra(topology: Topology, door) -> dict[str, Any]:
     """/api/status beyond the room's figures: engines, media workers, the Realtime door."""
-    return {**topology.status(), "realtime": door.status() if door is not None else None}
+    return {**topology.status(), "realtime": door.status() if door is not None else None,
+            "live": door.live_status() if door is not None else None}
 
 
 def shut_down_app(demo: Any, recordings: RecordingStore, received: str, topology: Topology) -> None:

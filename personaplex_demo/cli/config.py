@@ -17,8 +17,8 @@ from .options import at_least, between, build_parser, config_from, env_help, opt
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 
 DESCRIPTION = ("PersonaPlex Live: talk with NVIDIA PersonaPlex-7B in the browser.\n"
-               "Serves the page, the WebRTC calls, the Realtime WebSocket (/v1/realtime) and GET /api/status on "
-               "one port.")
+               "Serves the page, the WebRTC calls, the API WebSockets (/v1/realtime, /v1/live/sessions) and "
+               "GET /api/status on one port.")
 
 # Variables read outside AppConfig, listed in --help and the README with the config's own.
 OTHER_ENV = {
@@ -100,14 +100,17 @@ class AppConfig:
     ray_address: str | None = option(None, "the Ray cluster for --engines ray: auto (the one `ray start` joined on "
                                      "this machine) or HOST:PORT", env="PERSONAPLEX_RAY_ADDRESS",
                                      shown_default="a Ray started on this machine", metavar="ADDRESS")
-    no_realtime: bool = option(False, "turn off the OpenAI-Realtime-compatible WebSocket at /v1/realtime (calls "
-                               "from code: agent frameworks, the openai SDK)", env="PERSONAPLEX_NO_REALTIME")
-    api_key: str | None = option(None, "a key every /v1/realtime socket must present (Authorization: Bearer KEY); "
-                                 "on a Space, set it as a secret", env="PERSONAPLEX_API_KEY", secret=True,
+    no_realtime: bool = option(False, "turn off the API WebSockets, OpenAI-Realtime at /v1/realtime and GPT-Live "
+                               "at /v1/live/sessions (calls from code: agent frameworks, the openai SDK)",
+                               env="PERSONAPLEX_NO_REALTIME")
+    api_key: str | None = option(None, "the key every API socket must send (Authorization: Bearer KEY); on a "
+                                 "Space, set it as a secret",
+                                 env="PERSONAPLEX_API_KEY", secret=True,
                                  shown_default="none: the socket is open to anyone who can reach the port",
                                  metavar="KEY")
-    realtime_max_sockets: int = option(4, "open /v1/realtime sockets per client address, so that one script cannot "
-                                       "take the room", env="PERSONAPLEX_REALTIME_MAX_SOCKETS", check=at_least(1),
+    realtime_max_sockets: int = option(4, "open API sockets (Realtime and GPT-Live together) per client address, so "
+                                       "that one script cannot take the room", env="PERSONAPLEX_REALTIME_MAX_SOCKETS",
+                                       check=at_least(1),
                                        metavar="N")
     verbose: bool = option(False, "also log each internal HTTP request and Gradio's own startup messages",
                            env="PERSONAPLEX_VERBOSE")

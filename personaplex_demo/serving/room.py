@@ -19,13 +19,14 @@ from .config import PoolConfig
 from .headroom import WaitReason
 from .metrics import PoolMetrics, TickListener
 
-__all__ = ["DOORS", "DOOR_PAGE", "DOOR_REALTIME", "CallEnded", "CallHandle", "CallState", "EndReason", "PoolClosedError",
-           "PoolFullError", "Room", "SlotOutput", "TickListener", "WaitReason", "end_message"]
+__all__ = ["DOORS", "DOOR_LIVE", "DOOR_PAGE", "DOOR_REALTIME", "CallEnded", "CallHandle", "CallState", "EndReason",
+           "PoolClosedError", "PoolFullError", "Room", "SlotOutput", "TickListener", "WaitReason", "end_message"]
 
 # The door a call came through, a label the room only counts by (/api/status, /metrics).
 DOOR_PAGE = "page"  # the WebRTC page (web/handler.py)
 DOOR_REALTIME = "realtime"  # the OpenAI-Realtime WebSocket (api/)
-DOORS = (DOOR_PAGE, DOOR_REALTIME)
+DOOR_LIVE = "live"  # the GPT-Live WebSocket (api/)
+DOORS = (DOOR_PAGE, DOOR_REALTIME, DOOR_LIVE)
 
 
 class CallState(enum.StrEnum):

@@ -1,0 +1,116 @@
+"""OpenAI's GPT-Live protocol as the GPT-Live door reads and writes it (docs/realtime.md § GPT-Live):
+the client events it takes, `session.start` as the call's settings, and the server events.
+
+GPT-Live was made for models that listen and speak at once: after `session.start` the client
+streams its audio and the server streams the agent's, a frame for every frame (silence included),
+with the transcript placed on that timeline in milliseconds. The session object is read through
+the Realtime door's rules (api/session.py), so a voice, a persona or a format is judged the same
+at both doors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..frame import SAMPLE_RATE
+from . import errors as e
+from .client_events import ClientEvent, parse, typed
+from .errors import RealtimeError
+from .server_events import event, pcm16_base64
+from .session import PromptRules, SessionSettings, apply_update, join_persona
+
+# The client events the door takes; what each does: docs/realtime.md § GPT-Live.
+KNOWN = ("session.start", "session.update", "session.input_audio.append", "session.input_audio.mute",
+         "session.input_audio.unmute", "session.commentary.append", "session.thinking.append",
+         "session.instructions.append", "response.item.create", "response.create", "session.close")
+TEXT_APPENDS = {"session.commentary.append": "session.commentary.appended",
+                "session.thinking.append": "session.thinking.appended",
+                "session.instructions.append": "session.instructions.appended"}
+# What a session.start may hold that this model has no use for: accepted, ignored, named back.
+IGNORED = ("model", "delegation", "store", "tools", "tool_choice", "context_management")
+PERSONA_ROLES = ("system", "developer")  # `input` messages that become part of the persona
+
+
+def parse_live(text: str | bytes | None, max_bytes: int) -> ClientEvent:
+    return parse(text, max_bytes, KNOWN, {})
+
+
+def _voice(audio_out: dict[str, Any]) -> Any:
+    voice = audio_out.get("voice")
+    return voice.get("id") if isinstance(voice, dict) else voice
+
+
+def _input_texts(items: Any, event_id: str | None) -> tuple[list[str], int]:
+    """The text of the `input` messages that join the persona, and how many others were ignored
+    (the model hears no text turns: user and assistant messages cannot be played into it)."""
+    if items is None:
+        return [], 0
+    if not isinstance(items, list):
+        raise RealtimeError(e.INVALID_FIELD, "session.input must be a list of messages", param="session.input",
+                            event_id=event_id)
+    texts, ignored = [], 0
+    for item in items:
+        if not isinstance(item, dict) or item.get("role") not in PERSONA_ROLES:
+            ignored += 1
+            continue
+        content = item.get("content")
+        parts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
+        texts += [part if isinstance(part, str) else str(part.get("text", "")) for part in parts
+                  if isinstance(part, str) or (isinstance(part, dict) and isinstance(part.get("text"), str))]
+    return [text for text in texts if text.strip()], ignored
+
+
+def start_settings(session: Any, rules: PromptRules, event_id: str | None) -> SessionSettings:
+    """The call's settings from a `session.start`'s session object, or RealtimeError."""
+    if not isinstance(session, dict):
+        raise RealtimeError(e.MISSING_FIELD, "session.start needs a \"session\" object", param="session",
+                            event_id=event_id)
+    audio = session.get("audio") if isinstance(session.get("audio"), dict) else {}
+    audio_out = audio.get("output") if isinstance(audio.get("output"), dict) else {}
+    texts, ignored_input = _input_texts(session.get("input"), event_id)
+    instructions = session.get("instructions")
+    if texts:
+        base = typed(instructions, str, "session.instructions", event_id) if instructions is not None else ""
+        instructions = join_persona(base, *texts)
+    # The Realtime API's (current) session shape, read by the same rules.
+    realtime = {"instructions": instructions, "personaplex": session.get("personaplex"),
+                "audio": {"input": {"format": audio.get("format")},
+                          "output": {"format": audio.get("format"), "voice": _voice(audio_out)}}}
+    settings = apply_update(SessionSettings(), realtime, rules, started=False, event_id=event_id)
+    ignored = tuple(name for name in IGNORED if session.get(name) not in (None, [], "", {}))
+    return SessionSettings(settings.voice, settings.persona, settings.sampling, settings.room_events,
+                           settings.ignored + ignored + (("input",) if ignored_input else ()))
+
+
+def session_resource(settings: SessionSettings, session_id: str, model: str, status: str) -> dict[str, Any]:
+    """The session as `session.started`, `session.updated` and `session.closed` show it."""
+    return {"id": session_id, "object": "live.session", "status": status, "model": model,
+            "instructions": settings.persona,
+            "audio": {"format": {"type": "audio/pcm", "rate": SAMPLE_RATE}, "output": {"voice": settings.voice}},
+            "delegation": None, "personaplex": {"ignored": list(settings.ignored),
+                                                "room_events": settings.room_events}}
+
+
+def answer(kind: str, ev: ClientEvent, **fields: Any) -> dict[str, Any]:
+    """A server event that answers client event `ev` (its id echoed as `client_event_id`)."""
+    return event(kind, client_event_id=ev.event_id, **fields)
+
+
+def audio_delta(pcm: np.ndarray) -> dict[str, Any]:
+    return event("session.output_audio.delta", delta=pcm16_base64(pcm))
+
+
+def transcript_delta(text: str, start_ms: int, end_ms: int) -> dict[str, Any]:
+    return event("session.output_transcript.delta", delta=text, start_ms=start_ms, end_ms=end_ms)
+
+
+def usage_event(seconds: float) -> dict[str, Any]:
+    return event("session.usage.updated", usage={"seconds": round(seconds, 3)})
+
+
+def error_event(err: RealtimeError) -> dict[str, Any]:
+    return event("error", client_event_id=err.event_id,
+                 error={"type": err.kind, "code": err.code, "message": err.message, "param": err.param,
+                        "client_event_id": err.event_id})

@@ -1,0 +1,157 @@
+"""One GPT-Live WebSocket (`/v1/live/sessions`, docs/realtime.md § GPT-Live): `session.start` places
+the call, the client's audio streams in, and every agent frame streams out as it is made.
+
+What the two client libraries that speak GPT-Live need (pipecat's `OpenAILiveLLMService`,
+LiveKit's `GPTLiveModel`), and why the door does each:
+- `session.started` at once, when the call is placed: both hold their audio back until it
+  comes, and LiveKit would send what it held in one burst, stale, once the call is live.
+- a `session.output_audio.delta` for every frame, and the frames that are not speech as exact
+  zeros: LiveKit cuts the stream into the agent's turns at its own level gate, which the model's
+  faint hiss between words would hold open.
+- a transcript piece only with audible audio, on the same timeline (`start_ms`, `end_ms`: the
+  agent audio sent so far): LiveKit places text on the audio it hears, and text over silence is
+  an error there.
+- no `error` for what is well formed and only unsupported (delegation, tools, text appends):
+  both clients log every `error` at ERROR, so those are taken and ignored.
+- `session.closed` on `session.close` at once, and before any close of the server's own, with
+  the room's reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+from starlette.websockets import WebSocket
+
+from ..frame import FRAME_SECONDS
+from ..serving.room import DOOR_LIVE, CallHandle, EndReason, Room, SlotOutput, end_message
+from . import errors as e
+from .client_events import ClientEvent, field
+from .config import RealtimeConfig
+from .errors import RealtimeError
+from .live_events import (
+    TEXT_APPENDS,
+    answer,
+    audio_delta,
+    error_event,
+    parse_live,
+    session_resource,
+    start_settings,
+    transcript_delta,
+    usage_event,
+)
+from .server_events import event
+from .session import PromptRules, SessionSettings
+from .socket_base import CLOSE_CODES, ApiSocket
+from .stats import DoorStats
+from .turns import is_speech
+
+log = logging.getLogger(__name__)
+
+USAGE_EVERY_FRAMES = 12  # session.usage.updated about once a second
+HOLD_TEXT_FRAMES = 12  # a transcript piece waits this long for audible audio, then is left out
+
+
+class LiveSocket(ApiSocket):
+    protocol = "gpt-live"
+    start_hint = "send session.start to start one"
+
+    def __init__(self, ws: WebSocket, room: Room, rules: PromptRules, config: RealtimeConfig,
+                 stats: DoorStats) -> None:
+        super().__init__(ws, room, config, stats, DOOR_LIVE, speech=False)
+        self.rules = rules
+        self.settings: SessionSettings | None = None
+        self._held_text: list[str] = []
+        self._held_since = 0
+
+    def parse(self, text: str | bytes | None) -> ClientEvent:
+        return parse_live(text, self.config.max_message_bytes)
+
+    def error_event(self, err: RealtimeError) -> dict[str, Any]:
+        return error_event(err)
+
+    def _resource(self, status: str = "active") -> dict[str, Any]:
+        assert self.settings is not None
+        return session_resource(self.settings, self.session_id, self.config.model_name, status)
+
+    async def handle(self, ev: ClientEvent) -> None:
+        if ev.type == "session.start":
+            await self._start(ev)
+            return
+        if self.settings is None:
+            raise RealtimeError(e.SESSION_NOT_STARTED, f"{ev.type} needs a session: send session.start first",
+                                param="type", event_id=ev.event_id)
+        match ev.type:
+            case "session.input_audio.append":
+                if self.feeder.append(field(ev, "audio", str), self.call, ev.event_id):
+                    self.feeder.feed(self.call)
+            case "session.input_audio.mute" | "session.input_audio.unmute":
+                self.feeder.muted = ev.type.endswith(".mute")
+                self.send(answer("session.input_audio.muted" if self.feeder.muted else "session.input_audio.unmuted",
+                                 ev))
+            case kind if kind in TEXT_APPENDS:
+                # The model's only text is its persona, played in before the call: text later is
+                # taken and not heard (docs/realtime.md § GPT-Live).
+                field(ev, "content", str)
+                now = round(self.frames_out * FRAME_SECONDS * 1000)
+                log.info("gpt-live %s: %s taken, not heard (the model takes text only as its persona)",
+                         self.session_id, kind)
+                self.send(answer(TEXT_APPENDS[kind], ev, start_ms=now, end_ms=now))
+            case "session.update":
+                # Only delegation settings may change after the start, and this model delegates nothing.
+                self.send(answer("session.updated", ev, session=self._resource()))
+            case "response.item.create" | "response.create":
+                log.info("gpt-live %s: %s taken and ignored (no delegation here)", self.session_id, ev.type)
+            case "session.close":
+                await self._closed(ev, "close_requested", 1000, "closed by the client")
+
+    async def _start(self, ev: ClientEvent) -> None:
+        if self.settings is not None:
+            raise RealtimeError(e.SESSION_ALREADY_STARTED, "this socket's session has started; open another "
+                                "socket for another session", param="type", event_id=ev.event_id)
+        settings = start_settings(ev.body.get("session"), self.rules, ev.event_id)
+        self.room_events = settings.room_events
+        if await self.start_call(*settings.call_fields(), ev.event_id):
+            self.settings = settings
+            self.send(answer("session.started", ev, session=self._resource()))
+
+    def on_frame(self, out: SlotOutput) -> None:
+        speech = is_speech(out.pcm, "", self.config.speech_dbfs)
+        ms = round((self.frames_out - 1) * FRAME_SECONDS * 1000)
+        self.send(audio_delta(out.pcm if speech else np.zeros_like(out.pcm)))
+        if out.text:
+            if not self._held_text:
+                self._held_since = self.frames_out
+            self._held_text.append(out.text)
+        if self._held_text and speech:
+            self.send(transcript_delta("".join(self._held_text), ms, ms + round(FRAME_SECONDS * 1000)))
+            self._held_text = []
+        elif self._held_text and self.frames_out - self._held_since >= HOLD_TEXT_FRAMES:
+            log.debug("gpt-live %s: %r had no audible audio; left out of the transcript", self.session_id,
+                      "".join(self._held_text))
+            self._held_text = []
+        if self.frames_out % USAGE_EVERY_FRAMES == 0:
+            self.send(usage_event(self.frames_out * FRAME_SECONDS))
+
+    async def on_ended(self, reason: str) -> None:
+        if reason == EndReason.HANGUP:
+            await self.close(1000, "hang-up")
+            return
+        await self._closed(None, reason, CLOSE_CODES.get(reason, 1011), end_message(reason))
+
+    async def _closed(self, ev: ClientEvent | None, reason: str, code: int, message: str) -> None:
+        """`session.closed` with the reason (the client's close, or the room's end of the call),
+        then the socket's close."""
+        self.door_call.hang_up()
+        if self.room_events and ev is None:
+            self.room_event("call_ended", reason=reason, message=message)
+        fields = {"reason": reason, "message": message, "usage": {"seconds": round(self.frames_out * FRAME_SECONDS, 3)}}
+        if self.settings is not None:
+            fields["session"] = self._resource("closed")
+        self.send(answer("session.closed", ev, **fields) if ev is not None else event("session.closed", **fields))
+        await self.close(code, message)
+
+    def on_live(self, call: CallHandle) -> None:
+        log.info("gpt-live %s: call %s live", self.session_id, call.id)

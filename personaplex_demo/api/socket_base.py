@@ -1,0 +1,281 @@
+"""What every API socket does, whatever protocol it speaks (the Realtime API's, api/realtime_socket.py;
+GPT-Live's, api/live_socket.py): client events in, one call in the room, server events out.
+Three tasks share the socket, all on the server's event loop, none blocking it:
+
+- the reader takes client events one at a time and answers each (or sends an `error`);
+- the call's runner waits for a slot (telling the client its place when it asked for room
+  events), then reads the agent's frames, hands each to the protocol (`on_frame`) and hands the
+  room the client's audio at the room's own pace (api/feeder.py);
+- the writer sends what the other two queued, and a client that stops reading is disconnected
+  once `send_backlog_seconds` of audio wait for it.
+
+The call is released when the socket closes for any reason, so a slot never outlives its socket.
+A protocol subclass says how events are read (`parse`, `handle`) and written (`error_event`,
+`on_frame`, `on_ended`); the rest is here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import numpy as np
+from starlette.websockets import WebSocket
+
+from ..errors import PersonaTooLongError, UnknownVoiceError
+from ..sampling_params import SamplingParams
+from ..serving.door import DoorCall, Ended, Frame, Live, Preparing, Queued, Refusal, RefusalKind
+from ..serving.room import CallHandle, EndReason, Room, SlotOutput, end_message
+from . import errors as e
+from .client_events import ClientEvent
+from .config import RealtimeConfig
+from .errors import RealtimeError
+from .feeder import Feeder
+from .outbox import Outbox
+from .server_events import event
+from .session import new_id
+from .speech_detector import SpeechConfig, SpeechEvents
+from .stats import DoorStats
+
+log = logging.getLogger(__name__)
+
+CLOSE_SECONDS = 2.0  # for the last events to leave and the close handshake, before giving up on a client
+
+# The WebSocket close code a call's end comes with (the words are the room's: serving/room.py).
+CLOSE_CODES = {EndReason.TIME_LIMIT: 1000, EndReason.IDLE: 1000, EndReason.QUEUE_TIMEOUT: 1013,
+               EndReason.OVERLOADED: 1013, EndReason.SHUTDOWN: 1001, EndReason.NOT_READING: 1008}
+
+
+class ApiSocket:
+    """The door's side of one accepted socket; `run` returns when it has closed."""
+
+    protocol = "api"  # for the log
+    start_hint = "send an event that starts one"  # what a client that starts no call should do
+
+    def __init__(self, ws: WebSocket, room: Room, config: RealtimeConfig, stats: DoorStats, door: str,
+                 speech: bool = True) -> None:
+        self.ws, self.room, self.config, self.stats = ws, room, config, stats
+        self.session_id = new_id("sess")
+        self.door_call = DoorCall(room, door)
+        self.feeder = Feeder(config, self._heard)
+        # When the caller speaks, for a protocol that tells its client (`speech`).
+        self.speech = SpeechEvents(config.speech if speech else SpeechConfig(enabled=False), self.on_speech)
+        self.outbox = Outbox()
+        self.frames_out = 0
+        self.room_events = False  # personaplex.* events (queue, live, ended): clients that know them opt in
+        self._tasks: set[asyncio.Task] = set()
+        self._reader: asyncio.Task | None = None
+        self._closing = False
+
+    @property
+    def call(self) -> CallHandle | None:
+        return self.door_call.call
+
+    # ---- what a protocol says ------------------------------------------------------------------
+
+    def opened(self) -> None:
+        """The socket was accepted: the first events, if the protocol sends any."""
+
+    def parse(self, text: str | bytes | None) -> ClientEvent:
+        raise NotImplementedError
+
+    async def handle(self, ev: ClientEvent) -> None:
+        raise NotImplementedError
+
+    def error_event(self, err: RealtimeError) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def on_live(self, call: CallHandle) -> None:
+        """The call went live: the agent's first frame comes next."""
+
+    def on_frame(self, out: SlotOutput) -> None:
+        raise NotImplementedError
+
+    def on_speech(self, kind: str, ms: int) -> None:
+        """The caller started ("started") or stopped ("stopped") speaking, `ms` into the audio heard."""
+
+    async def on_ended(self, reason: str) -> None:
+        """The room ended the call (or the caller hung up): say so and close."""
+        if reason == EndReason.HANGUP:
+            await self.close(1000, "hang-up")
+            return
+        code, message = CLOSE_CODES.get(reason, 1011), end_message(reason)
+        if self.room_events:
+            self.room_event("call_ended", reason=reason, message=message)
+        else:
+            self.error(RealtimeError(e.CALL_ENDED, f"the call ended ({reason}): {message}", kind="server_error"))
+        await self.close(code, message)
+
+    # ---- the socket's life ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.stats.opened()
+        self.opened()
+        self._spawn(self._write())
+        self._spawn(self._expect_a_call())
+        self._reader = asyncio.create_task(self._read())
+        try:
+            await asyncio.wait({self._reader})
+        finally:
+            self.door_call.hang_up()  # idempotent: a call that ended keeps its reason
+            self.speech.close()
+            for task in [self._reader, *self._tasks]:
+                task.cancel()
+            self.stats.closed()
+            log.info("%s %s closed: %d frames in, %d out", self.protocol, self.session_id, self.feeder.frames_in,
+                     self.frames_out)
+
+    async def _read(self) -> None:
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            try:
+                await self.handle(self.parse(message.get("text", message.get("bytes"))))
+            except RealtimeError as err:
+                self.error(err)
+            except Exception:  # a bug here must not cost the caller the call: say so and go on
+                log.exception("%s %s: handling an event failed", self.protocol, self.session_id)
+                self.error(RealtimeError(e.INTERNAL_ERROR, "the server failed on this event; it was dropped",
+                                         kind="server_error"))
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                text, audio = await self.outbox.get()
+                await self.ws.send_text(text)
+                self.outbox.sent(audio)
+        except Exception as exc:  # the client is gone: stop reading too
+            log.info("%s %s: sending failed (%s); closing", self.protocol, self.session_id, type(exc).__name__)
+            if self._reader is not None:
+                self._reader.cancel()
+
+    async def _expect_a_call(self) -> None:
+        """A socket that has not started a call within `start_timeout_seconds` is closed: an open
+        socket holds a place in its client's socket limit."""
+        await asyncio.sleep(self.config.start_timeout_seconds)
+        if self.call is None:
+            self.error(RealtimeError(e.NO_SESSION, f"no call was started within {self.config.start_timeout_seconds:g}"
+                                     f" s of connecting; {self.start_hint}", kind="server_error"))
+            await self.close(1000, "no call was started")
+
+    async def close(self, code: int, reason: str) -> None:
+        """Send what is queued (briefly), close the socket, stop reading."""
+        if self._closing:
+            return
+        self._closing = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.outbox.drained(), CLOSE_SECONDS)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.ws.close(code, reason[:120]), CLOSE_SECONDS)
+        if self._reader is not None:
+            self._reader.cancel()
+
+    def send(self, ev: dict[str, Any]) -> None:
+        if not self._closing:
+            self.outbox.put(ev)
+
+    def send_all(self, events: list[dict[str, Any]]) -> None:
+        for ev in events:
+            self.send(ev)
+
+    def error(self, err: RealtimeError) -> None:
+        self.stats.error(err.code)
+        log.info("%s %s: %s", self.protocol, self.session_id, err)
+        self.send(self.error_event(err))
+
+    def room_event(self, kind: str, **fields: Any) -> None:
+        if self.room_events:
+            self.send(event(f"personaplex.{kind}", **fields))
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _heard(self, frame: np.ndarray) -> None:
+        """A frame of the caller's audio went to the model: the speech detector hears it too."""
+        self.speech.hear(frame)
+
+    # ---- the call ------------------------------------------------------------------------------
+
+    async def start_call(self, voice: str, persona: str, sampling: SamplingParams, event_id: str | None) -> bool:
+        """Ask the room for the call; True once it holds one (seated or queued). A refusal is the
+        client's error: raised for a bad request, sent (and the socket closed) otherwise."""
+        refusal = await self.door_call.start(voice, persona, sampling)
+        if refusal is not None:
+            await self._refused(refusal, event_id)
+            return False
+        call = self.door_call.call
+        if self._closing:  # the socket went while the room placed the call
+            self.door_call.hang_up()
+            return False
+        log.info("%s %s: call %s (%s), voice %s, persona %r", self.protocol, self.session_id, call.id, call.state,
+                 voice, persona if len(persona) <= 200 else persona[:200] + "…")
+        self._spawn(self._run_call(call))
+        return True
+
+    async def _refused(self, refusal: Refusal, event_id: str | None) -> None:
+        exc = refusal.error
+        if refusal.kind == RefusalKind.CALLER:
+            code = (e.UNKNOWN_VOICE if isinstance(exc, UnknownVoiceError) else
+                    e.PERSONA_TOO_LONG if isinstance(exc, PersonaTooLongError) else e.INVALID_FIELD)
+            raise RealtimeError(code, str(exc), param="session", event_id=event_id)
+        if refusal.kind == RefusalKind.FULL:
+            self.error(RealtimeError(e.ROOM_FULL, f"the room is full and its queue too ({exc}); try again in a "
+                                     "minute", event_id=event_id, kind="server_error"))
+            await self.close(1013, "the room is full")
+        else:
+            self.error(RealtimeError(e.ROOM_CLOSED, f"the room is not taking calls: {exc}", event_id=event_id,
+                                     kind="server_error"))
+            await self.close(1001, "the room is closed")
+
+    async def _run_call(self, call: CallHandle) -> None:
+        try:
+            event = await self._wait_for_live()
+            if event is None:
+                return
+            self.room_event("live", call_id=call.id, time_left=call.time_left())
+            self.on_live(call)
+            self.feeder.live()
+            self.feeder.feed(call)
+            while True:
+                match event if isinstance(event, Frame) else await self.door_call.next_event(0.25):
+                    case Frame(out=out):
+                        self.feeder.answered()
+                        self.frames_out += 1
+                        self.on_frame(out)
+                    case Ended(reason=reason):
+                        await self.on_ended(reason)
+                        return
+                event = None
+                self.feeder.feed(call)
+                if self.outbox.client_stopped_reading(self.ws.scope, self.config.send_backlog_seconds):
+                    log.warning("%s %s: the client stopped reading; closing", self.protocol, self.session_id)
+                    self.door_call.hang_up(EndReason.NOT_READING)
+                    self.stats.error("client_not_reading")
+                    await self.close(1008, "the client stopped reading its audio")
+                    return
+        except Exception as exc:
+            log.exception("%s %s: the call's runner failed", self.protocol, self.session_id)
+            self.door_call.hang_up(EndReason.error(f"{self.protocol} door: {type(exc).__name__}"))
+            await self.close(1011, "the server failed on this call")
+
+    async def _wait_for_live(self) -> Live | Frame | None:
+        """Tell the client (with room events on) its place in the queue and when it is being
+        prepared, until the call is live (a frame before the news of it counts: the call went
+        live and ended at once); None when it ended first."""
+        while True:
+            match event := await self.door_call.next_event(1.0):
+                case Queued(position=position, reason=reason):
+                    self.room_event("queue", position=position, reason=reason)
+                case Preparing():
+                    self.room_event("preparing")
+                case Live() | Frame():
+                    return event
+                case Ended(reason=reason):
+                    await self.on_ended(reason)
+                    return None
