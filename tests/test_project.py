@@ -176,3 +176,14 @@ def test_readme_documents_every_transcript_field(tmp_path) -> None:
     assert json.dumps(page["channels"]) in section
     # How a call can end: a queued call that times out never goes live, so it has no recording.
     assert not _documented(section, ["hangup", *END_MESSAGES.keys() - {"queue_timeout", "not_reading"}])
+
+
+def test_the_readme_recipes_for_agent_frameworks_are_what_their_tests_run():
+    """README's pipecat and LiveKit recipes use the calls tests/clients makes against the app."""
+    text = README.read_text(encoding="utf-8")
+    clients = "".join((ROOT / "tests" / "clients" / name).read_text() for name in ("pipecat_agent.py",
+                                                                                   "livekit_agent.py"))
+    for call in ("OpenAIRealtimeLLMService(api_key=", "OpenAILiveLLMService(api_key=", "events.AudioOutput(voice=",
+                 "openai.realtime.RealtimeModel(base_url=", "openai.realtime.GPTLiveModel(base_url=",
+                 "AgentSession(llm=model)", "system_instruction="):
+        assert call in text and call in clients, call
