@@ -412,3 +412,38 @@ async def test_the_speech_detector_finds_the_callers_speech_off_the_event_loop(t
     off = SpeechEvents(SpeechConfig(enabled=False), lambda kind, ms: found.append((kind, ms)))
     off.hear(pcm[:FRAME_SAMPLES])
     assert off._pending == []
+
+
+class FakeSocket:
+    """What a socket class needs of Starlette's WebSocket: sends recorded, the close's code."""
+
+    scope: dict = {}
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+        self.close_code: int | None = None
+
+    async def send_text(self, text: str) -> None:
+        self.sent.append(json.loads(text))
+
+    async def close(self, code: int, reason: str) -> None:
+        self.close_code = code
+
+
+async def test_a_gpt_live_session_the_room_ends_is_closed_with_the_rooms_reason():
+    import asyncio
+
+    from personaplex_demo.api.config import RealtimeConfig
+    from personaplex_demo.api.live_socket import LiveSocket
+    from personaplex_demo.api.stats import DoorStats
+
+    ws = FakeSocket()
+    sock = LiveSocket(ws, room=None, rules=Rules(), config=RealtimeConfig(), stats=DoorStats())
+    sock.settings = start_settings({"instructions": "You are Ada."}, Rules(), None)
+    writer = asyncio.create_task(sock._write())
+    await sock.on_ended("time_limit")
+    writer.cancel()
+    closed = ws.sent[-1]
+    assert closed["type"] == "session.closed" and closed["reason"] == "time_limit"
+    assert closed["message"].startswith("Time is up") and closed["session"]["status"] == "closed"
+    assert ws.close_code == 1000 and not [e for e in ws.sent if e["type"] == "error"]
