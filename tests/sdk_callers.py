@@ -170,3 +170,52 @@ class LiveClient:
 
 def pcm_event(samples: np.ndarray) -> dict:
     return {"type": "session.input_audio.append", "audio": base64.b64encode(samples.astype("<i2").tobytes()).decode()}
+
+
+class ChatClient:
+    """A client of NVIDIA's PersonaPlex protocol (/api/chat) as the reference's own clients speak it:
+    binary messages, the first byte the kind; Ogg Opus through sphn both ways."""
+
+    def __init__(self, ws) -> None:
+        import sphn
+
+        self.ws, self.messages, self.closed = ws, [], asyncio.Event()
+        self.opus_out, self.opus_in = sphn.OpusStreamWriter(24000), sphn.OpusStreamReader(24000)
+        self.handshake_at: float | None = None
+        self.audio: list[tuple[float, int]] = []  # (arrival, samples) of the agent's audio
+        self.text = ""
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for message in self.ws:
+                now = time.monotonic()
+                self.messages.append((now, message))
+                if message[:1] == b"\x00" and self.handshake_at is None:
+                    self.handshake_at = now
+                elif message[:1] == b"\x01":
+                    self.audio.append((now, self.opus_in.append_bytes(message[1:]).size))
+                elif message[:1] == b"\x02":
+                    self.text += message[1:].decode()
+        except ConnectionClosed:  # a close with a code other than 1000: the test reads it from the socket
+            pass
+        finally:
+            self.closed.set()
+
+    def events(self) -> list[dict]:
+        """The room's news (kind 4, with room_events=1)."""
+        return [json.loads(m[1:]) for _, m in self.messages if m[:1] == b"\x04"]
+
+    async def stream(self, samples: np.ndarray, pace: float = 1.0) -> None:
+        """Send int16 samples as Ogg Opus in 80 ms frames, at `pace` times real time."""
+        start = time.monotonic()
+        for i in range(0, samples.size - 1919, 1920):
+            opus = self.opus_out.append_pcm(samples[i:i + 1920].astype(np.float32) / 32768.0)
+            if opus:
+                await self.ws.send(b"\x01" + opus)
+            await asyncio.sleep(max(0.0, start + (i + 1920) / 24000 / pace - time.monotonic()))
+
+    def audio_seconds(self, since: float = 0.0, until: float | None = None) -> float:
+        until = until if until is not None else time.monotonic()
+        return sum(n for at, n in self.audio if since <= at <= until) / 24000
+

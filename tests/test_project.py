@@ -185,5 +185,5 @@ def test_the_readme_recipes_for_agent_frameworks_are_what_their_tests_run():
                                                                                    "livekit_agent.py"))
     for call in ("OpenAIRealtimeLLMService(api_key=", "OpenAILiveLLMService(api_key=", "events.AudioOutput(voice=",
                  "openai.realtime.RealtimeModel(base_url=", "openai.realtime.GPTLiveModel(base_url=",
-                 "AgentSession(llm=model)", "system_instruction="):
+                 "AgentSession(llm=model)", "system_instruction=", "text_prompt=", "livekit-plugins-nvidia"):
         assert call in text and call in clients, call

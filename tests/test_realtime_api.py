@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import re
 import socket
@@ -15,11 +16,11 @@ import httpx
 import numpy as np
 import pytest
 from websockets.asyncio.client import connect as ws_connect
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from .browser_support import LaunchedApp, launched_app, missing_tools, require
 from .callers import PageCaller, PageConfig
-from .sdk_callers import LiveClient, SdkCaller, pcm_event, speech_pcm
+from .sdk_callers import ChatClient, LiveClient, SdkCaller, pcm_event, speech_pcm
 
 pytestmark = pytest.mark.usefixtures("loopback_ice")
 
@@ -276,25 +277,33 @@ async def test_every_bad_input_gets_its_error_and_no_other_callers_audio_changes
     await until(lambda: room_is_empty(app), 3.0, "every slot")
 
 
-@pytest.mark.parametrize("door", ["realtime", "live"])
+@pytest.mark.parametrize("door", ["realtime", "live", "chat"])
 async def test_a_client_that_stops_reading_is_disconnected_and_its_slot_freed(app, door):
     # A small receive buffer, so that the server's sends back up within seconds, as over a slow link.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     host, port = app.base_url.removeprefix("http://").split(":")
     sock.connect((host, int(port)))
-    url, start, append = ((ws_url(app), {"type": "session.update", "session": {}}, "input_audio_buffer.append")
-                          if door == "realtime" else
-                          (live_url(app), {"type": "session.start", "session": {}}, "session.input_audio.append"))
+    frames = np.zeros(1920, np.int16)
+    if door == "chat":  # the call is placed as the socket opens; audio is Ogg Opus
+        import sphn
+
+        url, start, opus = chat_url(app, api_key=KEY), None, sphn.OpusStreamWriter(24000)
+        message = lambda: b"\x01" + opus.append_pcm(frames.astype(np.float32))  # noqa: E731
+    else:
+        url, start, append = ((ws_url(app), {"type": "session.update", "session": {}}, "input_audio_buffer.append")
+                              if door == "realtime" else
+                              (live_url(app), {"type": "session.start", "session": {}}, "session.input_audio.append"))
+        message = lambda: json.dumps({"type": append, "audio": base64.b64encode(frames.tobytes()).decode()})  # noqa: E731
     async with ws_connect(url, sock=sock, additional_headers={"Authorization": f"Bearer {KEY}"}, max_queue=1) as ws:
-        await ws.send(json.dumps(start))
+        if start is not None:
+            await ws.send(json.dumps(start))
         await until(lambda: app.status()["slots_live"] == 1, 30, "the call to go live")
-        frames = np.zeros(1920, np.int16)
         started = time.monotonic()
 
         async def keep_talking():  # it keeps sending, it just never reads
             while True:
-                await ws.send(json.dumps({"type": append, "audio": base64.b64encode(frames.tobytes()).decode()}))
+                await ws.send(message())
                 await asyncio.sleep(0.08)
 
         talking = asyncio.create_task(keep_talking())
@@ -395,3 +404,101 @@ async def test_hostile_input_on_the_gpt_live_door(app):
     for code in ("invalid_json", "unknown_event", "session_not_started", "unsupported_audio_format",
                  "message_too_large", "invalid_base64", "session_already_started"):
         assert app.status()["live"]["errors"].get(code, 0) >= 1, code
+
+
+# ---- NVIDIA's protocol (/api/chat) -------------------------------------------------------------
+
+
+def chat_url(app: LaunchedApp, **query: str) -> str:
+    from urllib.parse import urlencode
+
+    return app.base_url.replace("http", "ws", 1) + "/api/chat?" + urlencode(query)
+
+
+async def test_a_reference_client_gets_the_handshake_when_live_then_ogg_opus_and_text(app, speech):
+    assert httpx.get(app.base_url + "/api/voices").json()["count"] == 18
+    url = chat_url(app, voice_prompt="VARM2.pt", text_prompt="You are a keen astronomer.", seed="7",
+                   api_key=KEY, room_events="1")
+    async with ws_connect(url) as ws:
+        client = ChatClient(ws)
+        await until(lambda: client.handshake_at is not None, 30, "the handshake")
+        # Nothing came before it but the room's news (asked for), and the handshake came once.
+        kinds = [m[:1] for _, m in client.messages if m[:1] != b"\x04"]
+        assert kinds[0] == b"\x00" and kinds.count(b"\x00") == 1
+        assert [e["type"] for e in client.events()][-1] == "personaplex.live"
+        await client.stream(np.concatenate([speech, SILENCE, SILENCE]))
+        elapsed = time.monotonic() - client.handshake_at
+        assert client.audio_seconds() >= real_time_share(app) * (elapsed - 1.0)
+        pages = [m[1:] for _, m in client.messages if m[:1] == b"\x01"]
+        assert pages[0].startswith(b"OggS") and all(p.startswith(b"OggS") for p in pages)
+        assert client.text.strip()
+        assert app.status()["calls_by_door"].get("chat") == 1
+    await until(lambda: room_is_empty(app), 3.0, "the socket's slot")
+    assert "voice VARM2, persona 'You are a keen astronomer.'" in app.log_text()
+    status = app.status()
+    assert status["calls_started_by_door"].get("chat", 0) >= 1 and status["chat"]["sockets_open"] == 0
+    assert "personaplex_chat_sockets 0.0" in app.metrics()
+
+
+async def test_bad_input_at_api_chat_closes_with_its_reason_and_no_other_caller_notices(app, speech):
+    refusals = [  # (query, what the first message then the close say)
+        ({"voice_prompt": "ROBOT.pt", "api_key": KEY}, "unknown voice_prompt"),
+        ({"text_prompt": "word " * 700, "api_key": KEY}, "too long"),
+        ({"seed": "many", "api_key": KEY}, "bad seed"),
+    ]
+    slots_free = app.status()["slots_free"]
+    for query, words in refusals:
+        async with ws_connect(chat_url(app, **query)) as ws:
+            first = await asyncio.wait_for(ws.recv(), 5)
+            assert first[:1] == b"\x05" and words in first[1:].decode()
+            await asyncio.wait_for(ws.wait_closed(), 5)
+            assert ws.close_code == 1008 and words in ws.close_reason
+    with pytest.raises(InvalidStatus) as refused:
+        async with ws_connect(chat_url(app, voice_prompt="NATF2.pt")):
+            pass
+    assert refused.value.response.status_code == 401  # --api-key without --chat-without-key
+    assert app.status()["slots_free"] == slots_free  # none of them took a slot
+
+    async with ws_connect(chat_url(app, api_key=KEY, text_prompt="You enjoy a good conversation.")) as talker_ws:
+        talker = ChatClient(talker_ws)
+        await until(lambda: talker.handshake_at is not None, 30, "the talker's handshake")
+        talking = asyncio.create_task(talker.stream(np.concatenate([speech, speech])))
+        await asyncio.sleep(2.0)
+        calm = (talker.handshake_at + 0.5, time.monotonic())
+        barrage_start = time.monotonic()
+        junk = np.random.default_rng(3).integers(-20000, 20000, 24000).astype(np.int16)
+        attacks = [  # (what the rogue does once live, the close code, words of the reason)
+            (lambda c: c.ws.send(b"\x07hello"), 1003, "kind 7"),
+            (lambda c: c.ws.send("text, not bytes"), 1003, "binary"),
+            (lambda c: c.ws.send(b"\x01" + junk.tobytes()), 1007, "not an Ogg Opus stream"),
+            (truncated_then_more, 1007, "not an Ogg Opus stream"),
+            (lambda c: c.stream(np.zeros(24000 * 8, np.int16), pace=50.0), 1008, "faster than real time"),
+        ]
+        for attack, code, words in attacks:
+            async with ws_connect(chat_url(app, api_key=KEY)) as ws:
+                rogue = ChatClient(ws)
+                await until(lambda r=rogue: r.handshake_at is not None, 30, "the rogue's handshake")
+                with contextlib.suppress(ConnectionClosed):
+                    await attack(rogue)
+                await asyncio.wait_for(rogue.closed.wait(), 10)
+                assert ws.close_code == code and words in ws.close_reason, (ws.close_code, ws.close_reason)
+                assert any(m[:1] == b"\x05" and words in m[1:].decode() for _, m in rogue.messages)
+        await talking
+        barrage = (barrage_start, time.monotonic())
+        calm_rate = talker.audio_seconds(*calm) / (calm[1] - calm[0])
+        barrage_rate = talker.audio_seconds(*barrage) / (barrage[1] - barrage[0])
+        assert barrage_rate >= min(real_time_share(app), calm_rate - 0.1), (calm_rate, barrage_rate)
+        arrivals = [at for at, _ in talker.audio if barrage[0] <= at <= barrage[1]]
+        assert max(np.diff(arrivals)) < 1.0, "the talker's audio stalled during the barrage"
+        assert not talker.closed.is_set()
+    await until(lambda: room_is_empty(app), 3.0, "every slot")
+    errors = app.status()["chat"]["errors"]
+    assert errors.get("1003", 0) >= 2 and errors.get("1007", 0) >= 2 and errors.get("1008", 0) >= 1
+
+
+async def truncated_then_more(client: ChatClient) -> None:
+    """Half an Ogg page, then a whole one: the stream no longer parses."""
+    page = client.opus_out.append_pcm(np.zeros(1920, np.float32))
+    page += client.opus_out.append_pcm(np.zeros(1920, np.float32))
+    await client.ws.send(b"\x01" + page[:len(page) // 2])
+    await client.ws.send(b"\x01" + client.opus_out.append_pcm(np.zeros(1920, np.float32)))

@@ -361,6 +361,12 @@ def test_the_door_follows_its_flags_and_help_never_shows_the_key(capsys):
     door = realtime_door(parse_config(["--api-key", "k1", "--realtime-max-sockets", "2"], environ={}), topology)
     assert door.status()["api_key_required"] and door.status()["max_sockets_per_client"] == 2
     assert door.config.api_key == "k1" and door.routes()[0].path == "/v1/realtime"
+    assert [r.path for r in door.routes()] == ["/v1/realtime", "/v1/live/sessions", "/api/chat", "/api/voices"]
+    assert door.chat_status()["api_key_required"]
+    opened = realtime_door(parse_config(["--api-key", "k1", "--chat-without-key"], environ={}), topology)
+    assert not opened.chat_status()["api_key_required"] and opened.status()["api_key_required"]
+    no_chat = realtime_door(parse_config(["--no-chat"], environ={}), topology)
+    assert [r.path for r in no_chat.routes()] == ["/v1/realtime", "/v1/live/sessions"]
     assert parse_config([], environ={"PERSONAPLEX_API_KEY": "from-env"}).api_key == "from-env"
     with pytest.raises(SystemExit):
         parse_config(["--help"], environ={"PERSONAPLEX_API_KEY": "s3cret-value"})
@@ -447,3 +453,20 @@ async def test_a_gpt_live_session_the_room_ends_is_closed_with_the_rooms_reason(
     assert closed["type"] == "session.closed" and closed["reason"] == "time_limit"
     assert closed["message"].startswith("Time is up") and closed["session"]["status"] == "closed"
     assert ws.close_code == 1000 and not [e for e in ws.sent if e["type"] == "error"]
+
+
+def test_an_api_chat_query_is_read_as_nvidias_server_reads_it_and_checked_as_a_page_call():
+    from personaplex_demo.api.chat_socket import chat_request
+
+    request = chat_request({"voice_prompt": "VARF3.pt", "text_prompt": "You are Ada.", "seed": "12",
+                            "text_temperature": "0.5", "audio_topk": "100", "room_events": "1"}, Rules())
+    assert (request.voice, request.persona, request.sampling.seed) == ("VARF3", "You are Ada.", 12)
+    assert request.sampling.text_temperature == 0.5 and request.sampling.audio_top_k == 100 and request.room_events
+    defaults = chat_request({"voice_prompt": "NATM0", "seed": "-1"}, Rules())
+    assert defaults.voice == "NATM0" and defaults.sampling.seed is None and defaults.persona == ""
+    for query, code in (({"voice_prompt": "ROBOT.pt"}, codes.UNKNOWN_VOICE),
+                        ({"text_prompt": "word " * 11}, codes.PERSONA_TOO_LONG),
+                        ({"seed": "x"}, codes.INVALID_SAMPLING), ({"audio_topk": "0"}, codes.INVALID_SAMPLING)):
+        with pytest.raises(RealtimeError) as info:
+            chat_request(query, Rules())
+        assert info.value.code == code and len(info.value.message) < 120

@@ -40,6 +40,10 @@ class RealtimeConfig:
     # it, such as a Hugging Face Space's; elsewhere a client could name any address it likes.
     trust_forwarded_for: bool = False
     model_name: str = "personaplex"
+    # /api/chat, NVIDIA's protocol: on unless turned off; with an api_key, open without one only
+    # when asked (the reference protocol carries no key and LiveKit's plugin cannot add one).
+    chat: bool = True
+    chat_without_key: bool = False
     # When the caller speaks (silero-vad, off the tick and the event loop): the Realtime door's
     # input_audio_buffer.speech_started / speech_stopped.
     speech: SpeechConfig = field(default_factory=SpeechConfig)

@@ -15,14 +15,17 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import WebSocketRoute
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from ..serving.loop_lag import ensure_probe
 from ..serving.room import Room
 from .access import BETA_SUBPROTOCOL, SocketLimiter, client_address, key_accepted, presented_key
+from .chat_socket import ERROR, POLICY, ChatSocket, chat_request
 from .config import RealtimeConfig
+from .errors import RealtimeError
 from .live_socket import LiveSocket
 from .realtime_socket import RealtimeSocket
 from .session import Dialect, PromptRules
@@ -33,6 +36,7 @@ log = logging.getLogger(__name__)
 
 PATH = "/v1/realtime"
 LIVE_PATH = "/v1/live/sessions"
+CHAT_PATH = "/api/chat"
 
 
 def dialect_of(headers: Any, subprotocols: list[str]) -> Dialect:
@@ -46,10 +50,32 @@ class RealtimeDoor:
         self.room, self.rules, self.config = room, rules, config
         self.stats = DoorStats()
         self.live_stats = DoorStats()
+        self.chat_stats = DoorStats()
         self.limiter = SocketLimiter(config.max_sockets_per_client)
 
-    def routes(self) -> list[WebSocketRoute]:
-        return [WebSocketRoute(PATH, self.endpoint), WebSocketRoute(LIVE_PATH, self.live_endpoint)]
+    def routes(self) -> list[BaseRoute]:
+        routes: list[BaseRoute] = [WebSocketRoute(PATH, self.endpoint), WebSocketRoute(LIVE_PATH, self.live_endpoint)]
+        if self.config.chat:
+            routes += [WebSocketRoute(CHAT_PATH, self.chat_endpoint), Route("/api/voices", self.voices)]
+        return routes
+
+    async def voices(self, _: Request) -> JSONResponse:
+        """The reference server's voice list, as its clients read it."""
+        names = [f"{voice}.pt" for voice in self.rules.voice_names]
+        return JSONResponse({"voices": names, "count": len(names)})
+
+    async def chat_endpoint(self, ws: WebSocket) -> None:
+        """NVIDIA's protocol: the query is checked before anything else; a bad one is told why."""
+        try:
+            request = chat_request(ws.query_params, self.rules)
+        except RealtimeError as err:
+            self.chat_stats.refuse(err.code)
+            await ws.accept()
+            await ws.send_bytes(bytes([ERROR]) + err.message.encode())
+            await ws.close(POLICY, err.message[:120])
+            return
+        await self._serve(ws, self.chat_stats, None, f"chat (voice {request.voice})",
+                          lambda: ChatSocket(ws, self.room, self.config, self.chat_stats, request))
 
     async def endpoint(self, ws: WebSocket) -> None:
         subprotocols = list(ws.scope.get("subprotocols") or [])
@@ -79,7 +105,9 @@ class RealtimeDoor:
 
     async def _admit(self, ws: WebSocket, subprotocols: list[str], stats: DoorStats) -> str | None:
         """The client's address, its socket counted; None (and an HTTP answer) when refused."""
-        if not key_accepted(self.config.api_key, presented_key(ws.headers, subprotocols)):
+        chat = ws.url.path == CHAT_PATH  # the reference protocol's clients can send a key only in the query
+        key = presented_key(ws.headers, subprotocols) or (ws.query_params.get("api_key") if chat else None)
+        if not (chat and self.config.chat_without_key) and not key_accepted(self.config.api_key, key):
             stats.refuse("api_key")
             await self._deny(ws, 401, "invalid_api_key", "this server needs an API key: send it as "
                              "\"Authorization: Bearer <key>\" (or the openai-insecure-api-key.<key> subprotocol)")
@@ -109,8 +137,15 @@ class RealtimeDoor:
         return {"path": LIVE_PATH, "api_key_required": self.config.api_key is not None,
                 "max_sockets_per_client": self.limiter.limit, **self.live_stats.as_dict()}
 
+    def chat_status(self) -> dict[str, Any]:
+        """For /api/status: the /api/chat path's figures."""
+        return {"path": CHAT_PATH, "api_key_required": self.config.api_key is not None and
+                not self.config.chat_without_key, "max_sockets_per_client": self.limiter.limit,
+                **self.chat_stats.as_dict()}
+
     def collectors(self) -> list[Collector]:
-        return [DoorCollector(self.stats, "realtime", "Realtime API"), DoorCollector(self.live_stats, "live", "GPT-Live")]
+        return [DoorCollector(self.stats, "realtime", "Realtime API"), DoorCollector(self.live_stats, "live", "GPT-Live"),
+                DoorCollector(self.chat_stats, "chat", "/api/chat (NVIDIA's protocol)")]
 
 
 class DoorCollector(Collector):

@@ -42,8 +42,12 @@ class Feeder:
         if call is not None and call.state != CallState.LIVE:
             self.dropped_before_live += pcm16_samples(audio)
             return False
-        samples = decode_pcm16(audio, event_id)  # before any call, a bad chunk is still refused
-        if call is None:
+        # Before any call, a bad chunk is still refused.
+        return self.append_pcm(decode_pcm16(audio, event_id), call, event_id)
+
+    def append_pcm(self, samples: np.ndarray, call: CallHandle | None, event_id: str | None = None) -> bool:
+        """Hold int16 samples while `call` is live (RealtimeError past the bound); True if held."""
+        if call is None or call.state != CallState.LIVE:
             self.dropped_before_live += samples.size
             return False
         self.audio.append(samples, event_id)

@@ -22,24 +22,31 @@ CHECK_SECONDS = 1.0
 
 
 class Outbox:
-    """Events waiting for the writer, as JSON text; counts the audio deltas among them."""
+    """Events waiting for the writer, as JSON text (or binary messages, for a protocol of bytes);
+    counts the audio frames among them. `frame_bytes`: what one frame of audio weighs on the wire,
+    to read the kernel's queue in frames."""
 
-    def __init__(self) -> None:
-        self._items: collections.deque[tuple[str, bool]] = collections.deque()
+    def __init__(self, frame_bytes: int = AUDIO_EVENT_BYTES) -> None:
+        self.frame_bytes = frame_bytes
+        self._items: collections.deque[tuple[str | bytes, bool]] = collections.deque()
         self._ready = asyncio.Event()
         self._empty = asyncio.Event()
         self._empty.set()
         self.audio_frames = 0
         self._checked_at = time.monotonic()
 
-    def put(self, ev: dict[str, Any]) -> None:
-        audio = ev["type"] in AUDIO_EVENTS
-        self._items.append((json.dumps(ev, separators=(",", ":")), audio))
+    def put(self, ev: dict[str, Any] | bytes, audio: bool = False) -> None:
+        """A JSON event (an audio delta is counted as audio), or a binary message (`audio` says)."""
+        if isinstance(ev, dict):
+            audio = ev["type"] in AUDIO_EVENTS
+            self._items.append((json.dumps(ev, separators=(",", ":")), audio))
+        else:
+            self._items.append((ev, audio))
         self.audio_frames += audio
         self._ready.set()
         self._empty.clear()
 
-    async def get(self) -> tuple[str, bool]:
+    async def get(self) -> tuple[str | bytes, bool]:
         while not self._items:
             self._ready.clear()
             self._empty.set()
@@ -64,4 +71,4 @@ class Outbox:
         """Agent audio queued here or sent and not read: this queue, and what the kernel holds for
         the connection (api/send_queue.py)."""
         kernel = kernel_send_queue(scope.get("server"), scope.get("client")) or 0
-        return (self.audio_frames + kernel / AUDIO_EVENT_BYTES) * FRAME_SECONDS
+        return (self.audio_frames + kernel / self.frame_bytes) * FRAME_SECONDS

@@ -144,8 +144,11 @@ class ApiSocket:
     async def _write(self) -> None:
         try:
             while True:
-                text, audio = await self.outbox.get()
-                await self.ws.send_text(text)
+                message, audio = await self.outbox.get()
+                if isinstance(message, bytes):
+                    await self.ws.send_bytes(message)
+                else:
+                    await self.ws.send_text(message)
                 self.outbox.sent(audio)
         except Exception as exc:  # the client is gone: stop reading too
             log.info("%s %s: sending failed (%s); closing", self.protocol, self.session_id, type(exc).__name__)
@@ -173,9 +176,9 @@ class ApiSocket:
         if self._reader is not None:
             self._reader.cancel()
 
-    def send(self, ev: dict[str, Any]) -> None:
+    def send(self, ev: dict[str, Any] | bytes, audio: bool = False) -> None:
         if not self._closing:
-            self.outbox.put(ev)
+            self.outbox.put(ev, audio)
 
     def send_all(self, events: list[dict[str, Any]]) -> None:
         for ev in events:

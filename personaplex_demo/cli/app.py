@@ -163,7 +163,7 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
             return 1
         log.info("serving on http://%s:%d (status: /api/status, metrics: /metrics%s)", cfg.host, cfg.port,
                  f", Realtime API: ws://{cfg.host}:{cfg.port}/v1/realtime, GPT-Live: ws://{cfg.host}:{cfg.port}"
-                 "/v1/live/sessions" if door else "")
+                 f"/v1/live/sessions, NVIDIA's protocol: ws://{cfg.host}:{cfg.port}/api/chat" if door else "")
         if demo.share_url:
             log.info("public link: %s", demo.share_url)
         return demo, recordings, stop.wait()
@@ -180,19 +180,24 @@ def realtime_door(cfg: AppConfig, topology: Topology):
     from ..api.config import RealtimeConfig
     from ..api.door import RealtimeDoor
 
+    if cfg.api_key is not None and cfg.chat_without_key and not cfg.no_chat:
+        log.warning("/api/chat is open without a key (--chat-without-key): anyone who reaches this port can call "
+                    "through NVIDIA's protocol")
     if cfg.api_key is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("the API sockets (/v1/realtime, /v1/live/sessions) are open to anyone who reaches this port: "
                     "set --api-key "
                     "(PERSONAPLEX_API_KEY) to require a key, or --no-realtime to turn it off")
     return RealtimeDoor(topology.room, topology.runtime.engine, RealtimeConfig(
-        api_key=cfg.api_key, max_sockets_per_client=cfg.realtime_max_sockets,
+        api_key=cfg.api_key, max_sockets_per_client=cfg.realtime_max_sockets, chat=not cfg.no_chat,
+        chat_without_key=cfg.chat_without_key,
         model_name=topology.runtime.model_name, trust_forwarded_for=bool(os.environ.get("SPACE_ID"))))
 
 
 def status_extra(topology: Topology, door) -> dict[str, Any]:
     """/api/status beyond the room's figures: engines, media workers, the Realtime door."""
     return {**topology.status(), "realtime": door.status() if door is not None else None,
-            "live": door.live_status() if door is not None else None}
+            "live": door.live_status() if door is not None else None,
+            "chat": door.chat_status() if door is not None and door.config.chat else None}
 
 
 def shut_down_app(demo: Any, recordings: RecordingStore, received: str, topology: Topology) -> None:

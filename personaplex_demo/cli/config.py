@@ -112,6 +112,11 @@ class AppConfig:
                                        "that one script cannot take the room", env="PERSONAPLEX_REALTIME_MAX_SOCKETS",
                                        check=at_least(1),
                                        metavar="N")
+    no_chat: bool = option(False, "turn off /api/chat, NVIDIA's PersonaPlex server protocol (its web client, "
+                           "LiveKit's PersonaPlex plugin)", env="PERSONAPLEX_NO_CHAT")
+    chat_without_key: bool = option(False, "with --api-key, still open /api/chat to clients that send no key (the "
+                                    "reference protocol has none, LiveKit's plugin cannot add one)",
+                                    env="PERSONAPLEX_CHAT_WITHOUT_KEY")
     verbose: bool = option(False, "also log each internal HTTP request and Gradio's own startup messages",
                            env="PERSONAPLEX_VERBOSE")
 

@@ -19,14 +19,16 @@ from .config import PoolConfig
 from .headroom import WaitReason
 from .metrics import PoolMetrics, TickListener
 
-__all__ = ["DOORS", "DOOR_LIVE", "DOOR_PAGE", "DOOR_REALTIME", "CallEnded", "CallHandle", "CallState", "EndReason",
-           "PoolClosedError", "PoolFullError", "Room", "SlotOutput", "TickListener", "WaitReason", "end_message"]
+__all__ = ["DOORS", "DOOR_CHAT", "DOOR_LIVE", "DOOR_PAGE", "DOOR_REALTIME", "CallEnded", "CallHandle", "CallState",
+           "EndReason", "PoolClosedError", "PoolFullError", "Room", "SlotOutput", "TickListener", "WaitReason",
+           "end_message"]
 
 # The door a call came through, a label the room only counts by (/api/status, /metrics).
 DOOR_PAGE = "page"  # the WebRTC page (web/handler.py)
 DOOR_REALTIME = "realtime"  # the OpenAI-Realtime WebSocket (api/)
 DOOR_LIVE = "live"  # the GPT-Live WebSocket (api/)
-DOORS = (DOOR_PAGE, DOOR_REALTIME, DOOR_LIVE)
+DOOR_CHAT = "chat"  # NVIDIA's PersonaPlex protocol, /api/chat (api/)
+DOORS = (DOOR_PAGE, DOOR_REALTIME, DOOR_LIVE, DOOR_CHAT)
 
 
 class CallState(enum.StrEnum):

@@ -80,8 +80,8 @@ class PoolCollector(Collector):
             ended.add_metric([reason], count)
         yield ended
         in_room = GaugeMetricFamily(f"{PREFIX}_calls", "Calls in the room (waiting, preparing or live), by the "
-                                    "door they came through: page (WebRTC), realtime (the Realtime API) or live "
-                                    "(GPT-Live).",
+                                    "door they came through: page (WebRTC), realtime (the Realtime API), live "
+                                    "(GPT-Live) or chat (NVIDIA's protocol).",
                                     labels=["door"])
         started = CounterMetricFamily(f"{PREFIX}_calls_started_by_door", "Calls that went live, by door.",
                                       labels=["door"])

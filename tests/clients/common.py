@@ -18,7 +18,7 @@ CHUNK = 480  # 20 ms, what a transport's microphone hands a pipeline
 
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--protocol", choices=("realtime", "live"), required=True)
+    parser.add_argument("--protocol", choices=("realtime", "live", "chat"), required=True)
     parser.add_argument("--url", required=True)
     parser.add_argument("--key", required=True)
     parser.add_argument("--persona", required=True)

@@ -6,6 +6,8 @@ microphone a WAV at real-time pace and its speaker an AudioOutput that plays in 
 reports what it played when LiveKit clears it on a barge-in, as a room's track does).
 `--protocol live`: `openai.realtime.GPTLiveModel(base_url=...)` in `llm.DuplexRealtimeAdapter`, its
 session configured as AgentSession configures it.
+`--protocol chat`: the PersonaPlex plugin made for NVIDIA's server
+(`livekit.plugins.nvidia.experimental.realtime.RealtimeModel(base_url="HOST:PORT", ...)`) on /api/chat.
 
 Runs in LiveKit's own virtual environment (tests/test_agent_frameworks.py). Prints one RESULT line:
 the agent audio it got, after the barge-in too, and every ERROR logged (any logger).
@@ -110,6 +112,15 @@ async def realtime(args, pcm: np.ndarray, audio: AgentAudio) -> dict:
     return {"user_turns": len(interruptions)}
 
 
+async def talk(session, pcm: np.ndarray, clock: Clock) -> None:
+    """Push the caller's audio into a realtime session at the pace it plays."""
+    clock.start()
+    for k in range(0, len(pcm) // CHUNK):
+        session.push_audio(rtc.AudioFrame(data=pcm[k * CHUNK:(k + 1) * CHUNK].tobytes(), sample_rate=RATE,
+                                          num_channels=1, samples_per_channel=CHUNK))
+        await asyncio.sleep(clock.wait(k + 1))
+
+
 async def live(args, pcm: np.ndarray, audio: AgentAudio) -> dict:
     model = openai.realtime.GPTLiveModel(base_url=args.url, api_key=args.key, voice=args.voice)
     adapter = llm.DuplexRealtimeAdapter(model)
@@ -133,15 +144,45 @@ async def live(args, pcm: np.ndarray, audio: AgentAudio) -> dict:
                               if ev["type"] == "session.output_audio.delta" else None)
     # What AgentSession does with a new realtime session: its instructions, context and tools.
     await session._update_session(instructions=args.persona, chat_ctx=llm.ChatContext.empty(), tools=[])
-    audio.clock.start()
-    for k in range(0, len(pcm) // CHUNK):
-        session.push_audio(rtc.AudioFrame(data=pcm[k * CHUNK:(k + 1) * CHUNK].tobytes(), sample_rate=RATE,
-                                          num_channels=1, samples_per_channel=CHUNK))
-        await asyncio.sleep(audio.clock.wait(k + 1))
+    await talk(session, pcm, audio.clock)
     await session.aclose()
     await adapter.aclose()
     await asyncio.wait_for(asyncio.gather(*bursts), 5)
     return {"bursts": len(bursts)}
+
+
+async def chat(args, pcm: np.ndarray, audio: AgentAudio) -> dict:
+    """LiveKit's PersonaPlex plugin (livekit-plugins-nvidia), made for NVIDIA's server, as its users
+    run it outside a worker."""
+    from livekit.agents.utils import http_context
+    from livekit.plugins.nvidia.experimental.realtime import RealtimeModel as PersonaPlexModel
+
+    text: list[str] = []
+    readers: list[asyncio.Task] = []
+    async with http_context.open():
+        model = PersonaPlexModel(base_url=args.url, voice=args.voice, text_prompt=args.persona)
+        session = model.session()
+        await session.update_instructions(args.persona)  # the same text: a different one reconnects
+
+        async def read(ev: llm.GenerationCreatedEvent) -> None:
+            async for message in ev.message_stream:
+                async def frames(m=message) -> None:
+                    async for frame in m.audio_stream:
+                        audio.add(bytes(frame.data))
+
+                async def words(m=message) -> None:
+                    async for piece in m.text_stream:
+                        text.append(str(piece))
+
+                await asyncio.gather(frames(), words())
+
+        session.on("generation_created", lambda ev: readers.append(asyncio.create_task(read(ev))))
+        await talk(session, pcm, audio.clock)
+        await session.aclose()
+        await model.aclose()
+        for reader in readers:
+            reader.cancel()
+    return {"text": "".join(text)[:200], "text_pieces": len(text)}
 
 
 async def main() -> int:
@@ -151,7 +192,7 @@ async def main() -> int:
     logging.getLogger().addHandler(errors)
     pcm = read_speech(args.speech, args.tail)
     audio = AgentAudio(Clock(), args.barge_at)
-    extra = await (realtime if args.protocol == "realtime" else live)(args, pcm, audio)
+    extra = await {"realtime": realtime, "live": live, "chat": chat}[args.protocol](args, pcm, audio)
     report(agent_seconds=round(audio.seconds, 2), audible_seconds=round(audio.audible, 2),
            after_barge_in=round(audio.after_barge_in, 2), errors=errors.lines, **extra)
     return 0

@@ -1,0 +1,169 @@
+"""One `/api/chat` WebSocket: NVIDIA's PersonaPlex server protocol on an API socket
+(api/socket_base.py; docs/realtime.md § The PersonaPlex server protocol), so that the clients made for the reference server
+(its web client, LiveKit's PersonaPlex plugin) call the room unchanged.
+
+The query names the call (`voice_prompt`, `text_prompt`, `seed`, sampling), checked before any
+slot is touched; the call is placed when the socket opens and the handshake (`b"\\x00"`) goes out
+when it is live, as the reference sends it once its prompt has run. Every message is binary, its
+first byte the kind: 1 + Ogg Opus bytes (24 kHz, 80 ms frames, through sphn as the reference and
+LiveKit use it) each way, 2 + UTF-8 text out. What the reference does not have: a waiting caller
+that asked (`room_events=1`) gets the room's news as kind 4 + JSON; bad input closes the socket
+with a specific code and reason (kind 5 + the reason first), never disturbing another call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from starlette.websockets import WebSocket
+
+from ..errors import CallerError, PersonaTooLongError
+from ..frame import SAMPLE_RATE
+from ..sampling_params import SamplingParams
+from ..serving.room import DOOR_CHAT, CallHandle, EndReason, Room, SlotOutput, end_message
+from . import errors as e
+from .client_events import ClientEvent
+from .config import RealtimeConfig
+from .errors import RealtimeError
+from .session import PromptRules
+from .socket_base import CLOSE_CODES, ApiSocket
+from .stats import DoorStats
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE, AUDIO, TEXT, METADATA, ERROR = 0, 1, 2, 4, 5
+OPUS_FRAME_BYTES = 400  # what 80 ms of the agent's Opus weighs on the wire, about
+# The sampling names NVIDIA's web client puts in the query (the reference ignores them; they apply here).
+SAMPLING = {"text_temperature": ("text_temperature", float), "text_topk": ("text_top_k", int),
+            "audio_temperature": ("audio_temperature", float), "audio_topk": ("audio_top_k", int)}
+# The close codes of bad input (RFC 6455): a kind this server does not take, audio it cannot read,
+# a request or pace it refuses.
+UNSUPPORTED_DATA, INVALID_DATA, POLICY = 1003, 1007, 1008
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """The call a `/api/chat` query asks for."""
+
+    voice: str
+    persona: str
+    sampling: SamplingParams
+    room_events: bool
+
+
+def chat_request(query: Any, rules: PromptRules) -> ChatRequest:
+    """The query's call, checked as a page call is; RealtimeError (its message the close reason)."""
+    voice = str(query.get("voice_prompt") or "NATF2").removesuffix(".pt")
+    if voice not in rules.voice_names:
+        raise RealtimeError(e.UNKNOWN_VOICE, f"unknown voice_prompt {voice!r}: one of NATF0-3, NATM0-3, VARF0-4, "
+                            "VARM0-4 (.pt optional)", param="voice_prompt")
+    persona = str(query.get("text_prompt") or "")
+    try:
+        rules.persona_tokens(persona)
+    except PersonaTooLongError as exc:
+        raise RealtimeError(e.PERSONA_TOO_LONG, f"text_prompt too long: {exc}", param="text_prompt") from None
+    except (CallerError, ValueError, UnicodeError) as exc:
+        raise RealtimeError(e.INVALID_FIELD, f"text_prompt cannot be used: {exc}", param="text_prompt") from None
+    knobs: dict[str, Any] = {}
+    try:
+        if query.get("seed") not in (None, "", "-1"):
+            knobs["seed"] = int(query["seed"])
+        for name, (ours, kind) in SAMPLING.items():
+            if query.get(name) not in (None, ""):
+                knobs[ours] = kind(query[name])
+        sampling = SamplingParams(**knobs)
+        sampling.validate()
+    except ValueError as exc:
+        raise RealtimeError(e.INVALID_SAMPLING, f"bad seed or sampling: {exc}", param="query") from None
+    return ChatRequest(voice, persona, sampling, query.get("room_events") in ("1", "true"))
+
+
+class ChatSocket(ApiSocket):
+    protocol = "chat"
+    start_hint = "the call could not be placed"
+
+    def __init__(self, ws: WebSocket, room: Room, config: RealtimeConfig, stats: DoorStats,
+                 request: ChatRequest) -> None:
+        super().__init__(ws, room, config, stats, DOOR_CHAT, speech=False)
+        import sphn  # the reference's Opus streams; imported with the first call of this door
+
+        self.request = request
+        self.room_events = request.room_events
+        self.outbox.frame_bytes = OPUS_FRAME_BYTES
+        self._opus_in = sphn.OpusStreamReader(SAMPLE_RATE)
+        self._opus_out = sphn.OpusStreamWriter(SAMPLE_RATE)
+
+    def opened(self) -> None:
+        self._spawn(self._start())
+
+    async def _start(self) -> None:
+        try:
+            await self.start_call(self.request.voice, self.request.persona, self.request.sampling, None)
+        except RealtimeError as err:  # the room refused the request itself (checked before, so rare)
+            await self.refuse(POLICY, err.message)
+
+    async def refuse(self, code: int, reason: str) -> None:
+        """Bad input: the reason as a kind-5 message, then the close with it."""
+        self.stats.error(str(code))
+        log.info("chat %s: closing (%d): %s", self.session_id, code, reason)
+        self.send(bytes([ERROR]) + reason.encode())
+        self.door_call.hang_up()
+        await self.close(code, reason)
+
+    def parse(self, data: str | bytes | None) -> ClientEvent:
+        if not isinstance(data, bytes):
+            return ClientEvent("text", None, {})
+        return ClientEvent("empty" if not data else str(data[0]), None, {"payload": data[1:]})
+
+    async def handle(self, ev: ClientEvent) -> None:
+        if ev.type == "empty":
+            return  # the reference skips them too
+        if ev.type == "text":
+            await self.refuse(UNSUPPORTED_DATA, "every message is binary, its first byte the kind (1: audio)")
+            return
+        if ev.type != str(AUDIO):
+            await self.refuse(UNSUPPORTED_DATA, f"message kind {ev.type} is not taken here (1: Ogg Opus audio)")
+            return
+        try:
+            pcm = self._opus_in.append_bytes(ev.body["payload"])
+        except ValueError as exc:
+            await self.refuse(INVALID_DATA, f"the audio is not an Ogg Opus stream: {exc}"[:120])
+            return
+        if pcm.size == 0:
+            return
+        samples = np.clip(np.round(np.nan_to_num(pcm) * 32767.0), -32768, 32767).astype(np.int16)
+        try:
+            held = self.feeder.append_pcm(samples, self.call)
+        except RealtimeError:
+            await self.refuse(POLICY, "audio came faster than real time, past what this server holds")
+            return
+        if held:
+            self.feeder.feed(self.call)
+
+    def error_event(self, err: RealtimeError) -> bytes:
+        return bytes([ERROR]) + err.message.encode()
+
+    def room_event(self, kind: str, **fields: Any) -> None:
+        if self.room_events:
+            self.send(bytes([METADATA]) + json.dumps({"type": f"personaplex.{kind}", **fields}).encode())
+
+    def on_live(self, call: CallHandle) -> None:
+        self.send(bytes([HANDSHAKE]))
+
+    def on_frame(self, out: SlotOutput) -> None:
+        opus = self._opus_out.append_pcm(np.asarray(out.pcm, np.float32))
+        if opus:
+            self.send(bytes([AUDIO]) + opus, audio=True)
+        if out.text:
+            self.send(bytes([TEXT]) + out.text.encode())
+
+    async def on_ended(self, reason: str) -> None:
+        if reason == EndReason.HANGUP:
+            await self.close(1000, "hang-up")
+            return
+        self.room_event("call_ended", reason=reason, message=end_message(reason))
+        await self.close(CLOSE_CODES.get(reason, 1011), end_message(reason))
