@@ -279,3 +279,12 @@ class PageCaller(Caller):
         with contextlib.suppress(BaseException):
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
+
+async def until(check, seconds: float, what, step: float = 0.1):
+    """`check()`'s first true result, looked at every `step` s; fails after `seconds`, naming
+    `what` (a string, or a function that gives one then)."""
+    deadline = time.monotonic() + seconds
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"waited {seconds:.0f} s for {what() if callable(what) else what}"
+        await asyncio.sleep(step)
+    return result

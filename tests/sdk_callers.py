@@ -18,6 +18,8 @@ import soundfile
 from openai import AsyncOpenAI
 from websockets.exceptions import ConnectionClosed
 
+from .callers import until
+
 AUDIO_DELTAS = ("response.output_audio.delta", "response.audio.delta")
 TEXT_DELTAS = ("response.output_audio_transcript.delta", "response.audio_transcript.delta")
 
@@ -156,10 +158,7 @@ class LiveClient:
         return [e for _, e in self.events if e["type"] == kind]
 
     async def wait(self, kind: str, after: int = 0, timeout: float = 10.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while not any(e["type"] == kind for _, e in self.events[after:]):
-            assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {kind}"
-            await asyncio.sleep(0.05)
+        await until(lambda: any(e["type"] == kind for _, e in self.events[after:]), timeout, kind, step=0.05)
         return next(e for _, e in self.events[after:] if e["type"] == kind)
 
     async def error(self, raw: dict | str) -> dict:

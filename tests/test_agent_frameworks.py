@@ -16,7 +16,6 @@ import asyncio
 import json
 import re
 import subprocess
-import time
 
 import httpx
 import numpy as np
@@ -25,7 +24,7 @@ import soundfile
 from websockets.asyncio.client import connect as ws_connect
 
 from .browser_support import LaunchedApp, launched_app, missing_tools, require
-from .callers import PageCaller, PageConfig
+from .callers import PageCaller, PageConfig, until
 from .framework_clients import CLIENTS, client_python, run_client
 from .sdk_callers import ChatClient, speech_pcm
 
@@ -124,27 +123,27 @@ async def test_two_personaplex_plugin_sessions_fill_two_slots_and_a_page_caller_
                                     stderr=subprocess.DEVNULL, text=True)
                    for n, tail in ((1, 0.0), (2, 12.0))]
         try:
-            await wait_for(lambda: app.status()["slots_live"] == 2, 60, "both plugin sessions live")
+            await until(lambda: app.status()["slots_live"] == 2, 60, "both plugin sessions live")
             async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http:
                 page = await PageConfig.fetch(http)
                 caller = PageCaller(http, page, "NATF1", "You enjoy a good conversation.", seed=1)
                 await caller.offer(330.0)
                 await caller.wait_connected()
-                await wait_for(lambda: "you are number 1 in the queue" in caller.status, 20, "the page's place")
+                await until(lambda: "you are number 1 in the queue" in caller.status, 20, "the page's place")
                 # A client of the reference's byte protocol behind them: its place as kind-4 news (it
                 # asked), and no handshake while it waits.
                 raw_url = app.base_url.replace("http", "ws", 1) + "/api/chat?voice_prompt=NATM3.pt&room_events=1"
                 async with ws_connect(raw_url) as raw_ws:
                     raw = ChatClient(raw_ws)
-                    await wait_for(lambda: any(e.get("position") == 2 for e in raw.events()), 10, "its place, 2")
+                    await until(lambda: any(e.get("position") == 2 for e in raw.events()), 10, "its place, 2")
                     assert app.status()["calls_by_door"] == {"chat": 3, "page": 1}
                     # The shorter session ends (waited for off the loop, where the page's peer lives):
                     # its slot goes to the head of the queue, the page caller.
                     assert await asyncio.to_thread(plugins[0].wait, 60) == 0
-                    await wait_for(lambda: caller.status.startswith("Live"), 30,
+                    await until(lambda: caller.status.startswith("Live"), 30,
                                    lambda: f"the page caller seated ({app.status()['calls_by_door']}, "
                                            f"{caller.status!r})")
-                    await wait_for(lambda: any(e.get("position") == 1 for e in raw.events()), 10, "its place, 1")
+                    await until(lambda: any(e.get("position") == 1 for e in raw.events()), 10, "its place, 1")
                     assert raw.handshake_at is None
                 await caller.hang_up()
             assert await asyncio.to_thread(plugins[1].wait, 60) == 0
@@ -155,11 +154,3 @@ async def test_two_personaplex_plugin_sessions_fill_two_slots_and_a_page_caller_
             for plugin in plugins:
                 plugin.kill()
         await asyncio.sleep(0)
-
-
-async def wait_for(check, seconds: float, what) -> None:
-    """Until `check()`; `what` (or what it returns) names what was awaited."""
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, f"waited {seconds:.0f} s for {what() if callable(what) else what}"
-        await asyncio.sleep(0.1)

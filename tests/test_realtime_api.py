@@ -19,7 +19,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from .browser_support import LaunchedApp, launched_app, missing_tools, require
-from .callers import PageCaller, PageConfig
+from .callers import PageCaller, PageConfig, until
 from .sdk_callers import ChatClient, LiveClient, SdkCaller, pcm_event, speech_pcm
 
 pytestmark = pytest.mark.usefixtures("loopback_ice")
@@ -45,14 +45,6 @@ def speech(tmp_path_factory) -> np.ndarray:
 
 def ws_url(app: LaunchedApp) -> str:
     return app.base_url.replace("http", "ws", 1) + "/v1/realtime"
-
-
-async def until(check, seconds: float, what: str, step: float = 0.1):
-    deadline = time.monotonic() + seconds
-    while not (result := check()):
-        assert time.monotonic() < deadline, f"waited {seconds:.0f} s for {what}"
-        await asyncio.sleep(step)
-    return result
 
 
 def room_is_empty(app: LaunchedApp) -> bool:
