@@ -21,16 +21,15 @@ from typing import Any
 import numpy as np
 from starlette.websockets import WebSocket
 
-from ..errors import CallerError, PersonaTooLongError
 from ..frame import SAMPLE_RATE
 from ..sampling_params import SamplingParams
-from ..serving.room import DOOR_CHAT, CallHandle, EndReason, Room, SlotOutput, end_message
+from ..serving.room import DOOR_CHAT, CallHandle, Room, SlotOutput
 from . import errors as e
 from .client_events import ClientEvent
 from .config import RealtimeConfig
 from .errors import RealtimeError
-from .session import PromptRules
-from .socket_base import CLOSE_CODES, ApiSocket
+from .session import PromptRules, check_persona
+from .socket_base import ApiSocket
 from .stats import DoorStats
 
 log = logging.getLogger(__name__)
@@ -62,12 +61,7 @@ def chat_request(query: Any, rules: PromptRules) -> ChatRequest:
         raise RealtimeError(e.UNKNOWN_VOICE, f"unknown voice_prompt {voice!r}: one of NATF0-3, NATM0-3, VARF0-4, "
                             "VARM0-4 (.pt optional)", param="voice_prompt")
     persona = str(query.get("text_prompt") or "")
-    try:
-        rules.persona_tokens(persona)
-    except PersonaTooLongError as exc:
-        raise RealtimeError(e.PERSONA_TOO_LONG, f"text_prompt too long: {exc}", param="text_prompt") from None
-    except (CallerError, ValueError, UnicodeError) as exc:
-        raise RealtimeError(e.INVALID_FIELD, f"text_prompt cannot be used: {exc}", param="text_prompt") from None
+    check_persona(persona, rules, "text_prompt", "text_prompt")
     knobs: dict[str, Any] = {}
     try:
         if query.get("seed") not in (None, "", "-1"):
@@ -161,9 +155,5 @@ class ChatSocket(ApiSocket):
         if out.text:
             self.send(bytes([TEXT]) + out.text.encode())
 
-    async def on_ended(self, reason: str) -> None:
-        if reason == EndReason.HANGUP:
-            await self.close(1000, "hang-up")
-            return
-        self.room_event("call_ended", reason=reason, message=end_message(reason))
-        await self.close(CLOSE_CODES.get(reason, 1011), end_message(reason))
+    def tell_ended(self, reason: str, message: str) -> None:
+        self.room_event("call_ended", reason=reason, message=message)  # the close says it to everyone

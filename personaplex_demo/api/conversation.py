@@ -87,19 +87,21 @@ class Conversation:
                 *self.added(item)]
 
     def truncate(self, ev: ClientEvent) -> dict[str, Any]:
-        item_id = ev.body.get("item_id")
-        if not isinstance(item_id, str) or not self.knows(item_id):
-            raise RealtimeError(e.INVALID_FIELD, f"conversation.item.truncate: no item {item_id!r} in this "
-                                "conversation", param="item_id", event_id=ev.event_id)
+        item_id = self._known_item(ev)
         audio_end_ms = ev.body.get("audio_end_ms")
         return event("conversation.item.truncated", item_id=item_id,
                      content_index=ev.body.get("content_index") if isinstance(ev.body.get("content_index"), int) else 0,
                      audio_end_ms=audio_end_ms if isinstance(audio_end_ms, int) else 0)
 
     def delete(self, ev: ClientEvent) -> dict[str, Any]:
-        item_id = ev.body.get("item_id")
-        if not isinstance(item_id, str) or not self.knows(item_id):
-            raise RealtimeError(e.INVALID_FIELD, f"conversation.item.delete: no item {item_id!r} in this "
-                                "conversation", param="item_id", event_id=ev.event_id)
+        item_id = self._known_item(ev)
         self._ids.pop(item_id, None)
         return event("conversation.item.deleted", item_id=item_id)
+
+    def _known_item(self, ev: ClientEvent) -> str:
+        """The event's `item_id`, one of this conversation's; invalid_field otherwise."""
+        item_id = ev.body.get("item_id")
+        if not isinstance(item_id, str) or not self.knows(item_id):
+            raise RealtimeError(e.INVALID_FIELD, f"{ev.type}: no item {item_id!r} in this conversation",
+                                param="item_id", event_id=ev.event_id)
+        return item_id

@@ -26,7 +26,7 @@ import numpy as np
 from starlette.websockets import WebSocket
 
 from ..frame import FRAME_SECONDS
-from ..serving.room import DOOR_LIVE, CallHandle, EndReason, Room, SlotOutput, end_message
+from ..serving.room import DOOR_LIVE, CallHandle, Room, SlotOutput
 from . import errors as e
 from .client_events import ClientEvent, field
 from .config import RealtimeConfig
@@ -44,7 +44,7 @@ from .live_events import (
 )
 from .server_events import event
 from .session import PromptRules, SessionSettings
-from .socket_base import CLOSE_CODES, ApiSocket
+from .socket_base import ApiSocket
 from .stats import DoorStats
 from .turns import is_speech
 
@@ -105,7 +105,7 @@ class LiveSocket(ApiSocket):
             case "response.item.create" | "response.create":
                 log.info("gpt-live %s: %s taken and ignored (no delegation here)", self.session_id, ev.type)
             case "session.close":
-                await self._closed(ev, "close_requested", 1000, "closed by the client")
+                await self._close_requested(ev)
 
     async def _start(self, ev: ClientEvent) -> None:
         if self.settings is not None:
@@ -135,23 +135,22 @@ class LiveSocket(ApiSocket):
         if self.frames_out % USAGE_EVERY_FRAMES == 0:
             self.send(usage_event(self.frames_out * FRAME_SECONDS))
 
-    async def on_ended(self, reason: str) -> None:
-        if reason == EndReason.HANGUP:
-            await self.close(1000, "hang-up")
-            return
-        await self._closed(None, reason, CLOSE_CODES.get(reason, 1011), end_message(reason))
+    def tell_ended(self, reason: str, message: str) -> None:
+        self.room_event("call_ended", reason=reason, message=message)
+        self.send(event("session.closed", **self._closed_fields(reason, message)))
 
-    async def _closed(self, ev: ClientEvent | None, reason: str, code: int, message: str) -> None:
-        """`session.closed` with the reason (the client's close, or the room's end of the call),
-        then the socket's close."""
+    async def _close_requested(self, ev: ClientEvent) -> None:
+        """`session.close`: the call ends, `session.closed` answers at once, then the close."""
         self.door_call.hang_up()
-        if self.room_events and ev is None:
-            self.room_event("call_ended", reason=reason, message=message)
+        self.send(answer("session.closed", ev, **self._closed_fields("close_requested", "closed by the client")))
+        await self.close(1000, "closed by the client")
+
+    def _closed_fields(self, reason: str, message: str) -> dict[str, Any]:
+        """What `session.closed` says: why (the client's close, or the room's end of the call), the usage."""
         fields = {"reason": reason, "message": message, "usage": {"seconds": round(self.frames_out * FRAME_SECONDS, 3)}}
         if self.settings is not None:
             fields["session"] = self._resource("closed")
-        self.send(answer("session.closed", ev, **fields) if ev is not None else event("session.closed", **fields))
-        await self.close(code, message)
+        return fields
 
     def on_live(self, call: CallHandle) -> None:
         log.info("gpt-live %s: call %s live", self.session_id, call.id)

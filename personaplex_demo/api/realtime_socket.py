@@ -31,6 +31,7 @@ from .session import (
     PromptRules,
     SessionSettings,
     apply_update,
+    check_persona,
     join_persona,
     new_id,
     session_object,
@@ -98,7 +99,8 @@ class RealtimeSocket(ApiSocket):
                 response = ev.body.get("response") if isinstance(ev.body.get("response"), dict) else {}
                 if self.call is None and not self.update_refused:
                     if isinstance(response.get("instructions"), str):  # the whole persona for this reply
-                        self._check_persona(response["instructions"], ev.event_id)
+                        check_persona(response["instructions"], self.rules, "the reply's instructions (the persona)",
+                                      "response.instructions", ev.event_id)
                         self._reply_instructions = response["instructions"]
                     await self._start(ev.event_id)
                 self.send_all(self.turns.request(response.get("metadata")))
@@ -137,7 +139,8 @@ class RealtimeSocket(ApiSocket):
     def _create_item(self, ev: ClientEvent) -> None:
         events, text = self.conversation.create(ev)
         if text is not None and self.call is None and not self._starting:
-            self._check_persona(join_persona(self.settings.persona, *self._context, text), ev.event_id)
+            check_persona(join_persona(self.settings.persona, *self._context, text), self.rules,
+                          "the persona with this item's text", "item", ev.event_id)
             self._context.append(text)
             self._changed_at = time.monotonic()
             self._start_soon()
@@ -145,10 +148,6 @@ class RealtimeSocket(ApiSocket):
             log.info("realtime %s: a text item after the call started is kept in the conversation and not heard",
                      self.session_id)
         self.send_all(events)
-
-    def _check_persona(self, persona: str, event_id: str | None) -> None:
-        """RealtimeError if `persona` could not be the call's (checked as `instructions` are)."""
-        apply_update(self.settings, {"instructions": persona}, self.rules, started=False, event_id=event_id)
 
     def _persona(self) -> str:
         """The call's persona: the instructions (a reply's, else the session's), then the context's text."""

@@ -124,14 +124,7 @@ def apply_update(current: SessionSettings, session: Any, rules: PromptRules, *, 
                                 f"{', '.join(rules.voice_names)}", param="session.voice", event_id=event_id)
     if session.get("instructions") is not None:
         persona = typed(session["instructions"], str, "session.instructions", event_id)
-        try:
-            rules.persona_tokens(persona)
-        except PersonaTooLongError as exc:
-            raise RealtimeError(e.PERSONA_TOO_LONG, f"the instructions (the persona) are too long: {exc}",
-                                param="session.instructions", event_id=event_id) from None
-        except (CallerError, ValueError, UnicodeError) as exc:  # e.g. a lone surrogate the tokenizer refuses
-            raise RealtimeError(e.INVALID_FIELD, f"the instructions (the persona) cannot be used: {exc}",
-                                param="session.instructions", event_id=event_id) from None
+        check_persona(persona, rules, "the instructions (the persona)", "session.instructions", event_id)
     sampling, room_events = _our_fields(current, session, event_id)
     locked: tuple[str, ...] = ()
     if started:
@@ -147,6 +140,18 @@ def apply_update(current: SessionSettings, session: Any, rules: PromptRules, *, 
             speech_events = where["turn_detection"] is not None
     return SessionSettings(voice, persona, sampling, room_events, ignored + (("voice",) if ignored_voice else ()),
                            locked, speech_events)
+
+
+def check_persona(persona: str, rules: PromptRules, name: str, param: str, event_id: str | None = None) -> None:
+    """RealtimeError unless `persona` can be played into a slot: too long, or text the tokenizer
+    refuses (a lone surrogate, say). `name` is what the client called it."""
+    try:
+        rules.persona_tokens(persona)
+    except PersonaTooLongError as exc:
+        raise RealtimeError(e.PERSONA_TOO_LONG, f"{name} is too long: {exc}", param=param,
+                            event_id=event_id) from None
+    except (CallerError, ValueError, UnicodeError) as exc:
+        raise RealtimeError(e.INVALID_FIELD, f"{name} cannot be used: {exc}", param=param, event_id=event_id) from None
 
 
 def _object(parent: dict[str, Any], name: str, where: str, event_id: str | None) -> dict[str, Any]:

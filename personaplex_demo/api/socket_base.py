@@ -21,7 +21,6 @@ import contextlib
 import logging
 from typing import Any
 
-import numpy as np
 from starlette.websockets import WebSocket
 
 from ..errors import PersonaTooLongError, UnknownVoiceError
@@ -59,9 +58,10 @@ class ApiSocket:
         self.ws, self.room, self.config, self.stats = ws, room, config, stats
         self.session_id = new_id("sess")
         self.door_call = DoorCall(room, door)
-        self.feeder = Feeder(config, self._heard)
-        # When the caller speaks, for a protocol that tells its client (`speech`).
+        # When the caller speaks, for a protocol that tells its client (`speech`): the detector
+        # hears each frame the feeder hands the room.
         self.speech = SpeechEvents(config.speech if speech else SpeechConfig(enabled=False), self.on_speech)
+        self.feeder = Feeder(config, self.speech.hear)
         self.outbox = Outbox()
         self.frames_out = 0
         self.room_events = False  # personaplex.* events (queue, live, ended): clients that know them opt in
@@ -97,16 +97,22 @@ class ApiSocket:
         """The caller started ("started") or stopped ("stopped") speaking, `ms` into the audio heard."""
 
     async def on_ended(self, reason: str) -> None:
-        """The room ended the call (or the caller hung up): say so and close."""
+        """The room ended the call (or the caller hung up): say so (`tell_ended`) and close with
+        the end's code and words."""
         if reason == EndReason.HANGUP:
             await self.close(1000, "hang-up")
             return
-        code, message = CLOSE_CODES.get(reason, 1011), end_message(reason)
+        message = end_message(reason)
+        self.tell_ended(reason, message)
+        await self.close(CLOSE_CODES.get(reason, 1011), message)
+
+    def tell_ended(self, reason: str, message: str) -> None:
+        """The protocol's word for a call the room ended: room news to a client that asked for it,
+        else an `error` with code call_ended."""
         if self.room_events:
             self.room_event("call_ended", reason=reason, message=message)
         else:
             self.error(RealtimeError(e.CALL_ENDED, f"the call ended ({reason}): {message}", kind="server_error"))
-        await self.close(code, message)
 
     # ---- the socket's life ---------------------------------------------------------------------
 
@@ -198,10 +204,6 @@ class ApiSocket:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    def _heard(self, frame: np.ndarray) -> None:
-        """A frame of the caller's audio went to the model: the speech detector hears it too."""
-        self.speech.hear(frame)
 
     # ---- the call ------------------------------------------------------------------------------
 
