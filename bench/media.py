@@ -110,7 +110,7 @@ class App:
     """`python app.py --model tiny` in a subprocess, as a user starts it (plus loopback ICE)."""
 
     def __init__(self, slots: int, extra: list[str], cache_dir: str | None, repo: Path = REPO,
-                 ray_nodes: int = 0) -> None:
+                 ray_nodes: int = 0, threads: int | None = 1) -> None:
         self.port = free_port()
         self.cluster = None  # with --engines ray and ray_nodes: a cluster of that many nodes, CPU counted
         if ray_nodes and "ray" in extra:
@@ -119,8 +119,9 @@ class App:
             extra = [*extra, "--ray-address", self.cluster.stdout.readline().strip()]
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="media-bench-app-", suffix=".log", delete=False)
-        env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1", PERSONAPLEX_LOOPBACK_ICE="1",
-                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1", PERSONAPLEX_LOOPBACK_ICE="1")
+        if threads is not None:  # one torch thread: the busiest thread is then the whole engine step
+            env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         env.pop("HF_TOKEN", None)
         # Every caller seated (admission by slot count): this measures what N callers cost, however
         # many the host keeps in real time; `extra` may say otherwise (bench/admission.py does).

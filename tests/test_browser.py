@@ -37,7 +37,10 @@ def need_browser():
 
 @pytest.fixture(scope="module")
 def app(need_browser, tiny_cache_dir, tmp_path_factory):
-    with launched_app(tmp_path_factory.mktemp("app"), tiny_cache_dir, args=["--slots", "2"]) as launched:
+    # The calls' media in the app's own process (the default is a media worker wherever there are
+    # two cores): both shapes stay covered.
+    with launched_app(tmp_path_factory.mktemp("app"), tiny_cache_dir,
+                      args=["--slots", "2", "--media-workers", "0"]) as launched:
         yield launched
 
 
@@ -66,6 +69,7 @@ def test_a_call_in_chromium(mode, request, mic_wav, tmp_path):
         page.goto(app.base_url + "/", wait_until="networkidle")
         assert "tiny offline model" in page.locator("#banner").inner_text()
         assert page.locator("#voice input").input_value() == "NATF2"
+        assert "appear once a call is live" in page.locator("#stats .room-figures").inner_text()
         start_call(page)
         first, sent_before, since = page.evaluate(INBOUND_BYTES), page.evaluate(OUTBOUND_PACKETS), time.monotonic()
         transcript = page.locator("#transcript-box textarea")
@@ -89,6 +93,10 @@ def test_a_call_in_chromium(mode, request, mic_wav, tmp_path):
         assert {"click", "offer_sent", "answer", "connected", "first_sound"} <= set(t), t
         assert t["click"] < t["offer_sent"] < t["answer"] <= t["connected"] < t["first_sound"], t
         assert t["first_sound"] - t["click"] < 15_000, t
+        # The room's figures, kept fresh by the page's own script (no Gradio event): this call in
+        # them, and the tick times once it is live.
+        page.wait_for_function("/slots 1\\/2 in use.*latency p50 \\d+ ms/"
+                               ".test(document.querySelector('#stats .room-figures').innerText)", timeout=12_000)
         # This call's own figures show beside the room's.
         page.wait_for_function("document.querySelector('#call-figures').innerText.includes('first sound after')",
                                timeout=5_000)

@@ -294,8 +294,12 @@ def test_devices_and_the_default_number_of_media_workers(monkeypatch):
     with pytest.raises(ValueError, match="comma-separated"):
         resolve_devices(" , ", "auto")
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    assert default_media_workers(["cpu"], 8) == 0  # on a CPU the media stays in the app's process
+    assert default_media_workers(["cpu"], 8) == 4  # on a CPU the engine's arithmetic keeps most cores
     assert default_media_workers(["cuda:0"], 64) == 14  # a core each, two left for the page and engine
     assert default_media_workers(["cuda:0", "cuda:1"], 4) == 4  # never more workers than slots
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert default_media_workers(["cuda:0"], 64) == 1
+    # Live calls first wherever there are two cores: their media apart from the page's HTTP work.
+    assert default_media_workers(["cpu"], 2) == 1
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    assert default_media_workers(["cpu"], 2) == 0 and default_media_workers(["cuda:0"], 8) == 0

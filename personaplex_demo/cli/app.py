@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from ..web.recording import RecordingStore
 
 log = logging.getLogger(__name__)
+PAGE_NICENESS = 10  # the web server's thread beside media workers and engine processes (page_second)
 
 
 def setup_logging(verbose: bool = False) -> None:
@@ -121,9 +122,11 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
     from starlette.middleware import Middleware
 
     from ..web.deeplink import RefuseLongQueries
-    from ..web.page import PageOptions, build_ui, status_routes
+    from ..web.page import PageOptions, build_ui, call_events, status_routes
+    from ..web.page_cache import PageCache
     from ..web.prometheus import EngineCollector, metrics_routes
     from ..web.recording import RecordingStore, remove_stale_recordings
+    from ..web.visitor_limits import VisitorConfig, VisitorCounts, VisitorLimits
 
     runtime, room = topology.runtime, topology.room
     door = realtime_door(cfg, topology)
@@ -142,6 +145,9 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
                                                rtc_configuration=rtc,
                                                server_rtc_configuration=server_rtc, notice=notice), recordings)
     topology.attach(demo)
+    visitors = VisitorCounts()
+    visitor_config = VisitorConfig(page_loads_per_minute=cfg.page_loads_per_minute,
+                                   trust_forwarded_for=bool(os.environ.get("SPACE_ID")))
     stop = StopSignals()
     stop.install()
     try:
@@ -150,11 +156,16 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
         try:
             demo.launch(server_name=cfg.host, server_port=cfg.port, share=cfg.share, quiet=not cfg.verbose,
                         prevent_thread_lock=True,
-                        app_kwargs={"routes": status_routes(runtime, room, lambda: status_extra(topology, door))
+                        app_kwargs={"routes": status_routes(runtime, room,
+                                                            lambda: status_extra(topology, door, visitors))
                                     + metrics_routes(room, [EngineCollector(lambda: topology.status()["engines"]),
                                                             *(door.collectors() if door else [])])
                                     + (door.routes() if door else []),
-                                    "middleware": [Middleware(RefuseLongQueries)]})
+                                    # Outermost first: a refused visitor costs no more than a lookup.
+                                    "middleware": [Middleware(RefuseLongQueries),
+                                                   Middleware(VisitorLimits, config=visitor_config,
+                                                              call_events=call_events(demo), counts=visitors),
+                                                   Middleware(PageCache)]})
         except OSError:
             log.error("cannot serve on %s:%d: the port is in use or the address is not this machine's; "
                       "choose another with --port or --host", cfg.host, cfg.port)
@@ -166,6 +177,8 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
                  f"/v1/live/sessions, NVIDIA's protocol: ws://{cfg.host}:{cfg.port}/api/chat" if door else "")
         if demo.share_url:
             log.info("public link: %s", demo.share_url)
+        if topology.media is not None:
+            page_second(demo.server)
         return demo, recordings, stop.wait()
     except BaseException:
         topology.close()
@@ -193,9 +206,24 @@ def realtime_door(cfg: AppConfig, topology: Topology):
         model_name=topology.runtime.model_name, trust_forwarded_for=bool(os.environ.get("SPACE_ID"))))
 
 
-def status_extra(topology: Topology, door) -> dict[str, Any]:
-    """/api/status beyond the room's figures: engines, media workers, the Realtime door."""
-    return {**topology.status(), "realtime": door.status() if door is not None else None,
+def page_second(server) -> None:
+    """Live calls first, on the cores too: with the calls' media in media workers and the engine in
+    a process of its own, this process's web server (the page, its assets and events for every
+    visitor) runs at a lower priority, so that a burst of visitors takes the cores the calls leave
+    and never the other way round. Threads the server starts later (Gradio's workers) inherit it."""
+    thread = getattr(server, "thread", None)
+    if sys.platform != "linux" or thread is None or thread.native_id is None:
+        return  # a thread's own priority is a Linux feature; elsewhere it would lower the whole app
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread.native_id, PAGE_NICENESS)
+    except OSError as exc:
+        log.warning("could not lower the web server's priority: %s", exc)
+
+
+def status_extra(topology: Topology, door, visitors=None) -> dict[str, Any]:
+    """/api/status beyond the room's figures: engines, media workers, the API doors, visitors refused."""
+    return {**topology.status(), "visitors": visitors.as_dict() if visitors is not None else None,
+            "realtime": door.status() if door is not None else None,
             "live": door.live_status() if door is not None else None,
             "chat": door.chat_status() if door is not None and door.config.chat else None}
 

@@ -92,7 +92,8 @@ class AppConfig:
     media_workers: int | None = option(None, "processes that carry the callers' WebRTC media and call handlers "
                                        "(Opus, RTP, page updates); 0 keeps them in this process",
                                        env="PERSONAPLEX_MEDIA_WORKERS", check=at_least(0),
-                                       shown_default="0 on a CPU; on a CUDA host cores - 2, at most one per slot",
+                                       shown_default="at most one per slot: cores - 2 on a CUDA host, cores / 4 "
+                                       "on a CPU (at least 1; 0 on one core)",
                                        metavar="N")
     engines: str = option("local", "local: the engines run on this machine (--device, --devices); ray: as Ray actors "
                           "on the machines of a Ray cluster, one per GPU (needs requirements-ray.txt; README "
@@ -117,6 +118,10 @@ class AppConfig:
     chat_without_key: bool = option(False, "with --api-key, still open /api/chat to clients that send no key (the "
                                     "reference protocol has none, LiveKit's plugin cannot add one)",
                                     env="PERSONAPLEX_CHAT_WITHOUT_KEY")
+    page_loads_per_minute: int = option(60, "page loads a minute from one client address, half of them at once, and "
+                                        "ten times as many of the page's other visitor requests; beyond that the "
+                                        "address is asked to wait (calls are never limited); 0: no limit",
+                                        env="PERSONAPLEX_PAGE_LOADS_PER_MINUTE", check=at_least(0), metavar="N")
     verbose: bool = option(False, "also log each internal HTTP request and Gradio's own startup messages",
                            env="PERSONAPLEX_VERBOSE")
 

@@ -1,8 +1,8 @@
 """Which process runs what: the engine(s), their slot pools and the media path.
 
-    one device, no media workers (the default on a CPU)
+    one device, no media workers (--media-workers 0; the default on a single core)
         main process: page + WebRTC peers + handlers + SlotPool + engine
-    media workers (--media-workers N, the default on a CUDA host), or several devices
+    media workers (--media-workers N, the default wherever there are two cores), or several devices
     (--devices cuda:0,cuda:1 / cpu,cpu)
         main process: page (+ peers and handlers when there are no media workers); the room's
                       one queue (PoolRouter, with several engines)
@@ -67,16 +67,23 @@ def resolve_devices(devices: str | None, device: str) -> list[str]:
 
 
 def default_media_workers(devices: list[str], slots_total: int) -> int:
-    """0 on a CPU; on a CUDA host one worker per spare core (two cores stay with the page and the
-    engine's own threads), never more workers than slots."""
+    """How many processes carry the callers' media when `--media-workers` is not given.
+
+    Live calls come first: in a media worker a caller's packets never wait behind the page's HTTP
+    work (page loads, idle tabs) on one event loop, and the engine's ticker has an interpreter of
+    its own. On a CUDA host one worker per spare core (two cores stay with the page and the
+    engine's own threads); on a CPU, whose engine needs the cores for its arithmetic, one worker
+    per four cores and at least one where there are two. Never more workers than slots; none on a
+    single core, where three processes would only take turns."""
+    cores = os.cpu_count() or 1
     cuda = any(d.startswith("cuda") for d in devices)
     if not cuda and "auto" in devices:
         import torch
 
         cuda = torch.cuda.is_available()
-    if not cuda:
+    if cores < 2:
         return 0
-    return max(1, min((os.cpu_count() or 1) - 2, slots_total))
+    return max(1, min(cores - 2 if cuda else cores // 4, slots_total))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Deep links: `/?voice=NATM1&persona=...&text_temperature=0.9&seed=7` sets the page's controls.
 
-On load the page's query parameters are checked against the same rules a call applies (the voice
+As the page loads, its query parameters are checked against the same rules a call applies (the voice
 catalogue, the persona's length and characters, the ranges of the sampling sliders). A parameter
 that passes sets its control; one that does not leaves the default and is named in a notice.
 Nothing from a link reaches anything but those controls, and no value from it is echoed into the
@@ -184,6 +184,22 @@ _COPY_JS = """
 """
 
 
+# In the browser, as the page loads: press the hidden button once it is there, only for a link
+# with a query.
+APPLY_LINK_JS = """
+() => {
+  if (window.location.search.length < 2) return;
+  let tries = 0;
+  const press = () => {
+    const button = document.getElementById("apply-link");
+    if (button) button.click();
+    else if (++tries < 50) setTimeout(press, 100);
+  };
+  press();
+}
+"""
+
+
 def copy_link_js(presets: Mapping[str, str], limit: int = MAX_LINK_CHARS) -> str:
     return _COPY_JS.replace("__PRESETS__", json.dumps(dict(presets))).replace("__LIMIT__", str(int(limit)))
 
@@ -200,12 +216,18 @@ def add_deep_links(demo: gr.Blocks, controls: Mapping[str, gr.components.Compone
                           elem_id="setup-link")
         copy_notice = gr.Markdown(elem_id="copy-notice")
     targets = [controls[name] for name in PARAMS]
+    # Only a link with a query raises a server event: the page's script presses this hidden
+    # button, whose event reads the query Gradio's client sends with it. A plain link's visitor
+    # raises none at all, and a coroutine answers a deep link's on the loop, with no worker thread
+    # (docs/serving.md § Visitors and callers).
+    trigger = gr.Button("Apply the link", elem_id="apply-link")  # in the page, never shown (page.py's CSS)
 
-    def apply(request: gr.Request):
+    async def apply(request: gr.Request):
         setup = read_link(request.query_params.multi_items() if request is not None else [], rules)
         notice = setup.notice()
         updates = [gr.update(value=setup.values[name]) if name in setup.values else gr.update() for name in PARAMS]
         return (*updates, gr.update(value=notice, visible=bool(notice)))
 
-    demo.load(apply, None, [*targets, load_notice], show_progress="hidden", concurrency_limit=None)
+    demo.load(None, None, None, js=APPLY_LINK_JS)
+    trigger.click(apply, None, [*targets, load_notice], show_progress="hidden", concurrency_limit=None)
     button.click(None, targets, [link, copy_notice], js=copy_link_js(rules.presets))

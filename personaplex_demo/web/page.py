@@ -33,18 +33,19 @@ from .handler import CallHandler, FinalUpdates
 from .mic_hold import MIC_HOLD_SCRIPT
 from .page_inputs import PageInputs
 from .recording import RecordingStore
+from .room_figures import ROOM_SCRIPT, RoomFigures, figures_html
 from .status import SharedFigures, queue_reason, room_line
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_PRESET = "Assistant (teacher)"
 STOP_WAIT_SECONDS = 5.0  # after Stop, how long the page waits for the recording to be written
-STATS_SECONDS = 5.0  # the room's figures on each open page refresh this often (one Gradio event each)
 
 CSS = """
 #banner {background: #fff4d6; border: 1px solid #e8c36a; border-radius: 8px; padding: 8px 12px; color: #4a3b00;}
 #status-line {font-weight: 600; min-height: 1.6em;}
 #headphones {opacity: 0.85;}
 #stats, #recording-note, #call-figures {font-size: 0.85em; opacity: 0.85;}
+#apply-link {display: none !important;}
 """
 
 
@@ -73,23 +74,23 @@ def status_payload(runtime: RuntimeFacts, room: Room) -> dict[str, Any]:
 
 
 def status_routes(runtime: RuntimeFacts, room: Room, extra: Callable[[], dict[str, Any]] | None = None) -> list[Route]:
-    """`extra`: more fields for the payload (per engine and per media worker, when there are several)."""
+    """`/api/status`, and `/api/room` for the pages' figures. `extra`: more fields for the status
+    payload (per engine and per media worker, when there are several)."""
     async def status(_: Request) -> JSONResponse:
         payload = status_payload(runtime, room)
         if extra is not None:
             payload.update(extra())
         return JSONResponse(payload, headers={"Cache-Control": "no-store"})
 
-    return [Route("/api/status", status, methods=["GET"])]
+    return [Route("/api/status", status, methods=["GET"]), *RoomFigures(SharedFigures(room)).routes()]
 
 
-def stats_markdown(figures: SharedFigures) -> str:
-    m = figures.get()
-    if not m.ticks:  # zeros would read as measurements
-        return f"**Room** {room_line(m)} · latency and tick times appear once a call is live"
-    return (f"**Room** {room_line(m)} · **latency** p50 {m.latency_p50_ms:.0f} ms, p99 {m.latency_p99_ms:.0f} ms"
-            f" · **tick** p50 {m.tick_p50_ms:.0f} ms, p99 {m.tick_p99_ms:.0f} ms"
-            f" · **real-time factor** {m.realtime_factor:.2f}")
+def call_events(demo: gr.Blocks) -> frozenset[int]:
+    """The fn_index of the page's call events: the WebRTC component's own (start, the inputs, the
+    page-update relay, stop) and the downloads after a call. Nothing limits these (visitor_limits.py)."""
+    blocks = {block_id for block_id, b in demo.blocks.items()
+              if isinstance(b, WebRTC) or getattr(b, "elem_id", None) == "ended-call"}
+    return frozenset(i for i, fn in demo.fns.items() if any(target in blocks for target, _ in fn.targets))
 
 
 # The call's round trip as the caller lives it (docs/serving.md § Latency budget): the server's
@@ -179,7 +180,7 @@ class Page:
         with gr.Blocks(title=options.title) as demo:
             # Gradio 5.50 deprecates Blocks(css=..., head=...) and its launch() takes neither yet; the
             # page config reads these.
-            demo.css, demo.head = CSS, TRIP_SCRIPT + MIC_HOLD_SCRIPT
+            demo.css, demo.head = CSS, TRIP_SCRIPT + MIC_HOLD_SCRIPT + ROOM_SCRIPT
             gr.Markdown(f"# {options.title}\nTalk out loud with NVIDIA PersonaPlex-7B, a full-duplex speech model: "
                         "it listens and speaks at the same time. Pick a voice and a persona, then press **Record**. "
                         f"{limit_text}")
@@ -194,7 +195,7 @@ class Page:
                 with gr.Column(scale=2, min_width=360):
                     self.build_call()
             self.wire_events()
-        bound_event_log(demo)  # every open page raises an event every few seconds (rtc/patches.py)
+        bound_event_log(demo)  # Gradio keeps a record of every event (rtc/patches.py)
         return demo
 
     def build_settings(self, demo: gr.Blocks, link_notice: gr.Markdown) -> None:
@@ -205,7 +206,7 @@ class Page:
         self.preset = gr.Dropdown(list(presets), value=DEFAULT_PRESET, label="Persona preset", elem_id="preset")
         self.persona = gr.Textbox(presets[DEFAULT_PRESET], label="Persona (edit freely)", lines=5,
                                   max_lines=12, elem_id="persona")
-        self.tokens = gr.Markdown(self.count_tokens(presets[DEFAULT_PRESET]), elem_id="token-count")
+        self.tokens = gr.Markdown(self.token_count(presets[DEFAULT_PRESET]), elem_id="token-count")
         with gr.Accordion("Advanced", open=False):
             text_temp = gr.Slider(0.0, 2.0, defaults.text_temperature, step=0.05, label="Text temperature")
             text_topk = gr.Slider(1, 500, defaults.text_top_k, step=1, label="Text top-k")
@@ -244,20 +245,29 @@ class Page:
         gr.Markdown(f"After a call, its recording and transcript can be downloaded here; the server "
                     f"deletes them after {int(self.recordings.max_age_seconds // 60)} minutes.",
                     elem_id="recording-note")
-        self.stats = gr.Markdown(stats_markdown(self.figures), elem_id="stats")
+        # The room's figures: the page's own script keeps them fresh (web/room_figures.py).
+        self.stats = gr.HTML(figures_html(self.figures.get()), elem_id="stats", padding=False)
         self.call_id = gr.Textbox(visible=False, elem_id="call-id")
         # Set to the call's id when the server ends a call; its change shows the downloads.
         self.ended_call = gr.Textbox(visible=False, elem_id="ended-call")
 
     def wire_events(self) -> None:
         rtc, presets = self.rtc, self.presets
-        self.preset.change(lambda name: presets.get(name, ""), self.preset, self.persona, show_progress="hidden")
+        # Every visitor raises these: coroutines, answered on the server's loop at once, with no worker
+        # thread each and no wait in Gradio's queue (whose every waiting event hears each change).
+        async def preset_text(name: str) -> str:
+            return presets.get(name, "")
+
+        self.preset.change(preset_text, self.preset, self.persona, show_progress="hidden", concurrency_limit=None)
         self.persona.change(self.count_tokens, self.persona, self.tokens, show_progress="hidden",
                             concurrency_limit=None)
         # The pool enforces the time limit from the moment a call is live (queue time does not
         # count), so fastrtc's own limit, which counts from connecting, stays off.
+        # The handler reads the inputs once, when the call starts (the `tick` event the page raises
+        # on the server's "send_input"), so they are not sent on every change: fastrtc would wire a
+        # change event to each control, a worker-thread event for every visitor who touches one.
         rtc.stream(self.handler, inputs=[rtc, *self.inputs], outputs=[rtc], time_limit=None,
-                   concurrency_limit=self.room.slots_total + self.options.max_queue + 2)
+                   concurrency_limit=self.room.slots_total + self.options.max_queue + 2, send_input_on="submit")
         # concurrency_limit=None: the default (1) would update only the first caller's page.
         rtc.state_change(self.relay, inputs=[rtc], outputs=self.page_outputs, concurrency_limit=None,
                          show_progress="hidden", trigger_mode="once")
@@ -269,8 +279,6 @@ class Page:
                                concurrency_limit=None)
         rtc.stop_recording(self.on_stop, self.call_id, [self.status, *downloads], show_progress="hidden",
                            concurrency_limit=None)
-        gr.Timer(STATS_SECONDS).tick(lambda: stats_markdown(self.figures), None, self.stats, show_progress="hidden",
-                                     concurrency_limit=None)
 
     @property
     def page_outputs(self) -> list:
@@ -278,7 +286,10 @@ class Page:
 
     # ---- event handlers ---------------------------------------------------------------------------
 
-    def count_tokens(self, text: str) -> str:
+    async def count_tokens(self, text: str) -> str:
+        return self.token_count(text)
+
+    def token_count(self, text: str) -> str:
         try:
             n = len(self.engine.persona_tokens(text or ""))
         except Exception as e:  # the counter shows what is wrong instead of a count

@@ -1,0 +1,110 @@
+"""The room's figures on every open page, for the price of a small cached answer.
+
+Each open tab shows the room (slots in use, who waits, latency, tick times). A Gradio timer would
+raise one queued event per tab every few seconds (a request, a stream, a worker thread), whether
+anybody is talking or not: a few hundred idle tabs become a steady load on the process that serves
+the page. Instead the page's own script asks `GET /api/room` every `REFRESH_SECONDS` while the tab
+is visible (a hidden tab asks when it is shown again); the answer is built at most once a second
+for all tabs together and is a few hundred bytes. The figures are labelled parts that the script
+puts into the page as text, never as markup.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import threading
+import time
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ..serving.metrics import PoolMetrics
+from .status import SharedFigures, room_line
+
+REFRESH_SECONDS = 5.0  # how often a visible page asks for the figures
+ANSWER_SECONDS = 1.0  # one answer serves every page that asks within this long
+
+
+def figure_parts(m: PoolMetrics) -> list[tuple[str, str]]:
+    """(label, text) pairs; an empty label is plain text."""
+    if not m.ticks:  # zeros would read as measurements
+        return [("Room", room_line(m)), ("", "latency and tick times appear once a call is live")]
+    return [("Room", room_line(m)), ("latency", f"p50 {m.latency_p50_ms:.0f} ms, p99 {m.latency_p99_ms:.0f} ms"),
+            ("tick", f"p50 {m.tick_p50_ms:.0f} ms, p99 {m.tick_p99_ms:.0f} ms"),
+            ("real-time factor", f"{m.realtime_factor:.2f}")]
+
+
+def figures_html(m: PoolMetrics) -> str:
+    """The same parts as the page first shows them (the script replaces the span's text)."""
+    text = " · ".join(f"<strong>{html.escape(label)}</strong> {html.escape(part)}" if label else html.escape(part)
+                      for label, part in figure_parts(m))
+    return f'<span class="room-figures">{text}</span>'
+
+
+class RoomFigures:
+    """`GET /api/room`: the figures as JSON, the same bytes for every page within ANSWER_SECONDS."""
+
+    def __init__(self, figures: SharedFigures) -> None:
+        self.figures = figures
+        self._lock = threading.Lock()
+        self._answer: tuple[float, bytes] | None = None
+
+    def body(self) -> bytes:
+        now = time.monotonic()
+        with self._lock:
+            if self._answer is not None and now - self._answer[0] < ANSWER_SECONDS:
+                return self._answer[1]
+        body = json.dumps({"parts": figure_parts(self.figures.get()), "refresh_seconds": REFRESH_SECONDS}).encode()
+        with self._lock:
+            self._answer = (now, body)
+        return body
+
+    async def answer(self, _: Request) -> Response:
+        return Response(self.body(), media_type="application/json", headers={"Cache-Control": "no-store"})
+
+    def routes(self) -> list[Route]:
+        return [Route("/api/room", self.answer, methods=["GET"])]
+
+
+# The page's side: ask while visible, back off when refused, write text only.
+ROOM_SCRIPT = r"""
+<script>
+(() => {
+  let every = __REFRESH__ * 1000, timer = null;
+  const show = (parts) => {
+    const el = document.querySelector("#stats .room-figures");
+    if (!el) return;
+    const nodes = [];
+    parts.forEach(([label, text], i) => {
+      if (i) nodes.push(document.createTextNode(" · "));
+      if (label) {
+        const b = document.createElement("strong");
+        b.textContent = label;
+        nodes.push(b, document.createTextNode(" "));
+      }
+      nodes.push(document.createTextNode(text));
+    });
+    el.replaceChildren(...nodes);
+  };
+  const ask = async () => {
+    clearTimeout(timer);
+    if (!document.hidden) {
+      try {
+        const r = await fetch(new URL("api/room", document.baseURI), {cache: "no-store"});
+        if (!r.ok) throw new Error(r.status);
+        const room = await r.json();
+        every = room.refresh_seconds * 1000;
+        show(room.parts);
+      } catch (e) {
+        every = Math.min(every * 2, 60000);  // refused or unreachable: ask less often
+      }
+    }
+    timer = setTimeout(ask, every);
+  };
+  document.addEventListener("visibilitychange", () => { if (!document.hidden) ask(); });
+  timer = setTimeout(ask, every);
+})();
+</script>
+""".replace("__REFRESH__", f"{REFRESH_SECONDS:g}")

@@ -1,0 +1,244 @@
+"""Visitors' work is bounded; callers' never is (docs/serving.md § Visitors and callers).
+
+A shared link brings visitors in bursts: most load the page, look, and leave the tab open. Their
+requests are of two kinds, and this ASGI middleware limits both, per client address and all
+addresses together, before they reach Gradio:
+
+- page loads: `GET /` and `GET /config`;
+- visitor events: the page's Gradio events that are not a call's (the deep link's load event, a
+  preset chosen, the persona's token count as it is typed) and the room's figures (`/api/room`).
+
+A call's own requests (its offer, its events, its event stream, its downloads) and everything
+else pass untouched: a caller is never refused because visitors came. Per address, a token
+bucket: `page_loads_per_minute`, half of it at once (a classroom behind one address may open the
+link together); visitor events at ten times that rate. All addresses together, at most
+`in_flight` of these requests are being answered at any moment; beyond that the server is behind
+and the next visitor is asked to come back in a moment (503) instead of adding to the backlog.
+A refused page load gets a short page that reloads itself when the address may load again.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..api.access import client_address
+
+log = logging.getLogger(__name__)
+
+PAGE_PATHS = ("/", "/config", "/config/")
+JOIN_PATH = "/gradio_api/queue/join"
+ROOM_PATH = "/api/room"
+MAX_JOIN_BODY = 1 << 20  # an event's inputs: the persona at most, far below this
+MAX_ADDRESSES = 20_000  # addresses remembered at once; the longest idle is forgotten first
+REPORT_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class VisitorConfig:
+    page_loads_per_minute: int = 60  # per client address; 0: no limit per address
+    in_flight: int = 64  # visitors' requests being answered at once, all addresses together
+    trust_forwarded_for: bool = False  # behind a proxy that sets X-Forwarded-For (a Space)
+
+    @property
+    def page_burst(self) -> float:
+        return max(1.0, self.page_loads_per_minute / 2)
+
+    @property
+    def page_rate(self) -> float:
+        return self.page_loads_per_minute / 60
+
+    @property
+    def event_burst(self) -> float:
+        return 10 * self.page_burst
+
+    @property
+    def event_rate(self) -> float:
+        return 10 * self.page_rate
+
+
+@dataclass
+class Bucket:
+    """Tokens refilled at `rate` a second up to `capacity`; a request takes one."""
+
+    capacity: float
+    rate: float
+    tokens: float
+    stamp: float
+
+    def take(self, now: float) -> float:
+        """0 when a token was taken, else the seconds until one is there."""
+        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate
+
+
+@dataclass
+class VisitorCounts:
+    """What was refused, for /api/status."""
+
+    page_loads_refused: int = 0  # over the per-address rate
+    events_refused: int = 0
+    busy_refused: int = 0  # over `in_flight`, all addresses together
+    addresses: set[str] = field(default_factory=set)  # refused since the last log line
+
+    def as_dict(self) -> dict[str, int]:
+        return {"page_loads_refused": self.page_loads_refused, "events_refused": self.events_refused,
+                "busy_refused": self.busy_refused}
+
+
+class VisitorLimits:
+    """ASGI middleware. `call_events` are the fn_index of the page's call events, never limited."""
+
+    def __init__(self, app, config: VisitorConfig, call_events: frozenset[int],
+                 counts: VisitorCounts | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.app, self.config, self.call_events, self.clock = app, config, call_events, clock
+        self.counts = counts if counts is not None else VisitorCounts()
+        self._buckets: collections.OrderedDict[tuple[str, str], Bucket] = collections.OrderedDict()
+        self._in_flight = 0
+        self._reported = clock()
+
+    async def __call__(self, scope, receive, send) -> None:
+        kind = self.kind(scope)
+        if kind is None:
+            await self.app(scope, receive, send)
+            return
+        if kind == "join":
+            body = await read_body(receive)
+            if body is None:  # the client went away, or sent far more than any event holds
+                await refuse(send, 413, "This event is larger than any the page sends.", 0, json_body=True)
+                return
+            receive = replay(body, receive)
+            if fn_index(body) in self.call_events:
+                await self.app(scope, receive, send)
+                return
+            kind = "event"
+        wait = self.wait(kind, self.address(scope))
+        if wait:
+            self.refused(kind, scope)
+            await refuse(send, 429, TOO_MANY[kind], wait, json_body=kind != "page")
+            return
+        if self._in_flight >= self.config.in_flight:
+            self.counts.busy_refused += 1
+            self.refused("busy", scope)
+            await refuse(send, 503, BUSY, 2.0, json_body=kind != "page")
+            return
+        self._in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._in_flight -= 1
+
+    @staticmethod
+    def kind(scope) -> str | None:
+        if scope["type"] != "http":
+            return None
+        path, method = scope["path"], scope["method"]
+        if path in PAGE_PATHS and method in ("GET", "HEAD"):
+            return "page"
+        if path == JOIN_PATH and method == "POST":
+            return "join"
+        if path == ROOM_PATH and method == "GET":
+            return "event"
+        return None
+
+    def address(self, scope) -> str:
+        peer = scope["client"][0] if scope.get("client") else None
+        if not self.config.trust_forwarded_for:
+            return peer or "unknown"
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        return client_address(headers, peer, True)
+
+    def wait(self, kind: str, address: str) -> float:
+        """0 when `address` may go on, else the seconds until it may."""
+        if not self.config.page_loads_per_minute:
+            return 0.0
+        now = self.clock()
+        bucket = self._buckets.get((kind, address))
+        if bucket is None:
+            capacity, rate = ((self.config.page_burst, self.config.page_rate) if kind == "page"
+                              else (self.config.event_burst, self.config.event_rate))
+            bucket = self._buckets[(kind, address)] = Bucket(capacity, rate, capacity, now)
+            while len(self._buckets) > MAX_ADDRESSES:
+                self._buckets.popitem(last=False)
+        self._buckets.move_to_end((kind, address))
+        return bucket.take(now)
+
+    def refused(self, kind: str, scope) -> None:
+        if kind == "page":
+            self.counts.page_loads_refused += 1
+        elif kind == "event":
+            self.counts.events_refused += 1
+        self.counts.addresses.add(self.address(scope))
+        now = self.clock()
+        if now - self._reported >= REPORT_SECONDS:
+            c = self.counts
+            log.warning("visitors refused so far: %d page loads and %d events over the per-address rate, %d while "
+                        "the server was busy (%d address(es) in the last minute); calls are not limited",
+                        c.page_loads_refused, c.events_refused, c.busy_refused, len(c.addresses))
+            c.addresses.clear()
+            self._reported = now
+
+
+TOO_MANY = {"page": "Too many page loads from your address.",
+            "event": "Too many requests from your address."}
+BUSY = "The server is busy with live calls."
+
+
+async def read_body(receive) -> bytes | None:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > MAX_JOIN_BODY:
+            return None
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replay(body: bytes, receive):
+    """`receive` for the app: the body already read, then the client's own messages (a disconnect)."""
+    sent = False
+
+    async def again():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
+
+
+def fn_index(body: bytes) -> int | None:
+    try:
+        value = json.loads(body).get("fn_index")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+async def refuse(send, status: int, message: str, retry_after: float, json_body: bool) -> None:
+    seconds = max(1, math.ceil(retry_after))
+    if json_body:
+        body = json.dumps({"detail": f"{message} Try again in {seconds} s."}).encode()
+        kind = b"application/json"
+    else:  # a browser: a page that comes back by itself
+        body = (f"<!doctype html><meta charset=utf-8><meta http-equiv=refresh content={seconds}>"
+                f"<title>PersonaPlex Live</title><p>{message} This page loads again in {seconds} s.</p>").encode()
+        kind = b"text/html; charset=utf-8"
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", kind), (b"content-length", str(len(body)).encode()),
+                            (b"retry-after", str(seconds).encode()), (b"cache-control", b"no-store")]})
+    await send({"type": "http.response.body", "body": body})
