@@ -10,6 +10,7 @@ import asyncio
 import os
 import re
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 from websockets.asyncio.client import connect as ws_connect
 
-from personaplex_demo.procs.topology import default_media_workers, resolve_devices
+from personaplex_demo.procs.topology import default_media_workers, ipc_directory, resolve_devices
 from personaplex_demo.web import mic_hold
 
 from .browser_support import LaunchedApp, launched_app
@@ -284,6 +285,17 @@ async def test_two_cpu_engines_with_int8_weights_each_take_a_call(tiny_cache_dir
             for caller in callers:
                 await caller.hang_up()
             await until(lambda: app.status()["slots_free"] == 4, 5, "every slot free")
+
+
+def test_the_engines_sockets_fit_however_long_the_temp_folder(monkeypatch, tmp_path):
+    deep = tmp_path / ("a-rather-long-folder-name-" * 4)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    folder = ipc_directory()
+    try:
+        assert len(str(folder / "engine-15.sock")) < 100 and oct(folder.stat().st_mode)[-3:] == "700"
+    finally:
+        folder.rmdir()
 
 
 def test_devices_and_the_default_number_of_media_workers(monkeypatch):

@@ -274,3 +274,5 @@ async def test_a_call_goes_on_while_visitors_come_and_one_address_floods(app):
     flood = visitors["flood"]
     assert 30 <= flood.get("200", 0) <= 30 + 8 + 2 and flood.get("429", 0) > flood["200"], flood
     assert after["visitors"]["page_loads_refused"] >= flood["429"]
+    metrics = dict(line.rsplit(" ", 1) for line in app.metrics().splitlines() if line[:1] not in ("#", ""))
+    assert float(metrics['personaplex_visitors_refused_total{why="page_loads"}']) >= flood["429"]

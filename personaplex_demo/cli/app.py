@@ -124,7 +124,7 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
     from ..web.deeplink import RefuseLongQueries
     from ..web.page import PageOptions, build_ui, call_events, status_routes
     from ..web.page_cache import PageCache
-    from ..web.prometheus import EngineCollector, metrics_routes
+    from ..web.prometheus import EngineCollector, VisitorCollector, metrics_routes
     from ..web.recording import RecordingStore, remove_stale_recordings
     from ..web.visitor_limits import VisitorConfig, VisitorCounts, VisitorLimits
 
@@ -159,6 +159,7 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
                         app_kwargs={"routes": status_routes(runtime, room,
                                                             lambda: status_extra(topology, door, visitors))
                                     + metrics_routes(room, [EngineCollector(lambda: topology.status()["engines"]),
+                                                            VisitorCollector(visitors.as_dict),
                                                             *(door.collectors() if door else [])])
                                     + (door.routes() if door else []),
                                     # Outermost first: a refused visitor costs no more than a lookup.

@@ -45,6 +45,7 @@ from .pool_router import PoolRouter
 
 log = logging.getLogger(__name__)
 
+IPC_BASE_CHARS = 60  # + "/personaplex-ipc-XXXXXXXX/engine-NN.sock" stays under AF_UNIX's 108 bytes
 WORKERS_READY_SECONDS = 180.0  # a media worker imports gradio, fastrtc and aiortc: seconds on a busy host
 
 
@@ -84,6 +85,15 @@ def default_media_workers(devices: list[str], slots_total: int) -> int:
     if cores < 2:
         return 0
     return max(1, min(cores - 2 if cuda else cores // 4, slots_total))
+
+
+def ipc_directory() -> Path:
+    """A new private folder (0700: only this user reaches the sockets) for the engines' AF_UNIX
+    sockets. Their paths hold about 100 bytes at most, so a long TMPDIR gives way to /tmp."""
+    base = tempfile.gettempdir()
+    if len(base) > IPC_BASE_CHARS and os.path.isdir("/tmp"):
+        base = "/tmp"
+    return Path(tempfile.mkdtemp(prefix="personaplex-ipc-", dir=base))
 
 
 @dataclass(frozen=True)
@@ -146,7 +156,7 @@ def start_topology(options: TopologyOptions, progress: Callable[[str, float], No
         return start_ray_topology(options, progress)
     devices = list(options.devices)
     closers: list[Callable] = []
-    ipc_dir = Path(tempfile.mkdtemp(prefix="personaplex-ipc-"))  # 0700: only this user reaches the sockets
+    ipc_dir = ipc_directory()
     authkey = secrets.token_bytes(32)
     names = [f"engine-{i} ({d})" for i, d in enumerate(devices)]
     addresses = [str(ipc_dir / f"engine-{i}.sock") for i in range(len(devices))]

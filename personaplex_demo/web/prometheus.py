@@ -122,6 +122,22 @@ class EngineCollector(Collector):
         yield from (up, *gauges, tick)
 
 
+class VisitorCollector(Collector):
+    """Visitors' requests refused (web/visitor_limits.py), by why; calls are never refused there."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterable[Metric]:
+        c = self.counts()
+        refused = CounterMetricFamily(f"{PREFIX}_visitors_refused", "Visitors' page loads and events refused: over "
+                                      "an address's rate (page_loads, events) or with the server behind (busy).",
+                                      labels=["why"])
+        for why, key in (("page_loads", "page_loads_refused"), ("events", "events_refused"), ("busy", "busy_refused")):
+            refused.add_metric([why], c.get(key, 0))
+        yield refused
+
+
 def build_registry(room: Room, collectors: Sequence[Collector] = ()) -> CollectorRegistry:
     """A registry of this pool's metrics plus the process's (memory, CPU, GC). Its own registry, not
     prometheus_client's global one, so several pools (tests) never clash."""
