@@ -28,16 +28,16 @@ def client(base: str, address: str) -> httpx.AsyncClient:
 
 async def page_load(base: str, address: str, link: str, apply_fn: int, counts: dict) -> None:
     """The page as a browser with the assets in its cache loads it; through a deep link, the
-    page then sends the link's query to be applied (one Gradio event)."""
+    page's script then has the link applied (one Gradio event, the query in its URL)."""
     async with client(base, address) as http:
         page = await http.get(link)
         counts["pages"][str(page.status_code)] += 1
         if page.status_code != 200 or "?" not in link:
             return
         session = f"v{random.getrandbits(40):x}"
-        joined = await http.post("/gradio_api/queue/join", json={
-            "data": [link[1:]], "event_data": None, "fn_index": apply_fn, "trigger_id": None,
-            "session_hash": session})
+        # As the page's script does: the hidden button's event, with the page's query.
+        joined = await http.post("/gradio_api/queue/join" + link[1:], json={
+            "data": [], "event_data": None, "fn_index": apply_fn, "trigger_id": None, "session_hash": session})
         counts["events"][str(joined.status_code)] += 1
         if joined.status_code != 200:
             return
@@ -69,8 +69,8 @@ async def main(a: argparse.Namespace) -> dict:
     counts: dict = collections.defaultdict(collections.Counter)
     async with client(a.base, "127.3.0.1") as http:
         config = (await http.get("/config")).json()
-    field = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "link-query")
-    apply_fn = next(d["id"] for d in config["dependencies"] if [field, "change"] in d["targets"])
+    button = next(c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "apply-link")
+    apply_fn = next(d["id"] for d in config["dependencies"] if [button, "click"] in d["targets"])
     until = time.monotonic() + a.seconds
     jobs = [tab(a.base, f"127.4.0.{1 + i}", until, counts) for i in range(a.tabs)]
     jobs.append(flood(a.base, until, counts))
