@@ -136,7 +136,8 @@ async def test_two_personaplex_plugin_sessions_fill_two_slots_and_a_page_caller_
                 async with ws_connect(raw_url) as raw_ws:
                     raw = ChatClient(raw_ws)
                     await until(lambda: any(e.get("position") == 2 for e in raw.events()), 10, "its place, 2")
-                    assert app.status()["calls_by_door"] == {"chat": 3, "page": 1}
+                    await until(lambda: app.status()["calls_by_door"] == {"chat": 3, "page": 1}, 3,
+                                lambda: f"every caller in the room's figures ({app.status()['calls_by_door']})")
                     # The shorter session ends (waited for off the loop, where the page's peer lives):
                     # its slot goes to the head of the queue, the page caller.
                     assert await asyncio.to_thread(plugins[0].wait, 60) == 0

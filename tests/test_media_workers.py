@@ -267,7 +267,8 @@ async def test_two_cpu_engines_with_int8_weights_each_take_a_call(tiny_cache_dir
         # The runtime's facts come from the engines, as /api/status gives them for one in this process.
         assert status["device"] == "cpu" and status["capacity"]["slots"] == 2
         assert "loaded 151 tensors from model.safetensors (92 as int8)" in app.log_text()
-        assert status["slots_total"] == 4 and status["media_workers"] == []
+        assert status["slots_total"] == 4
+        assert len(status["media_workers"]) == default_media_workers(["cpu", "cpu"], 4)  # the default shape
         async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http:
             # A second caller, once the first shows in the engines' figures, goes to the engine
             # with more room: the other one (both on one engine would fit as well).

@@ -68,8 +68,10 @@ async def test_an_sdk_session_streams_speech_and_hears_the_agent(app, speech):
         updated = await caller.wait_event("session.updated")
         assert updated.session.audio.output.voice == "VARM1"
         await caller.wait_live()
-        live = app.status()
-        assert live["calls_by_door"] == {"realtime": 1} and live["slots_live"] == 1
+        # The engine's figures reach the room twice a second when it runs in a process of its own.
+        live = await until(lambda: (s := app.status())["calls_by_door"] == {"realtime": 1} and s, 3,
+                           "the call in the room's figures")
+        assert live["slots_live"] == 1
         assert live["realtime"]["sockets_open"] == 1
 
         await caller.stream(speech)
@@ -136,8 +138,9 @@ async def test_two_sdk_sessions_and_a_page_caller_share_the_room(app, speech):
         both = asyncio.gather(first.stream(np.concatenate([speech, SILENCE])),
                               second.stream(np.concatenate([SILENCE, speech])))
         await until(lambda: page.status.startswith("Live") and page.transcript, 30, "the page caller live")
-        status = app.status()
-        assert status["calls_by_door"] == {"realtime": 2, "page": 1}, status["calls_by_door"]
+        # The engine's figures reach the room twice a second when it runs in a process of its own.
+        await until(lambda: app.status()["calls_by_door"] == {"realtime": 2, "page": 1}, 3,
+                    lambda: f"every call in the room's figures ({app.status()['calls_by_door']})")
         assert "(2 via the API)" in page.status or "(2 via the API)" in \
             await until(lambda: next((s for _, s in reversed(page.updates) if "via the API" in s), None), 5,
                         "the room line on the page")
@@ -328,7 +331,7 @@ async def test_a_gpt_live_session_streams_every_frame_and_closes_with_its_reason
         assert started["session"]["audio"]["output"]["voice"] == "NATM2"
         assert "delegation" in started["session"]["personaplex"]["ignored"]
         await client.wait("personaplex.live", timeout=30)
-        assert app.status()["calls_by_door"].get("live") == 1
+        await until(lambda: app.status()["calls_by_door"].get("live") == 1, 3, "the call in the room's figures")
         live_at = time.monotonic()
         for k in range(0, speech.size, 2400):  # 100 ms appends in real time, as LiveKit sends them
             await client.send(pcm_event(speech[k:k + 2400]))

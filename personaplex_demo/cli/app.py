@@ -119,14 +119,8 @@ def start_room(cfg: AppConfig, server_rtc: dict | None) -> Topology | int:
 def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict | None
           ) -> tuple[Any, RecordingStore, str] | int:
     """The page on `cfg.port` until a stop signal: (the page, its recordings, the signal), or an exit status."""
-    from starlette.middleware import Middleware
-
-    from ..web.deeplink import RefuseLongQueries
-    from ..web.page import PageOptions, build_ui, call_events, status_routes
-    from ..web.page_cache import PageCache
-    from ..web.prometheus import EngineCollector, VisitorCollector, metrics_routes
+    from ..web.page import PageOptions, build_ui
     from ..web.recording import RecordingStore, remove_stale_recordings
-    from ..web.visitor_limits import VisitorConfig, VisitorCounts, VisitorLimits
 
     runtime, room = topology.runtime, topology.room
     door = realtime_door(cfg, topology)
@@ -145,9 +139,6 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
                                                rtc_configuration=rtc,
                                                server_rtc_configuration=server_rtc, notice=notice), recordings)
     topology.attach(demo)
-    visitors = VisitorCounts()
-    visitor_config = VisitorConfig(page_loads_per_minute=cfg.page_loads_per_minute,
-                                   trust_forwarded_for=bool(os.environ.get("SPACE_ID")))
     stop = StopSignals()
     stop.install()
     try:
@@ -156,17 +147,7 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
         try:
             demo.launch(server_name=cfg.host, server_port=cfg.port, share=cfg.share, quiet=not cfg.verbose,
                         prevent_thread_lock=True,
-                        app_kwargs={"routes": status_routes(runtime, room,
-                                                            lambda: status_extra(topology, door, visitors))
-                                    + metrics_routes(room, [EngineCollector(lambda: topology.status()["engines"]),
-                                                            VisitorCollector(visitors.as_dict),
-                                                            *(door.collectors() if door else [])])
-                                    + (door.routes() if door else []),
-                                    # Outermost first: a refused visitor costs no more than a lookup.
-                                    "middleware": [Middleware(RefuseLongQueries),
-                                                   Middleware(VisitorLimits, config=visitor_config,
-                                                              call_events=call_events(demo), counts=visitors),
-                                                   Middleware(PageCache)]})
+                        app_kwargs=server_parts(cfg, topology, door, demo))
         except OSError:
             log.error("cannot serve on %s:%d: the port is in use or the address is not this machine's; "
                       "choose another with --port or --host", cfg.host, cfg.port)
@@ -205,6 +186,30 @@ def realtime_door(cfg: AppConfig, topology: Topology):
         api_key=cfg.api_key, max_sockets_per_client=cfg.realtime_max_sockets, chat=not cfg.no_chat,
         chat_without_key=cfg.chat_without_key,
         model_name=topology.runtime.model_name, trust_forwarded_for=bool(os.environ.get("SPACE_ID"))))
+
+
+def server_parts(cfg: AppConfig, topology: Topology, door, demo) -> dict[str, list]:
+    """The web server's own routes (status, metrics, the API doors) and its middleware, outermost
+    first: a refused visitor costs no more than a lookup (web/visitor_limits.py, web/page_cache.py)."""
+    from starlette.middleware import Middleware
+
+    from ..web.deeplink import RefuseLongQueries
+    from ..web.page import call_events, status_routes
+    from ..web.page_cache import PageCache
+    from ..web.prometheus import EngineCollector, VisitorCollector, metrics_routes
+    from ..web.visitor_limits import VisitorConfig, VisitorCounts, VisitorLimits
+
+    room, visitors = topology.room, VisitorCounts()
+    limits = VisitorConfig(page_loads_per_minute=cfg.page_loads_per_minute,
+                           trust_forwarded_for=bool(os.environ.get("SPACE_ID")))
+    routes = (status_routes(topology.runtime, room, lambda: status_extra(topology, door, visitors))
+              + metrics_routes(room, [EngineCollector(lambda: topology.status()["engines"]),
+                                      VisitorCollector(visitors.as_dict), *(door.collectors() if door else [])])
+              + (door.routes() if door else []))
+    return {"routes": routes,
+            "middleware": [Middleware(RefuseLongQueries),
+                           Middleware(VisitorLimits, config=limits, call_events=call_events(demo), counts=visitors),
+                           Middleware(PageCache)]}
 
 
 def page_second(server) -> None:

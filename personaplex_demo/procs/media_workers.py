@@ -286,7 +286,7 @@ class MediaWorkers:
                     desk.append(message)
                 case _:
                     log.warning("media worker %d: unexpected %s ignored", worker.index, type(message).__name__)
-        if page and self._loop is not None:
+        if page and self._loop is not None and not self._loop.is_closed():  # closed: the page has stopped
             self._loop.call_soon_threadsafe(self._mirror, page)
         if desk and self.desk is not None:
             self.desk.from_thread(self._loop, worker.generation, desk)
