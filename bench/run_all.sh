@@ -66,6 +66,9 @@ echo "== bench/echo.py (the speaker-echo check's cost per call)"
 echo "== bench/browser_call.py (time to first audio and the round trip, in Chromium)"
 if [[ ${#quick[@]} -gt 0 ]]; then browser_args=(--runs 1 --seconds 8); else browser_args=(); fi
 "$py" bench/browser_call.py "${browser_args[@]}" --write
+echo "== bench/visitors.py (page loads and idle tabs beside two live callers)"
+if [[ ${#quick[@]} -gt 0 ]]; then visitor_args=(--tabs 40 --loads 60 --seconds 10); else visitor_args=(); fi
+"$py" bench/visitors.py "${visitor_args[@]}" --write
 echo "== bench/int8.py (int8 weights against fp32: memory, error, CPU speed)"
 "$py" bench/int8.py "${quick[@]}"
 echo "== bench/gradio_events.py"
