@@ -55,6 +55,7 @@ BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-r
                 "--disable-component-update", "--disable-sync"]
 ASSET = re.compile(r"^/(assets/|static/|gradio_api/custom_component/|theme\.css|favicon)")
 PARALLEL = 6  # requests a browser keeps open to one host at once (HTTP/1.1)
+FLOOD = 16  # requests the flooding address keeps open at once
 
 
 # ---- the visitor profile, as Chromium loads and keeps the page -------------------------------------
@@ -226,8 +227,8 @@ async def visitors_run(base: str, profile: Profile, a: dict) -> VisitorResults:
     results = VisitorResults()
     sessions: list[aiohttp.ClientSession] = []
 
-    def session(i: int) -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(local_addr=(address(i), 0), limit=PARALLEL, force_close=False)
+    def session(i: int, limit: int = PARALLEL) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(local_addr=(address(i), 0), limit=limit, force_close=False)
         s = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60))
         sessions.append(s)
         return s
@@ -245,7 +246,7 @@ async def visitors_run(base: str, profile: Profile, a: dict) -> VisitorResults:
     until = t0 + a["seconds"]
     jobs = [asyncio.ensure_future(tab.stay(until)) for tab in tabs]
     if a["flood"]:
-        jobs.append(asyncio.ensure_future(flood(session(10 ** 6), base, profile, results, until)))
+        jobs.append(asyncio.ensure_future(flood(session(10 ** 6, FLOOD), base, profile, results, until)))
     await asyncio.sleep(2.0)
     loads = []
     for i in range(a["loads"]):
@@ -260,7 +261,7 @@ async def visitors_run(base: str, profile: Profile, a: dict) -> VisitorResults:
 
 
 async def flood(http, base: str, profile: Profile, results: VisitorResults, until: float) -> None:
-    """One address loading the page (its HTML) as fast as it can, 16 at a time."""
+    """One address loading the page (its HTML) as fast as it can, FLOOD at a time."""
     async def one() -> None:
         while time.monotonic() < until:
             try:
@@ -273,8 +274,7 @@ async def flood(http, base: str, profile: Profile, results: VisitorResults, unti
             except Exception as e:  # noqa: BLE001
                 results.failures["flood " + type(e).__name__] += 1
 
-    http.connector._limit = 16
-    await asyncio.gather(*(one() for _ in range(16)))
+    await asyncio.gather(*(one() for _ in range(FLOOD)))
 
 
 def visitors_main(base: str, profile_path: str, options: str) -> None:
@@ -295,7 +295,6 @@ class Row:
     gaps_ms: list[float]
     resyncs: int
     input_drops: int
-    live_end: int
     visitors: dict
     profile: str = ""
 
@@ -361,7 +360,7 @@ async def callers_and_visitors(app: media.App, a, profile_path: Path) -> Row:
     return Row(app="", audio=[c.result.audio_s / a.seconds for c in callers],
                gaps_ms=[1e3 * c.result.longest_gap_s for c in callers],
                resyncs=after["resyncs"] - before["resyncs"], input_drops=after["input_drops"] - before["input_drops"],
-               live_end=after["slots_live"], visitors=json.loads(out))
+               visitors=json.loads(out))
 
 
 def run_app(name: str, repo: Path, a) -> tuple[Row, str]:

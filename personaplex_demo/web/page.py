@@ -82,7 +82,7 @@ def status_routes(runtime: RuntimeFacts, room: Room, extra: Callable[[], dict[st
             payload.update(extra())
         return JSONResponse(payload, headers={"Cache-Control": "no-store"})
 
-    return [Route("/api/status", status, methods=["GET"]), *RoomFigures(SharedFigures(room)).routes()]
+    return [Route("/api/status", status, methods=["GET"]), *RoomFigures(room).routes()]
 
 
 def call_events(demo: gr.Blocks) -> frozenset[int]:

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import html
 import json
-import threading
-import time
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from ..serving.metrics import PoolMetrics
+from ..serving.room import Room
 from .status import SharedFigures, room_line
 
 REFRESH_SECONDS = 5.0  # how often a visible page asks for the figures
@@ -44,22 +43,19 @@ def figures_html(m: PoolMetrics) -> str:
 
 
 class RoomFigures:
-    """`GET /api/room`: the figures as JSON, the same bytes for every page within ANSWER_SECONDS."""
+    """`GET /api/room`: the figures as JSON, the same bytes for every page while the shared
+    snapshot (taken at most every ANSWER_SECONDS) is the same one."""
 
-    def __init__(self, figures: SharedFigures) -> None:
-        self.figures = figures
-        self._lock = threading.Lock()
-        self._answer: tuple[float, bytes] | None = None
+    def __init__(self, room: Room) -> None:
+        self.figures = SharedFigures(room, ttl=ANSWER_SECONDS)
+        self._answer: tuple[PoolMetrics, bytes] | None = None  # read and written on the server's loop only
 
     def body(self) -> bytes:
-        now = time.monotonic()
-        with self._lock:
-            if self._answer is not None and now - self._answer[0] < ANSWER_SECONDS:
-                return self._answer[1]
-        body = json.dumps({"parts": figure_parts(self.figures.get()), "refresh_seconds": REFRESH_SECONDS}).encode()
-        with self._lock:
-            self._answer = (now, body)
-        return body
+        metrics = self.figures.get()
+        if self._answer is None or self._answer[0] is not metrics:
+            parts = figure_parts(metrics)
+            self._answer = (metrics, json.dumps({"parts": parts, "refresh_seconds": REFRESH_SECONDS}).encode())
+        return self._answer[1]
 
     async def answer(self, _: Request) -> Response:
         return Response(self.body(), media_type="application/json", headers={"Cache-Control": "no-store"})

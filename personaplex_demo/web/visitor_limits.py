@@ -121,14 +121,15 @@ class VisitorLimits:
                 await self.app(scope, receive, send)
                 return
             kind = "event"
-        wait = self.wait(kind, self.address(scope))
+        address = self.address(scope)
+        wait = self.wait(kind, address)
         if wait:
-            self.refused(kind, scope)
+            self.refused(kind, address)
             await refuse(send, 429, TOO_MANY[kind], wait, json_body=kind != "page")
             return
         if self._in_flight >= self.config.in_flight:
             self.counts.busy_refused += 1
-            self.refused("busy", scope)
+            self.refused("busy", address)
             await refuse(send, 503, BUSY, 2.0, json_body=kind != "page")
             return
         self._in_flight += 1
@@ -172,12 +173,12 @@ class VisitorLimits:
         self._buckets.move_to_end((kind, address))
         return bucket.take(now)
 
-    def refused(self, kind: str, scope) -> None:
+    def refused(self, kind: str, address: str) -> None:
         if kind == "page":
             self.counts.page_loads_refused += 1
         elif kind == "event":
             self.counts.events_refused += 1
-        self.counts.addresses.add(self.address(scope))
+        self.counts.addresses.add(address)
         now = self.clock()
         if now - self._reported >= REPORT_SECONDS:
             c = self.counts
