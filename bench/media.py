@@ -591,7 +591,7 @@ def main() -> None:
     SpeechLikeTrack = make_track_class()
     rows: list[Row] = []
     modes = a.app_args or [""]
-    apps = [(a.label or ("app " + m if m else "app (embedded)"), REPO, m) for m in modes]
+    apps = [(a.label or ("app " + m if m else "app (default topology)"), REPO, m) for m in modes]
     if a.compare:
         other = Path(a.compare).resolve()
         commit = subprocess.run(["git", "-C", str(other), "rev-parse", "--short", "HEAD"], capture_output=True,
