@@ -251,6 +251,16 @@ class LaunchedApp:
         """This app's own recordings folders in its temp folder."""
         return sorted(self.tmpdir.glob(f"personaplex-calls-{self.proc.pid}-*"))
 
+    def room_empty(self) -> bool:
+        status = self.status()
+        return status["slots_free"] == status["slots_total"] and not any(status["calls_by_door"].values()) \
+            and not status.get("queue_length")
+
+    def wait_empty(self, timeout: float = 15.0) -> None:
+        """Until no call holds a slot or waits: a test of a shared app starts from an empty room,
+        whatever the test before it left behind (its sockets may still be closing)."""
+        wait_for(self.room_empty, timeout, "an empty room before the test")
+
     def wait_ready(self, timeout: float = 90.0) -> None:
         """Until the page is served and `launch` has returned (its log line)."""
         deadline = time.monotonic() + timeout

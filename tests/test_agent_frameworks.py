@@ -45,6 +45,13 @@ def app(tiny_cache_dir, tmp_path_factory) -> LaunchedApp:
         yield launched
 
 
+@pytest.fixture(autouse=True)
+def empty_room(request) -> None:
+    """Each test of the shared app starts from an empty room, whatever the one before left."""
+    if "app" in request.fixturenames:
+        request.getfixturevalue("app").wait_empty()
+
+
 @pytest.fixture(scope="module")
 def speech_wav(tmp_path_factory):
     """A caller who asks something, pauses while the agent talks, and cuts in at BARGE_IN_AT."""
