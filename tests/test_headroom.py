@@ -27,7 +27,7 @@ from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.serving.room import CallEnded, CallState, PoolClosedError, PoolFullError
 from personaplex_demo.web.page import status_payload
 from personaplex_demo.web.prometheus import metrics_routes
-from personaplex_demo.web.status import SharedFigures, status_line
+from personaplex_demo.web.status import SharedFigures, limited_by, status_line
 
 from .support.fake_clock import FakeClock
 from .support.waiting import eventually
@@ -269,6 +269,7 @@ def test_the_page_and_the_status_say_why_a_caller_waits():
     payload = status_payload(runtime, pool)
     assert (payload["admission"], payload["queue_reason"], payload["queue_length"]) == ("headroom", WaitReason.CAPACITY, 1)
     assert payload["calls_held_back"] == 1 and payload["admitting"] == 0
+    assert payload["limited_by"] == "tick"
     line = status_line(calls[3], SharedFigures(pool))
     assert line.startswith("The room is at capacity on this machine: you are number 1 in the queue"), line
     assert status_line(calls[0], SharedFigures(pool)).startswith("Live")
@@ -372,9 +373,11 @@ def test_the_media_side_lagging_holds_new_callers():
     waiting = join(pool, calls)
     assert (waiting.state, waiting.wait_reason) == ("queued", WaitReason.CAPACITY)
     assert pool.snapshot().media_lag_ms == pytest.approx(300)
+    assert limited_by(pool.snapshot(), pool.config.media_lag_limit_seconds) == "media"  # /api/status says why
     pool.report_media_lag(0.01, "page")
     talk(pool, calls, 3)
     assert waiting.state == "live"
+    assert limited_by(pool.snapshot(), pool.config.media_lag_limit_seconds) != "media"
 
 
 def test_metrics_show_the_headroom_gauge_and_the_calls_held_back():

@@ -7,6 +7,8 @@ status through the page's relay on `state_change`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import re
 import signal
@@ -19,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed
 
 from personaplex_demo.procs.topology import default_media_workers, ipc_directory, resolve_devices
 from personaplex_demo.web import mic_hold
@@ -94,8 +97,8 @@ def app_with_workers(tiny_cache_dir, tmp_path_factory) -> LaunchedApp:
 
 
 async def test_a_realtime_socket_and_a_page_caller_share_the_room_across_processes(app_with_workers):
-    """The Realtime door runs in the app's process and reaches the engine through its PoolRouter,
-    while the page's call runs in a media worker: one room, one set of slots."""
+    """The Realtime socket is admitted by the main process and served by a media worker, beside
+    the page's call in a media worker: one room, one set of slots."""
     app = app_with_workers
     await until(lambda: sum(w["alive"] for w in app.status()["media_workers"]) == 2, 90, "both workers")
     async with httpx.AsyncClient(base_url=app.base_url, timeout=30) as http, SdkCaller(app.base_url, None) as sdk:
@@ -105,6 +108,7 @@ async def test_a_realtime_socket_and_a_page_caller_share_the_room_across_process
         streaming = asyncio.create_task(sdk.stream(np.zeros(6 * 24000, np.int16)))
         await until(lambda: is_live(page), 30, "the page caller live")
         await until(lambda: app.status()["calls_by_door"] == {"realtime": 1, "page": 1}, 3, "both doors counted")
+        assert sum(w["api_sockets"] for w in app.status()["media_workers"]) == 1
         await until(lambda: len(sdk.transcript) > 5 and sdk.audio_seconds(sdk.live_at) > 1.0, 10, "the agent's words")
         assert sdk.transcript != page.transcript and not sdk.errors
         # Hanging up either frees its slot within 3 s.
@@ -113,6 +117,42 @@ async def test_a_realtime_socket_and_a_page_caller_share_the_room_across_process
         await until(lambda: app.status()["calls_by_door"] == {"page": 1}, 3, "the socket's slot")
         await page.hang_up()
         await until(lambda: app.status()["slots_free"] == 4, 3, "the page caller's slot")
+
+
+async def test_a_killed_worker_closes_its_api_sockets_and_gives_their_places_back(app_with_workers):
+    """A socket served by a worker dies with it: the client sees the connection end, and the
+    door's counts (open sockets, the client's socket limit) let it go at once."""
+    app = app_with_workers
+    await until(lambda: sum(w["alive"] for w in app.status()["media_workers"]) == 2, 90, "both workers")
+    url = app.base_url.replace("http", "ws", 1) + "/v1/realtime"
+    async with ws_connect(url) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        status = app.status()
+        (victim,) = [w["pid"] for w in status["media_workers"] if w["api_sockets"] == 1]
+        assert status["realtime"]["sockets_open"] == 1
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), 10)
+    await until(lambda: app.status()["realtime"]["sockets_open"] == 0, 5, "the socket counted closed")
+    await until(lambda: sum(w["alive"] for w in app.status()["media_workers"]) == 2, 90, "a replacement")
+    # The client's places are all free again (the limit is 4): four sockets open at once.
+    async with contextlib.AsyncExitStack() as stack:
+        sockets = [await stack.enter_async_context(ws_connect(url)) for _ in range(4)]
+        for ws in sockets:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+        assert sum(w["api_sockets"] for w in app.status()["media_workers"]) == 4
+
+
+async def test_without_media_workers_the_main_process_serves_the_api_sockets(tiny_cache_dir, tmp_path):
+    with launched_app(tmp_path, tiny_cache_dir, args=["--slots", "1", "--media-workers", "0"]) as app:
+        async with SdkCaller(app.base_url, None) as sdk:
+            await sdk.configure("NATF1", "You are a calm radio host.")
+            await sdk.wait_live()
+            await until(lambda: app.status()["realtime"]["sockets_open"] == 1, 3, "the socket counted")
+            assert app.status()["media_workers"] == []
+            await sdk.stream(np.zeros(24000, np.int16))
+            await until(lambda: sdk.audio_seconds(sdk.live_at) > 0.5, 10, "the agent's audio")
+        await until(lambda: app.room_empty() and app.status()["realtime"]["sockets_open"] == 0, 3, "the socket's slot")
 
 
 async def test_four_callers_on_two_media_workers_and_a_killed_worker_ends_only_its_calls(app_with_workers):

@@ -79,6 +79,8 @@ async def test_an_sdk_session_streams_speech_and_hears_the_agent(app, speech):
                            "the call in the room's figures")
         assert live["slots_live"] == 1
         assert live["realtime"]["sockets_open"] == 1
+        # The default topology serves the socket where the media is: in the media worker.
+        assert [w["api_sockets"] for w in live["media_workers"]] == [1]
 
         await caller.stream(speech)
         await caller.stream(SILENCE)
@@ -115,6 +117,8 @@ async def test_an_sdk_session_streams_speech_and_hears_the_agent(app, speech):
     status = app.status()
     assert status["calls_started_by_door"].get("realtime", 0) >= 1
     assert status["realtime"]["sockets_open"] == 0
+    assert [w["api_sockets"] for w in status["media_workers"]] == [0]
+    assert "served by the main process" not in app.log_text()
 
 
 async def test_a_beta_sdk_session_gets_the_beta_event_names(app):

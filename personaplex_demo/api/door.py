@@ -9,8 +9,9 @@ reports both paths to /api/status and /metrics.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -45,19 +46,36 @@ def dialect_of(headers: Any, subprotocols: list[str]) -> Dialect:
     return Dialect.BETA if beta else Dialect.CURRENT
 
 
+# Which protocol a socket speaks, by path; the same names label the room's calls by door.
+KINDS = {PATH: "realtime", LIVE_PATH: "live", CHAT_PATH: "chat"}
+
+# Hands an admitted socket's connection to another process (procs/media_workers.py): True when
+# it was taken (that process serves the socket and reports its close), False to serve it here.
+HandOff = Callable[[WebSocket, str, str], Awaitable[bool]]
+
+
 class RealtimeDoor:
-    def __init__(self, room: Room, rules: PromptRules, config: RealtimeConfig) -> None:
+    """The API sockets' door. In the main process it admits each socket (key, per-client count)
+    and, with media workers, hands it over (`hand_off`); wherever a socket is served, `serve`
+    accepts it and runs its protocol to the end."""
+
+    def __init__(self, room: Room, rules: PromptRules, config: RealtimeConfig,
+                 stats: dict[str, DoorStats] | None = None) -> None:
         self.room, self.rules, self.config = room, rules, config
-        self.stats = DoorStats()
-        self.live_stats = DoorStats()
-        self.chat_stats = DoorStats()
+        self.stats_by_kind = stats or {kind: DoorStats() for kind in KINDS.values()}
+        self.stats, self.live_stats, self.chat_stats = (self.stats_by_kind[k] for k in ("realtime", "live", "chat"))
         self.limiter = SocketLimiter(config.max_sockets_per_client)
+        self.hand_off: HandOff | None = None
 
     def routes(self) -> list[BaseRoute]:
         routes: list[BaseRoute] = [WebSocketRoute(PATH, self.endpoint), WebSocketRoute(LIVE_PATH, self.live_endpoint)]
         if self.config.chat:
             routes += [WebSocketRoute(CHAT_PATH, self.chat_endpoint), Route("/api/voices", self.voices)]
         return routes
+
+    def served_routes(self) -> list[BaseRoute]:
+        """For a process that serves sockets admitted elsewhere: accept and run, no admission."""
+        return [WebSocketRoute(path, functools.partial(self.serve, kind=kind)) for path, kind in KINDS.items()]
 
     async def voices(self, _: Request) -> JSONResponse:
         """The reference server's voice list, as its clients read it."""
@@ -67,41 +85,65 @@ class RealtimeDoor:
     async def chat_endpoint(self, ws: WebSocket) -> None:
         """NVIDIA's protocol: the query is checked before anything else; a bad one is told why."""
         try:
-            request = chat_request(ws.query_params, self.rules)
+            chat_request(ws.query_params, self.rules)
         except RealtimeError as err:
             self.chat_stats.refuse(err.code)
             await ws.accept()
             await ws.send_bytes(bytes([ERROR]) + err.message.encode())
             await ws.close(POLICY, err.message[:120])
             return
-        await self._serve(ws, self.chat_stats, None, f"chat (voice {request.voice})",
-                          lambda: ChatSocket(ws, self.room, self.config, self.chat_stats, request))
+        await self._enter(ws, "chat")
 
     async def endpoint(self, ws: WebSocket) -> None:
-        subprotocols = list(ws.scope.get("subprotocols") or [])
-        dialect = dialect_of(ws.headers, subprotocols)
-        # Browsers fail a handshake that does not name one of the subprotocols they offered.
-        await self._serve(ws, self.stats, "realtime" if "realtime" in subprotocols else None,
-                          f"realtime ({dialect.value} events)",
-                          lambda: RealtimeSocket(ws, self.room, self.rules, self.config, dialect, self.stats))
+        await self._enter(ws, "realtime")
 
     async def live_endpoint(self, ws: WebSocket) -> None:
-        await self._serve(ws, self.live_stats, None, "gpt-live",
-                          lambda: LiveSocket(ws, self.room, self.rules, self.config, self.live_stats))
+        await self._enter(ws, "live")
 
-    async def _serve(self, ws: WebSocket, stats: DoorStats, subprotocol: str | None, what: str,
-                     make_socket: Callable[[], ApiSocket]) -> None:
-        """Admit the socket (key, per-client limit), accept it, and run it until it closes."""
+    async def _enter(self, ws: WebSocket, kind: str) -> None:
+        """Admit the socket (key, per-client limit); serve it here or hand it over."""
+        stats = self.stats_by_kind[kind]
         address = await self._admit(ws, list(ws.scope.get("subprotocols") or []), stats)
         if address is None:
             return
         try:
-            await ws.accept(subprotocol=subprotocol)
-            ensure_probe(self.room)
-            log.info("%s socket from %s", what, address)
-            await make_socket().run()
+            if self.hand_off is not None and await self.hand_off(ws, kind, address):
+                stats.opened()
+                address = None  # the serving process reports the close: `handed_closed`
+                return
+            stats.opened()
+            try:
+                await self.serve(ws, kind)
+            finally:
+                stats.closed()
         finally:
-            self.limiter.give_back(address)
+            if address is not None:
+                self.limiter.give_back(address)
+
+    def handed_closed(self, kind: str, address: str) -> None:
+        """A socket served by another process closed (or that process stopped)."""
+        self.stats_by_kind[kind].closed()
+        self.limiter.give_back(address)
+
+    async def serve(self, ws: WebSocket, kind: str) -> None:
+        """Accept an admitted socket and run its protocol until it closes."""
+        subprotocols = list(ws.scope.get("subprotocols") or [])
+        stats = self.stats_by_kind[kind]
+        if kind == "chat":
+            request = chat_request(ws.query_params, self.rules)  # checked at the door
+            what: str = f"chat (voice {request.voice})"
+            socket: ApiSocket = ChatSocket(ws, self.room, self.config, stats, request)
+        elif kind == "live":
+            what, socket = "gpt-live", LiveSocket(ws, self.room, self.rules, self.config, stats)
+        else:
+            dialect = dialect_of(ws.headers, subprotocols)
+            what = f"realtime ({dialect.value} events)"
+            socket = RealtimeSocket(ws, self.room, self.rules, self.config, dialect, stats)
+        # Browsers fail a handshake that does not name one of the subprotocols they offered.
+        await ws.accept(subprotocol="realtime" if kind == "realtime" and "realtime" in subprotocols else None)
+        ensure_probe(self.room)
+        log.info("%s socket from %s", what, ws.client.host if ws.client else "?")
+        await socket.run()
 
     async def _admit(self, ws: WebSocket, subprotocols: list[str], stats: DoorStats) -> str | None:
         """The client's address, its socket counted; None (and an HTTP answer) when refused."""

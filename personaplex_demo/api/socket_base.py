@@ -117,7 +117,7 @@ class ApiSocket:
     # ---- the socket's life ---------------------------------------------------------------------
 
     async def run(self) -> None:
-        self.stats.opened()
+        """Serve the socket until it closes (the door counts it open and closed)."""
         self.opened()
         self._spawn(self._write())
         self._spawn(self._expect_a_call())
@@ -129,7 +129,6 @@ class ApiSocket:
             self.speech.close()
             for task in [self._reader, *self._tasks]:
                 task.cancel()
-            self.stats.closed()
             log.info("%s %s closed: %d frames in, %d out", self.protocol, self.session_id, self.feeder.frames_in,
                      self.frames_out)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -107,7 +108,7 @@ def start_room(cfg: AppConfig, server_rtc: dict | None) -> Topology | int:
             media_workers=(cfg.media_workers if cfg.media_workers is not None
                            else default_media_workers(devices, slots_total)),
             server_rtc_configuration=server_rtc, loopback_ice=loopback_requested(),
-            engines=cfg.engines, ray_address=cfg.ray_address), progress)
+            engines=cfg.engines, ray_address=cfg.ray_address, api=api_config(cfg)), progress)
     except START_ERRORS as exc:  # before any model is loaded, or no room for one slot
         log.error("%s", exc)
         return EXIT_PREFLIGHT
@@ -139,6 +140,7 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
                                                rtc_configuration=rtc,
                                                server_rtc_configuration=server_rtc, notice=notice), recordings)
     topology.attach(demo)
+    topology.serve_sockets(door, lambda: demo.server)
     stop = StopSignals()
     stop.install()
     try:
@@ -172,7 +174,6 @@ def realtime_door(cfg: AppConfig, topology: Topology):
     """The Realtime WebSocket door on the room (api/door.py), or None with --no-realtime."""
     if cfg.no_realtime:
         return None
-    from ..api.config import RealtimeConfig
     from ..api.door import RealtimeDoor
 
     if cfg.api_key is not None and cfg.chat_without_key and not cfg.no_chat:
@@ -182,10 +183,18 @@ def realtime_door(cfg: AppConfig, topology: Topology):
         log.warning("the API sockets (/v1/realtime, /v1/live/sessions) are open to anyone who reaches this port: "
                     "set --api-key "
                     "(PERSONAPLEX_API_KEY) to require a key, or --no-realtime to turn it off")
-    return RealtimeDoor(topology.room, topology.runtime.engine, RealtimeConfig(
-        api_key=cfg.api_key, max_sockets_per_client=cfg.realtime_max_sockets, chat=not cfg.no_chat,
-        chat_without_key=cfg.chat_without_key,
-        model_name=topology.runtime.model_name, trust_forwarded_for=bool(os.environ.get("SPACE_ID"))))
+    return RealtimeDoor(topology.room, topology.runtime.engine,
+                        replace(api_config(cfg), model_name=topology.runtime.model_name))
+
+
+def api_config(cfg: AppConfig):
+    """The API door's settings (None with --no-realtime), for the main process and the media workers."""
+    if cfg.no_realtime:
+        return None
+    from ..api.config import RealtimeConfig
+
+    return RealtimeConfig(api_key=cfg.api_key, max_sockets_per_client=cfg.realtime_max_sockets, chat=not cfg.no_chat,
+                          chat_without_key=cfg.chat_without_key, trust_forwarded_for=bool(os.environ.get("SPACE_ID")))
 
 
 def server_parts(cfg: AppConfig, topology: Topology, door, demo) -> dict[str, list]:

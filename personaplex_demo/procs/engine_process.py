@@ -18,12 +18,10 @@ import logging
 import socket
 import traceback
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
-from ..errors import UnknownVoiceError
 from ..runtime.build import Runtime, RuntimeOptions
-from ..sampling_params import SamplingParams
+from ..runtime.facts import EngineFacts
 from ..serving.config import PoolConfig
 from ..serving.pool import SlotPool
 from .channel import Channel
@@ -160,30 +158,6 @@ class EngineProcesses:
 
     def close(self) -> None:
         stop_children(self._children, STOP_SECONDS)
-
-
-class EngineFacts:
-    """The engine as far as the page needs it (voices, persona token counting), from its facts:
-    stands in for `runtime.engine` where the engine runs in another process."""
-
-    def __init__(self, facts: dict[str, Any]) -> None:
-        from ..runtime.tokenizer import TextTokenizer
-
-        self.voice_names: list[str] = list(facts["voice_names"])
-        self.max_persona_tokens: int = int(facts["max_persona_tokens"])
-        self.tokenizer = TextTokenizer(Path(facts["tokenizer_path"]))
-
-    def persona_tokens(self, persona: str) -> list[int]:
-        from ..engine.pcm import persona_token_ids
-
-        return persona_token_ids(self.tokenizer, persona, self.max_persona_tokens)
-
-    def validate_request(self, voice: str, persona: str, sampling: SamplingParams) -> None:
-        """What the engines would refuse, refused before the caller waits (as `LockstepEngine`'s)."""
-        if voice not in self.voice_names:
-            raise UnknownVoiceError(f"unknown voice {str(voice)[:80]!r}; valid voices: {', '.join(self.voice_names)}")
-        self.persona_tokens(persona)
-        sampling.validate()
 
 
 @dataclass

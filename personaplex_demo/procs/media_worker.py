@@ -11,6 +11,7 @@ decision (its one queue, queue_desk.py).
 Control messages with the main process (messages.py, over one `channel.Channel`):
 
     main -> worker   Offer            an offer or a trickled ICE candidate
+                     (beside the channel: an API socket's connection, socket_handoff.py)
                      Input            the page's inputs (the `tick` event)
                      RecordingQuery   a finished call's recording, for the page's Stop button
                      Relink           an engine came back at a new address (a restarted Ray actor)
@@ -19,6 +20,7 @@ Control messages with the main process (messages.py, over one `channel.Channel`)
     worker -> main   WorkerReady      once connected to the engines (and whether torch got imported)
                      Admit, Placed, Leave, Heard          the room's queue (desk_room.py)
                      Reply            to an Offer (an OfferAnswer) or a RecordingQuery (RecordingPaths or None)
+                     SocketError, SocketClosed   what the API sockets it serves tell the door's counts
                      Outputs          a page update (AdditionalOutputs args)
                      Closed           the connection closed; its last page update
 """
@@ -30,20 +32,26 @@ import json
 import logging
 import multiprocessing
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
 from fastapi.responses import JSONResponse
 from fastrtc import AdditionalOutputs
 from fastrtc.webrtc_connection_mixin import WebRTCConnectionMixin
+from starlette.applications import Starlette
 
+from ..api.config import RealtimeConfig
+from ..api.door import RealtimeDoor
+from ..api.stats import DoorStats
 from ..rtc.ice import server_configuration
 from ..rtc.patches import answer_in_packets
 from ..rtc.settings import apply_media_settings
+from ..runtime.facts import EngineFacts
 from ..web.handler import CallHandler
 from ..web.recording import RecordingStore
 from . import messages as msg
@@ -52,6 +60,7 @@ from .desk_room import DeskRoom
 from .engine_link import EngineLink
 from .links import Address, between_machines
 from .pool_router import UnreachableEngine
+from .socket_handoff import WorkerSockets
 from .watchdog import SilenceWatchdog
 
 log = logging.getLogger(__name__)
@@ -71,12 +80,37 @@ class WorkerSpec:
     loopback_ice: bool = False
     connect_timeout: float = 600.0  # the engines may still be loading their model
     log_level: int = logging.INFO
+    api: RealtimeConfig | None = None  # the API door's settings, when this worker serves its sockets
+    handoff: socket.socket | None = None  # where their connections arrive (socket_handoff.py)
 
     @property
     def watch_silence(self) -> bool:
         """Engines on other machines: give up on one gone silent, link to it again when it answers
         (procs/watchdog.py)."""
         return any(between_machines(a) for a in self.engines)
+
+
+class ReportedStats(DoorStats):
+    """A door's counts in a worker: its error events also go to the main process's door, which
+    counts the sockets themselves (open, refused) at the door."""
+
+    def __init__(self, kind: str, send: Callable[[msg.WorkerReport], None]) -> None:
+        super().__init__()
+        self.kind, self._send = kind, send
+
+    def error(self, code: str) -> None:
+        super().error(code)
+        self._send(msg.SocketError(self.kind, code))
+
+
+def api_door(spec: WorkerSpec, room: DeskRoom, facts: dict[str, Any], send: Callable[[msg.WorkerReport], None]
+             ) -> RealtimeDoor | None:
+    """The API door as this worker serves it: sockets the main process admitted and handed over."""
+    if spec.api is None or spec.handoff is None:
+        return None
+    config = replace(spec.api, model_name=facts.get("model_name", spec.api.model_name))
+    stats = {kind: ReportedStats(kind, send) for kind in ("realtime", "live", "chat")}
+    return RealtimeDoor(room, EngineFacts(facts), config, stats)
 
 
 class MediaHost(WebRTCConnectionMixin):
@@ -180,8 +214,14 @@ class WorkerLoop:
         model_name = spec.model_name or next(e for e in engines if e.alive).facts.get("model_name")
         self.host = MediaHost(CallHandler(self.room, self.recordings, model_name=model_name),
                               spec.server_rtc_configuration, self.channel.send)
+        facts = next(e for e in engines if e.alive).facts
+        self.door = api_door(spec, self.room, facts, self.channel.send)
+        self.sockets: WorkerSockets | None = None
 
     async def run(self) -> None:
+        if self.door is not None and self.spec.handoff is not None:
+            self.sockets = WorkerSockets(self.spec.handoff, Starlette(routes=self.door.served_routes()),
+                                         lambda meta: self.channel.send(msg.SocketClosed(int(meta["id"]))))
         self.channel.start()
         self.channel.send(msg.WorkerReady(os.getpid(), "torch" in sys.modules))
         if self.watchdog is not None:  # engines on other machines may come back
@@ -191,6 +231,8 @@ class WorkerLoop:
         await self.stopped.wait()
         for pc in list(self.host.pcs.values()):
             await pc.close()
+        if self.sockets is not None:  # sockets whose calls the room ended have closed with its reason
+            await self.sockets.close(2.0)
         await asyncio.sleep(0.1)  # let the handlers' shutdowns release their calls
         self.room.close()
         if self.watchdog is not None:

@@ -5,12 +5,10 @@ the one public port of the main process, but nothing of a call's media does. `Me
 
 - spawns N `media_worker` processes (`launcher.Child`: no torch in them) and restarts one that
   dies;
-- takes over the component's `offer` server function (and the trickled ICE candidates that
-  come through it) and its `set_input` (the page's `tick` event), and forwards each to the
-  worker that owns the call; a new call goes to the worker with the fewest calls;
-- mirrors each worker's page updates and closed connections into the component's own tables
-  (`additional_outputs`, `connections`, the handler's `final_updates`), which the page's relay reads;
-- asks the workers for a finished call's recording (`RemoteRecordings`, for the Stop button).
+- relays the page's WebRTC component to the workers that carry its calls (page_relay.py);
+- asks the workers for a finished call's recording (`RemoteRecordings`, for the Stop button);
+- hands each admitted API socket's connection to a worker (handed_sockets.py), which serves it
+  to its end.
 
 A worker that dies takes only its own calls with it: their pages are told, and the engines free
 their slots when the worker's connections drop.
@@ -23,6 +21,7 @@ import concurrent.futures
 import itertools
 import logging
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -31,29 +30,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from fastapi.responses import JSONResponse
-from fastrtc import AdditionalOutputs
-
-from ..rtc.patches import route_offers
 from ..web.recording import RecordingFiles, recordings_prefix
 from . import messages as msg
+from . import socket_handoff
+from .handed_sockets import HandedSockets
 from .launcher import Child, stop_children
 from .media_worker import WorkerSpec, run_worker
+from .page_relay import PageRelay
 from .pool_router import PoolRouter
 from .queue_desk import QueueDesk
 
 log = logging.getLogger(__name__)
 
-OFFER_TIMEOUT = 30.0
 STOP_SECONDS = 5.0  # a worker's time to close its peers and exit after Stop, before it is terminated
 MAX_RESTARTS, RESTART_WINDOW = 5, 60.0  # a worker that dies more often than this stays down
-WORKER_LOST = ("Call ended: the server's media process for this call stopped. Please press Record to "
-               "call again.")
-
-
-def _failed(error: str, **meta: Any) -> JSONResponse:
-    """fastrtc's own shape for a refused offer (the page shows a toast for some of them)."""
-    return JSONResponse(status_code=200, content={"status": "failed", "meta": {"error": error, **meta}})
 
 
 class _Worker:
@@ -68,7 +58,9 @@ class _Worker:
         self.pid: int | None = None  # as the worker reports it, once ready
         self.torch_imported: bool | None = None
         self.calls: set[str] = set()  # webrtc ids
+        self.sockets: set[int] = set()  # API sockets handed to it, by hand-over number
         self.pending: dict[int, concurrent.futures.Future] = {}
+        self.handoff: socket.socket | None = None  # where API sockets' connections are handed to it
 
     @property
     def usable(self) -> bool:
@@ -106,14 +98,13 @@ class MediaWorkers:
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
         self._generations = itertools.count(1)
-        self._owner: dict[str, _Worker] = {}  # webrtc id -> worker (on the page's event loop)
-        self._last_update: dict[str, tuple] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the web server's, once a call or socket came
         self._closing = False
         self._restarts = RestartLimit()
-        self.rtc = None
         self.recordings = RemoteRecordings(self)
         self.desk: QueueDesk | None = None  # the room's queue, for the workers' callers (several engines)
+        self.page = PageRelay(self)  # the page's WebRTC component, its calls in the workers
+        self.sockets = HandedSockets(self.least_loaded, self.on_loop)  # the API sockets the workers serve
 
     # ---- processes -----------------------------------------------------------------------------
 
@@ -135,10 +126,18 @@ class MediaWorkers:
 
     def _spawn(self, index: int) -> _Worker:
         generation = next(self._generations)
-        spec = replace(self._spec, index=index,
+        ours, theirs = socket_handoff.handoff_pair() if self._spec.api is not None else (None, None)
+        spec = replace(self._spec, index=index, handoff=theirs,
                        recordings_dir=str(self.root / f"worker-{index}-{generation}"))
         worker = _Worker(index, generation, Child(f"media-worker-{index}", run_worker, spec, spec.log_level))
-        worker.child.start(lambda batch: self._on_batch(worker, batch), lambda: self._on_gone(worker))
+        try:
+            worker.child.start(lambda batch: self._on_batch(worker, batch), lambda: self._on_gone(worker))
+        finally:
+            if theirs is not None:
+                theirs.close()  # the worker has its own copy
+        if ours is not None:
+            ours.setblocking(False)
+            worker.handoff = ours
         return worker
 
     def relink(self, index: int, address: Any) -> None:
@@ -170,7 +169,12 @@ class MediaWorkers:
         with self._lock:
             workers = list(self._workers)
         return [{"index": w.index, "pid": w.pid, "alive": w.usable, "calls": len(w.calls),
-                 "torch_imported": w.torch_imported} for w in workers]
+                 "api_sockets": len(w.sockets), "torch_imported": w.torch_imported} for w in workers]
+
+    def on_loop(self) -> None:
+        """Called on the web server's loop by whatever first reaches the workers through it (an
+        offer, a socket): their reports are handed to that loop."""
+        self._loop = asyncio.get_running_loop()
 
     def close(self) -> None:
         """Stop every worker (their calls end) and delete their recordings."""
@@ -182,76 +186,14 @@ class MediaWorkers:
         stop_children([w.child for w in workers], STOP_SECONDS)
         shutil.rmtree(self.root, ignore_errors=True)
 
-    # ---- the page's component ------------------------------------------------------------------
-
-    def attach(self, rtc) -> None:
-        """Forward `rtc`'s offers and inputs to the workers (rtc/patches.py `route_offers`)."""
-        self.rtc = rtc
-        route_offers(rtc, self.offer, self.set_input)
-
-    def _least_loaded(self) -> _Worker | None:
+    def least_loaded(self, able: Callable[[_Worker], bool] = lambda w: True) -> _Worker | None:
         with self._lock:
-            usable = [w for w in self._workers if w.usable]
-        return min(usable, key=lambda w: (len(w.calls), w.index), default=None)
-
-    async def offer(self, body: dict[str, Any]):
-        self._loop = asyncio.get_running_loop()
-        webrtc_id = str(body.get("webrtc_id"))
-        if body.get("type") == "ice-candidate":
-            worker = self._owner.get(webrtc_id)
-            if worker is None:
-                return _failed("unknown_connection")
-            return await self._forward_offer(worker, body)
-        if webrtc_id in self._owner:
-            return _failed("connection_already_exists")
-        limit = self.rtc.concurrency_limit
-        if len(self._owner) >= limit:
-            return _failed("concurrency_limit_reached", limit=limit)
-        worker = self._least_loaded()
-        if worker is None:
-            return _failed("no media worker is running; try again in a few seconds")
-        self._own(webrtc_id, worker)
-        response = await self._forward_offer(worker, body)
-        if isinstance(response, JSONResponse):  # refused: nothing to mirror
-            self._disown(webrtc_id)
-        return response
-
-    async def _forward_offer(self, worker: _Worker, body: dict[str, Any]):
-        try:
-            answer: msg.OfferAnswer = await self._request(worker, lambda rid: msg.Offer(rid, body), OFFER_TIMEOUT)
-        except Exception as exc:
-            return _failed(f"media worker {worker.index}: {exc}")
-        if answer.status_code is not None:
-            return JSONResponse(status_code=answer.status_code, content=answer.json)
-        return answer.json
-
-    def set_input(self, webrtc_id: str, *args) -> None:
-        worker = self._owner.get(webrtc_id)
-        if worker is not None:
-            # The first argument is the component's value (a WebRTCData or the id): plain data only.
-            plain = [getattr(a, "webrtc_id", a) for a in args]
-            worker.child.send(msg.Input(webrtc_id, plain))
-
-    def _own(self, webrtc_id: str, worker: _Worker) -> None:
-        self._owner[webrtc_id] = worker
-        worker.calls.add(webrtc_id)
-        # The page's relay may start before the first update arrives: give it a queue to wait on.
-        self.rtc.connections[webrtc_id] = [worker]
-        _ = self.rtc.additional_outputs[webrtc_id]
-
-    def _disown(self, webrtc_id: str) -> None:
-        worker = self._owner.pop(webrtc_id, None)
-        if worker is not None:
-            worker.calls.discard(webrtc_id)
-        self._last_update.pop(webrtc_id, None)
-        self.rtc.connections.pop(webrtc_id, None)
-        outputs = self.rtc.additional_outputs.pop(webrtc_id, None)
-        if outputs is not None:
-            outputs.quit.set()
+            usable = [w for w in self._workers if w.usable and able(w)]
+        return min(usable, key=lambda w: (len(w.calls) + len(w.sockets), w.index), default=None)
 
     # ---- messages from the workers -------------------------------------------------------------
 
-    async def _request(self, worker: _Worker, ask: Callable[[int], msg.WorkerCommand], timeout: float) -> Any:
+    async def request(self, worker: _Worker, ask: Callable[[int], msg.WorkerCommand], timeout: float) -> Any:
         """Send `ask(rid)` to `worker` and wait for its `Reply` (the reply's value)."""
         rid = next(self._rids)
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -269,6 +211,7 @@ class MediaWorkers:
         """A worker's reader thread: replies and readiness here, page updates to the page's loop."""
         page: list[msg.Outputs | msg.Closed] = []
         desk: list[msg.Admit | msg.Placed | msg.Leave | msg.Heard] = []
+        sockets: list[msg.SocketError | msg.SocketClosed] = []
         for message in batch:
             match message:
                 case msg.Reply(rid=rid, value=value):
@@ -284,26 +227,16 @@ class MediaWorkers:
                     page.append(message)
                 case msg.Admit() | msg.Placed() | msg.Leave() | msg.Heard():
                     desk.append(message)
+                case msg.SocketError() | msg.SocketClosed():
+                    sockets.append(message)
                 case _:
                     log.warning("media worker %d: unexpected %s ignored", worker.index, type(message).__name__)
         if page and self._loop is not None and not self._loop.is_closed():  # closed: the page has stopped
-            self._loop.call_soon_threadsafe(self._mirror, page)
+            self._loop.call_soon_threadsafe(self.page.mirror, page)
         if desk and self.desk is not None:
             self.desk.from_thread(self._loop, worker.generation, desk)
-
-    def _mirror(self, messages: list[msg.Outputs | msg.Closed]) -> None:
-        """On the page's loop: a worker's page updates and closed connections."""
-        for message in messages:
-            if message.webrtc_id not in self._owner:
-                continue
-            match message:
-                case msg.Outputs(webrtc_id=webrtc_id, args=args):
-                    self._last_update[webrtc_id] = args
-                    self.rtc.additional_outputs[webrtc_id].queue.put_nowait(AdditionalOutputs(*args))
-                case msg.Closed(webrtc_id=webrtc_id, final=final):
-                    if final is not None:
-                        self.rtc.event_handler.final_updates.put(webrtc_id, final)
-                    self._disown(webrtc_id)
+        if sockets and self._loop is not None and not self._loop.is_closed():
+            self.sockets.from_thread(self._loop, sockets)
 
     def _on_gone(self, worker: _Worker) -> None:
         """A worker's channel closed: it stopped (or we are closing)."""
@@ -318,7 +251,7 @@ class MediaWorkers:
             worker.child.kill()
         log.error("media worker %d (pid %s) stopped (exit code %s); ending its %d call(s)", worker.index,
                   worker.pid, worker.child.exitcode, len(worker.calls))
-        if self._loop is not None:
+        if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._end_calls_of, worker)
         if not (self.restart and worker.ready.is_set() and self._restarts.allow(worker.index)):
             return  # it never worked, or it keeps dying: its share stays off
@@ -330,11 +263,8 @@ class MediaWorkers:
     def _end_calls_of(self, worker: _Worker) -> None:
         if self.desk is not None:  # its callers in the room's queue leave it
             self.desk.worker_gone(worker.generation)
-        for webrtc_id in list(worker.calls):
-            last = self._last_update.get(webrtc_id)
-            transcript, call_id = (last[0], last[2]) if last else ("", "")
-            self.rtc.event_handler.final_updates.put(webrtc_id, (transcript, WORKER_LOST, call_id, None))
-            self._disown(webrtc_id)
+        self.sockets.worker_gone(worker)
+        self.page.worker_gone(worker)
 
 
 class RemoteRecordings:
@@ -361,7 +291,7 @@ class RemoteRecording:
     async def wait_finished(self, timeout: float) -> RecordingFiles | None:
         with self.workers._lock:
             workers = [w for w in self.workers._workers if w.usable]
-        asks = [self.workers._request(w, lambda rid: msg.RecordingQuery(rid, self.call_id, timeout), timeout + 2.0)
+        asks = [self.workers.request(w, lambda rid: msg.RecordingQuery(rid, self.call_id, timeout), timeout + 2.0)
                 for w in workers]
         for found in await asyncio.gather(*asks, return_exceptions=True):
             if isinstance(found, msg.RecordingPaths):

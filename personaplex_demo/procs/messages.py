@@ -12,7 +12,8 @@ Three conversations, each over a `channel.Channel` (one pickled batch per write)
     the main process <-> a media worker          (media_workers.py <-> media_worker.py)
         main -> worker     Offer, Input, RecordingQuery, Relink, Stop;
                            Grant, QueueNews, Dropped, Refused, QueueLength (the room's queue: queue_desk.py)
-        worker -> main     WorkerReady, Reply, Outputs, Closed; Admit, Placed, Leave, Heard
+        worker -> main     WorkerReady, Reply, Outputs, Closed; Admit, Placed, Leave, Heard;
+                           SocketError, SocketClosed (the API sockets it serves)
 
 A receiver matches on the type (`match message: case Push(rid=rid, samples=samples): ...`), never on a
 position. The records hold plain values and numpy arrays only, so that either side can be another
@@ -300,9 +301,25 @@ class Closed:
     final: tuple[Any, ...] | None
 
 
+@dataclass(frozen=True, slots=True)
+class SocketError:
+    """An API socket the worker serves sent its client an error event (for the door's counts)."""
+
+    kind: str  # the door: "realtime", "live" or "chat"
+    code: str
+
+
+@dataclass(frozen=True, slots=True)
+class SocketClosed:
+    """An API socket handed to the worker (socket_handoff.py) has closed: its place in its
+    client's socket count is free."""
+
+    handoff: int
+
+
 ClientMessage = Start | Push | Release | MediaLag
 ServerMessage = Started | Refused | StateChange | Out | PoolFigures
 EngineCommand = EndCalls | Stop
 EngineReport = EngineReady | EngineFailed
 WorkerCommand = Offer | Input | RecordingQuery | Relink | Stop | Grant | QueueNews | Dropped | Refused | QueueLength
-WorkerReport = WorkerReady | Reply | Outputs | Closed | Admit | Placed | Leave | Heard
+WorkerReport = WorkerReady | Reply | Outputs | Closed | Admit | Placed | Leave | Heard | SocketError | SocketClosed

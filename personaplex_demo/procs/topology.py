@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..api.config import RealtimeConfig
 from ..runtime.build import RuntimeOptions, build_runtime
 from ..serving.config import PoolConfig
 from ..serving.pool import SlotPool
@@ -106,6 +107,7 @@ class TopologyOptions:
     loopback_ice: bool = False
     engines: str = "local"  # local: on this machine (`devices`); ray: actors on a Ray cluster (procs/ray/)
     ray_address: str | None = None  # None: start a Ray on this machine
+    api: RealtimeConfig | None = None  # the API sockets' door, served by the media workers when there are any
 
 
 class Topology:
@@ -134,7 +136,13 @@ class Topology:
         from fastrtc import WebRTC
 
         rtc = next(b for b in demo.blocks.values() if isinstance(b, WebRTC))
-        self.media.attach(rtc)
+        self.media.page.attach(rtc)
+
+    def serve_sockets(self, door, web_server: Callable[[], Any]) -> None:
+        """The API door's sockets are served where the media is: handed to the media workers
+        (when there are any) once the door has admitted them."""
+        if self.media is not None and door is not None:
+            self.media.sockets.serve(door, web_server)
 
     def status(self) -> dict[str, Any]:
         """Per engine and per media worker, for /api/status (the totals are the pool's)."""
@@ -216,7 +224,7 @@ def _media_workers(options: TopologyOptions, engines: tuple, authkey: bytes) -> 
     return MediaWorkers(options.media_workers, WorkerSpec(
         index=0, engines=engines, authkey=authkey, recordings_dir="",
         server_rtc_configuration=options.server_rtc_configuration, loopback_ice=options.loopback_ice,
-        log_level=logging.getLogger().getEffectiveLevel())).start()
+        log_level=logging.getLogger().getEffectiveLevel(), api=options.api)).start()
 
 
 def start_ray_topology(options: TopologyOptions, progress: Callable[[str, float], None] | None = None) -> Topology:

@@ -34,7 +34,7 @@ from .mic_hold import MIC_HOLD_SCRIPT
 from .page_inputs import PageInputs
 from .recording import RecordingStore
 from .room_figures import ROOM_SCRIPT, RoomFigures, figures_html
-from .status import SharedFigures, queue_reason, room_line
+from .status import SharedFigures, limited_by, queue_reason, room_line
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_PRESET = "Assistant (teacher)"
@@ -70,7 +70,8 @@ def status_payload(runtime: RuntimeFacts, room: Room) -> dict[str, Any]:
     metrics = room.snapshot()
     return {"model": runtime.model_name, "tiny": bool(runtime.is_tiny), "banner": runtime.banner,
             "weights": runtime.weights, "device": runtime.device_name, "capacity": runtime.capacity_facts(),
-            "admission": room.config.admission, "queue_reason": queue_reason(metrics), **metrics.as_dict()}
+            "admission": room.config.admission, "queue_reason": queue_reason(metrics),
+            "limited_by": limited_by(metrics, room.config.media_lag_limit_seconds), **metrics.as_dict()}
 
 
 def status_routes(runtime: RuntimeFacts, room: Room, extra: Callable[[], dict[str, Any]] | None = None) -> list[Route]:

@@ -1,0 +1,96 @@
+"""The main process's record of the API sockets it handed to media workers.
+
+The door (api/door.py) admits a socket (its key, its client's socket count); `HandedSockets`
+passes its connection to the worker with the fewest calls and sockets (socket_handoff.py) and
+keeps, per hand-over, which worker serves it and whose count it holds, until the worker says it
+closed (`SocketClosed`) or the worker stops. The worker's error events come back as `SocketError`,
+so that the door's figures (/api/status, /metrics) count every socket wherever it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from . import messages as msg
+from . import socket_handoff
+
+log = logging.getLogger(__name__)
+
+
+class SocketWorker(Protocol):
+    """What a hand-over needs of a media worker's record (media_workers._Worker)."""
+
+    index: int
+    sockets: set[int]
+    handoff: Any  # the worker's end of the hand-over socket pair, seen from here (None: it takes none)
+
+
+class HandedSockets:
+    def __init__(self, least_loaded: Callable[[Callable[[Any], bool]], SocketWorker | None],
+                 on_loop: Callable[[], None]) -> None:
+        """`least_loaded(able)`: the worker to take the next socket; `on_loop()` tells the workers'
+        owner which event loop the sockets come through."""
+        self._least_loaded, self._on_loop = least_loaded, on_loop
+        self._numbers = itertools.count(1)
+        self._handed: dict[int, tuple[SocketWorker, str, str]] = {}  # number -> (worker, kind, address)
+        self._door = None  # api/door.py RealtimeDoor
+        self._web_server: Callable[[], Any] = lambda: None
+
+    def serve(self, door, web_server: Callable[[], Any]) -> None:
+        """Hand `door`'s admitted sockets over; `web_server()` is the public server whose
+        connections they are (uvicorn's, as Gradio runs it)."""
+        socket_handoff.check_uvicorn()
+        self._door, self._web_server = door, web_server
+        door.hand_off = self.hand_off
+
+    async def hand_off(self, ws, kind: str, address: str) -> bool:
+        """Pass an admitted socket's connection to a worker; False (serve it here) when none can take it."""
+        self._on_loop()
+        protocol = socket_handoff.connection_of(self._web_server(), ws.scope)
+        worker = self._least_loaded(lambda w: w.handoff is not None)
+        if protocol is None or worker is None:
+            log.warning("an API socket is served by the main process: %s", "no media worker can take it"
+                        if worker is None else "its connection was not found in the web server")
+            return False
+        number = next(self._numbers)
+        try:
+            socket_handoff.hand_over(protocol, worker.handoff, socket_handoff.request_bytes(ws.scope),
+                                     {"id": number, "kind": kind})
+        except OSError as exc:
+            log.warning("media worker %d could not take an API socket (%s); serving it here", worker.index, exc)
+            return False
+        worker.sockets.add(number)
+        self._handed[number] = (worker, kind, address)
+        return True
+
+    def from_thread(self, loop: asyncio.AbstractEventLoop, reports: list[msg.SocketError | msg.SocketClosed]) -> None:
+        """A worker's channel thread: its sockets' error events, and their closes for `loop`."""
+        closed = []
+        for report in reports:
+            match report:
+                case msg.SocketError(kind=kind, code=code) if self._door is not None:
+                    self._door.stats_by_kind[kind].error(code)
+                case msg.SocketClosed(handoff=number):
+                    closed.append(number)
+        if closed:
+            loop.call_soon_threadsafe(lambda: [self._closed(n) for n in closed])
+
+    def worker_gone(self, worker: SocketWorker) -> None:
+        """On the sockets' loop: `worker` stopped, and its sockets' connections with it."""
+        if worker.handoff is not None:
+            worker.handoff.close()
+        for number in list(worker.sockets):
+            self._closed(number)
+
+    def _closed(self, number: int) -> None:
+        handed = self._handed.pop(number, None)
+        if handed is None:
+            return
+        worker, kind, address = handed
+        worker.sockets.discard(number)
+        if self._door is not None:
+            self._door.handed_closed(kind, address)
