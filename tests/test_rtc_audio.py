@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import fractions
 
 import numpy as np
@@ -36,6 +37,7 @@ def test_packets_carry_40_ms_and_decode_to_the_same_tone():
         packets += payloads
         stamps += [timestamp] * len(payloads)
     assert stamps[0] == 0
+    assert not any(p[0] & 0x04 for p in packets)  # the TOC byte's stereo flag (RFC 6716 § 3.1): mono
     assert set(np.diff(stamps)) == {48000 * PACKET_MS // 1000}  # RTP timestamps advance 40 ms a packet
     frames = [f for p, ts in zip(packets, stamps) for f in decoder.decode(JitterFrame(data=p, timestamp=ts))]
     assert {f.samples for f in frames} == {48000 * PACKET_MS // 1000}
@@ -213,6 +215,90 @@ async def test_a_waiting_callers_packets_are_dropped_before_decoding_and_taken_a
         assert list(sources) == [11]
     finally:
         await pc.close()
+
+
+def _opus_packets(count: int) -> list:
+    encoder = make_encoder_class()()
+    out = []
+    for n in range(count):
+        t = (np.arange(960) + n * 960) / 24000
+        frame = AudioFrame.from_ndarray((3000 * np.sin(2 * np.pi * 300 * t)).astype(np.int16).reshape(1, -1),
+                                        format="s16", layout="mono")
+        frame.sample_rate = 24000
+        payloads, timestamp = encoder.encode(frame)
+        out += [JitterFrame(data=p, timestamp=timestamp) for p in payloads]
+    return out
+
+
+async def test_a_receivers_packets_are_decoded_on_the_loop_in_order_into_mono_and_its_end_ends_the_track():
+    """The decoder thread only hands the receiver's queue over: packets queued before that and
+    after it come out in order, each decoded as it is put, and None (the receiver stopped) ends
+    the track."""
+    import queue
+    import threading
+
+    from aiortc.rtcrtpparameters import RTCRtpCodecParameters
+
+    from personaplex_demo.rtc.audio import make_loop_decoder_worker
+
+    opus = RTCRtpCodecParameters(mimeType="audio/opus", clockRate=48000, channels=2)
+    packets = _opus_packets(6)
+    loop, input_q, output_q, error = asyncio.get_running_loop(), queue.Queue(), asyncio.Queue(), threading.Event()
+    for packet in packets[:2]:  # before the worker ran: they wait in the receiver's queue
+        input_q.put((opus, packet))
+    worker = threading.Thread(target=make_loop_decoder_worker(), name="audio-decoder",
+                              args=(loop, input_q, output_q, error))
+    worker.start()
+    worker.join(5)
+    assert not worker.is_alive()  # no thread per receiver
+    frames = [await asyncio.wait_for(output_q.get(), 5) for _ in range(2)]
+    for packet in packets[2:]:
+        input_q.put((opus, packet))  # what the receiver calls on the loop for each packet
+        frames.append(output_q.get_nowait())  # decoded at once, in place
+    input_q.put((opus, JitterFrame(data=b"\xff\xff\xff", timestamp=0)))  # not Opus: noted, skipped
+    input_q.put(None)
+    assert output_q.get_nowait() is None and error.is_set()
+    assert [f.pts for f in frames] == [p.timestamp for p in packets]
+    assert {(f.layout.name, f.samples, f.sample_rate) for f in frames} == {("mono", 1920, 48000)}
+
+
+async def test_the_sender_encodes_audio_on_the_loop_and_keeps_aiortcs_packets():
+    """`install_loop_codecs`: an audio frame is encoded in place (no executor), with its level
+    and its RTP time, as aiortc's own sender would send it."""
+    from unittest.mock import MagicMock
+
+    from aiortc import MediaStreamTrack, RTCRtpSender
+    from aiortc.rtcrtpparameters import RTCRtpCodecParameters
+
+    from personaplex_demo.rtc.patches import install_audio_level, install_loop_codecs, install_packet_encoder
+
+    class Tone(MediaStreamTrack):
+        kind = "audio"
+
+        async def recv(self):
+            frame = AudioFrame.from_ndarray(np.full((1, 960), 1000, np.int16), format="s16", layout="mono")
+            frame.sample_rate = 24000
+            return frame
+
+    install_packet_encoder()
+    install_audio_level()
+    install_loop_codecs()
+    patched = RTCRtpSender._next_encoded_frame
+    install_loop_codecs()  # idempotent
+    assert RTCRtpSender._next_encoded_frame is patched
+    sender = RTCRtpSender(Tone(), MagicMock())  # a transport is not used before the first packet
+    loop = asyncio.get_running_loop()
+    used = []
+    original = loop.run_in_executor
+    loop.run_in_executor = lambda *a: used.append(a) or original(*a)
+    try:
+        opus = RTCRtpCodecParameters(mimeType="audio/opus", clockRate=48000, channels=2, payloadType=111)
+        first, second = [await sender._next_encoded_frame(opus) for _ in range(2)]
+    finally:
+        del loop.run_in_executor
+    assert not used
+    assert len(first.payloads) == 1 and second.timestamp - first.timestamp == 48000 * PACKET_MS // 1000
+    assert first.audio_level == round(20 * np.log10(1000 / 32767))
 
 
 def test_every_patched_library_is_pinned_at_the_version_its_patches_were_written_for():

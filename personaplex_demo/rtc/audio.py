@@ -2,15 +2,14 @@
 nothing held on the way that need not be.
 
 Every outgoing packet costs the one event loop that all callers share a fixed amount of work
-besides the codec itself: fastrtc's real-time pacing wakes up once per frame, aiortc hands each
-frame to a thread-pool executor to encode and back, computes its audio level, encrypts the packet
-(SRTP) and sends a datagram. At 20 ms that is 50 round trips a second per caller. The engine
-produces audio in 80 ms frames anyway, so 40 ms packets halve that work and add no delay: the
-whole 80 ms frame is there at once, and a 40 ms packet leaves as soon as its 40 ms are paced
-out. Browsers decode any Opus frame length (RFC 6716); the codec is still libopus through PyAV,
-as in aiortc, with aiortc's own settings but for the frame length. The caller's side costs the
-same per packet; `a=ptime:40` in the SDP answer asks the browser for 40 ms packets, and Chromium
-honours it.
+besides the codec itself: fastrtc's real-time pacing wakes up once per frame, aiortc computes its
+audio level, encrypts the packet (SRTP) and sends a datagram. At 20 ms that is 50 round trips a
+second per caller. The engine produces audio in 80 ms frames anyway, so 40 ms packets halve that
+work and add no delay: the whole 80 ms frame is there at once, and a 40 ms packet leaves as soon
+as its 40 ms are paced out. Browsers decode any Opus frame length (RFC 6716); the codec is still
+libopus through PyAV, as in aiortc, with aiortc's own settings but for the frame length and the
+one channel. The caller's side costs the same per packet; `a=ptime:40` in the SDP answer asks the
+browser for 40 ms packets, and Chromium honours it.
 
 Three holds of aiortc 1.16 and fastrtc 0.0.34 are gone (docs/serving.md § Latency budget):
 
@@ -29,6 +28,12 @@ Three holds of aiortc 1.16 and fastrtc 0.0.34 are gone (docs/serving.md § Laten
   `PacedAudioCallback` spaces the two packets of an engine frame 40 ms apart and otherwise
   releases a packet as soon as it is there; a backlog (after a stall) goes out at once and the
   browser's own jitter buffer, which adapts, takes it up.
+
+aiortc also passes every packet through a thread: each outgoing frame to a thread-pool executor
+to encode and back, each incoming packet to a decoder thread and its frames back as a coroutine.
+The hops cost more than the codec's work on a 40 ms packet; `make_inline_encoding` and
+`make_loop_decoder_worker` encode and decode on the event loop instead, in mono both ways (the
+caller's microphone and the agent's voice are one channel each).
 
 aiortc also measures every outgoing frame's audio level (the RTP header extension browsers use
 to show who speaks) in a Python loop over the samples: about a tenth of the event loop's busy
@@ -104,9 +109,9 @@ def make_encoder_class():
     from av import AudioFifo, AudioResampler, CodecContext
 
     class PacketOpusEncoder(OpusEncoder):
-        """aiortc's Opus encoder with `PACKET_MS` packets, encoding at the frames' own rate so that
-        nothing waits in a resampler (the module docstring). Frames at a rate libopus does not
-        take are resampled to 48 kHz, with no fixed frame size either."""
+        """aiortc's Opus encoder with `PACKET_MS` mono packets, encoding at the frames' own rate so
+        that nothing waits in a resampler (the module docstring). Frames at a rate libopus does
+        not take are resampled to 48 kHz, with no fixed frame size either."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -117,13 +122,14 @@ def make_encoder_class():
 
         def _open(self, frame) -> None:
             rate = frame.sample_rate if frame.sample_rate in OPUS_INPUT_RATES else OPUS_RATE
-            layout = "stereo" if frame.layout.name == "stereo" else "mono"
             codec = CodecContext.create("libopus", "w")
-            codec.bit_rate, codec.format, codec.layout, codec.sample_rate = self.codec.bit_rate, "s16", layout, rate
+            # Mono: the agent speaks in one channel, and fastrtc's two are copies of it (a third
+            # less encoding work per packet than stereo; every Opus decoder plays it).
+            codec.bit_rate, codec.format, codec.layout, codec.sample_rate = self.codec.bit_rate, "s16", "mono", rate
             codec.time_base = fractions.Fraction(1, rate)
             codec.options = {"application": "voip", "frame_duration": str(PACKET_MS)}
             self.codec = codec
-            self.resampler = AudioResampler(format="s16", layout=layout, rate=rate)  # format only at that rate
+            self.resampler = AudioResampler(format="s16", layout="mono", rate=rate)  # no change of rate
             self._fifo = AudioFifo()
             self._packet_samples = rate * PACKET_MS // 1000
             self._rtp_per_sample = fractions.Fraction(OPUS_RATE, rate)
@@ -144,6 +150,113 @@ def make_encoder_class():
             return payloads, int(first * self._packet_samples * self._rtp_per_sample)
 
     return PacketOpusEncoder
+
+
+def make_inline_encoding():
+    """aiortc's `RTCRtpSender._next_encoded_frame`, with an audio frame encoded on the event loop.
+
+    aiortc hands every frame to a thread-pool executor to encode and back (and keeps its own
+    Opus encoder for that reason off the loop). A 40 ms mono Opus packet takes libopus about
+    0.2 ms, less than the hop itself costs (the executor's queue, a thread's wake-up, the future
+    handed back through the loop's self-pipe): encoded in place, a packet costs the process less
+    and waits for no thread. Video frames, which take longer, still go to the executor. The rest
+    is aiortc 1.16's own, step for step."""
+    from aiortc import rtcrtpsender as sender
+    from aiortc import rtp
+    from aiortc.rtcrtpsender import RTCEncodedFrame
+    from av import AudioFrame
+    from av.frame import Frame
+
+    async def _next_encoded_frame(self, codec):
+        data = await self._RTCRtpSender__track.recv()
+        if not self._enabled:  # a disabled sender drops the frame, as aiortc's does
+            return None
+        audio_level = None
+        if self._RTCRtpSender__encoder is None:
+            self._RTCRtpSender__encoder = sender.get_encoder(codec)
+        encoder = self._RTCRtpSender__encoder
+        if isinstance(data, Frame):
+            force_keyframe, self._RTCRtpSender__force_keyframe = self._RTCRtpSender__force_keyframe, False
+            if isinstance(data, AudioFrame):
+                audio_level = rtp.compute_audio_level_dbov(data)
+                payloads, timestamp = encoder.encode(data, force_keyframe)
+            else:
+                payloads, timestamp = await self._RTCRtpSender__loop.run_in_executor(
+                    None, encoder.encode, data, force_keyframe)
+        else:
+            payloads, timestamp = encoder.pack(data)
+        if not payloads:
+            return None
+        return RTCEncodedFrame(payloads, timestamp, audio_level)
+
+    return _next_encoded_frame
+
+
+def make_loop_decoder_worker():
+    """In place of aiortc's `decoder_worker` (the thread each receiver starts): an audio
+    receiver's packets decoded on the event loop, as each one arrives, into mono.
+
+    aiortc decodes in a thread per receiver: each packet goes through a `queue.Queue` to it
+    and each decoded frame back to the loop as a coroutine (`run_coroutine_threadsafe`), two
+    thread hops per 40 ms packet, each costing more than decoding the packet (about 0.05 ms).
+    Here the thread only hands the receiver's queue to the loop and ends; from then on the
+    queue's `put` (called on the loop by the receiver) decodes the packet in place and the
+    frames go straight to the track's queue. Opus is decoded to mono (the caller's one
+    microphone; the room takes mono), which spares the resampler a downmix. Video receivers
+    keep aiortc's thread."""
+    import queue
+    import threading
+
+    import av
+    from aiortc import rtcrtpreceiver as receiver
+    from aiortc.codecs.opus import OpusDecoder
+
+    threaded = receiver.decoder_worker
+
+    class MonoOpusDecoder(OpusDecoder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.codec.layout = "mono"
+
+    class LoopDecoding:
+        def __init__(self, input_q: queue.Queue, output_q, decode_error: threading.Event) -> None:
+            self.input_q, self.output_q, self.decode_error = input_q, output_q, decode_error
+            self.codec_name: str | None = None
+            self.decoder = None
+
+        def install(self) -> None:
+            """On the loop: what arrived before this runs, then every later packet, in order."""
+            while True:
+                try:
+                    self.put(self.input_q.get_nowait())
+                except queue.Empty:
+                    break
+            self.input_q.put = self.put
+
+        def put(self, task, block: bool = True, timeout: float | None = None) -> None:
+            if task is None:  # the receiver stopped: the track ends
+                self.output_q.put_nowait(None)
+                return
+            codec, encoded_frame = task
+            if codec.name != self.codec_name:
+                self.decoder = MonoOpusDecoder() if codec.name.lower() == "opus" else receiver.get_decoder(codec)
+                self.codec_name = codec.name
+            try:
+                frames = self.decoder.decode(encoded_frame)
+            except av.FFmpegError as exc:  # aiortc's own handling: keep the decoder's state, go on
+                log.warning("failed to decode a %s packet: %s", codec.name, exc)
+                self.decode_error.set()
+                return
+            for frame in frames:
+                self.output_q.put_nowait(frame)
+
+    def decoder_worker(loop, input_q, output_q, decode_error) -> None:
+        if not threading.current_thread().name.startswith("audio"):
+            threaded(loop, input_q, output_q, decode_error)
+            return
+        loop.call_soon_threadsafe(LoopDecoding(input_q, output_q, decode_error).install)
+
+    return decoder_worker
 
 
 def audio_level_dbov(frame) -> int:

@@ -2,11 +2,10 @@
 written for.
 
 They replace a module attribute or a setting that the library looks up at run time, so that the
-app needs no fork: aiortc's Opus encoder, audio level and jitter buffer, its receivers' switch
-(`receive_audio`), fastrtc's outgoing audio
-track (rtc/audio.py says why), aioice's host addresses and consent checks, Gradio's record of past
-events, and the offer handling of fastrtc's WebRTC component (one instance at a time, never its
-class). Each one first
+app needs no fork: aiortc's Opus encoder, where it encodes and decodes, its audio level and jitter
+buffer, its receivers' switch (`receive_audio`), fastrtc's outgoing audio track (rtc/audio.py says
+why), aioice's host addresses and consent checks, Gradio's record of past events, and the offer
+handling of fastrtc's WebRTC component (one instance at a time, never its class). Each one first
 asks `written_for`, which logs a warning when the installed version is not the one the patch was
 read against: the patch still applies (each checks that what it replaces is there), but its
 premise is then unchecked, and tests/test_rtc_audio.py and tests/test_gradio_queue.py are the
@@ -25,7 +24,9 @@ from .audio import (
     answering_with_packet_time,
     audio_level_dbov,
     make_encoder_class,
+    make_inline_encoding,
     make_jitter_buffer_class,
+    make_loop_decoder_worker,
     make_paced_callback_class,
 )
 
@@ -88,6 +89,25 @@ def install_packet_encoder() -> None:
     get_encoder.packet_ms = PACKET_MS
     sender.get_encoder = get_encoder
     log.debug("outgoing Opus in %d ms packets", PACKET_MS)
+
+
+def install_loop_codecs() -> None:
+    """Make aiortc's audio senders in this process encode on the event loop, and its audio
+    receivers decode there, instead of in a thread each (rtc/audio.py `make_inline_encoding`,
+    `make_loop_decoder_worker`). Idempotent. aiortc looks up `RTCRtpSender._next_encoded_frame`
+    on the class for every frame and `decoder_worker` in its module when a receiver starts."""
+    import aiortc.rtcrtpreceiver as receiver
+    from aiortc.rtcrtpsender import RTCRtpSender
+
+    written_for("aiortc")
+    if not getattr(RTCRtpSender._next_encoded_frame, "patched_here", False):
+        encoding = make_inline_encoding()
+        encoding.patched_here = True
+        RTCRtpSender._next_encoded_frame = encoding
+    if not getattr(receiver.decoder_worker, "patched_here", False):
+        worker = make_loop_decoder_worker()
+        worker.patched_here = True
+        receiver.decoder_worker = worker
 
 
 def install_jitter_buffer() -> None:

@@ -19,12 +19,14 @@ def apply_media_settings(loopback: bool) -> None:
         install_audio_level,
         install_ice_settings,
         install_jitter_buffer,
+        install_loop_codecs,
         install_output_pacing,
         install_packet_encoder,
     )
 
     install_ice_settings(loopback)
     install_packet_encoder()  # agent audio in 40 ms Opus packets, each encoded as soon as its audio is there
+    install_loop_codecs()  # Opus encoded and decoded on the event loop: no thread hop per packet
     install_audio_level()  # each packet's RTP audio level, the same value without a Python loop
     install_jitter_buffer()  # the callers' packets released as they arrive, never stuck behind a loss
     install_output_pacing()  # agent packets 40 ms apart, with no anchor that a late first frame sets
