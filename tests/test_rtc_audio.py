@@ -37,7 +37,7 @@ def test_packets_carry_40_ms_and_decode_to_the_same_tone():
         packets += payloads
         stamps += [timestamp] * len(payloads)
     assert stamps[0] == 0
-    assert not any(p[0] & 0x04 for p in packets)  # the TOC byte's stereo flag (RFC 6716 § 3.1): mono
+    assert not any(p[0] & 0x04 for p in packets)  # the TOC byte's stereo flag (RFC 6716, section 3.1): mono
     assert set(np.diff(stamps)) == {48000 * PACKET_MS // 1000}  # RTP timestamps advance 40 ms a packet
     frames = [f for p, ts in zip(packets, stamps) for f in decoder.decode(JitterFrame(data=p, timestamp=ts))]
     assert {f.samples for f in frames} == {48000 * PACKET_MS // 1000}

@@ -192,6 +192,57 @@ def make_inline_encoding():
     return _next_encoded_frame
 
 
+class LoopDecoding:
+    """One audio receiver's packets decoded on the event loop (`make_loop_decoder_worker`):
+    `install` (on the loop) takes over the receiver's queue, whose `put` then decodes each packet
+    in place and hands its frames straight to the track's queue."""
+
+    def __init__(self, input_q, output_q, decode_error) -> None:
+        self.input_q, self.output_q, self.decode_error = input_q, output_q, decode_error
+        self.codec_name: str | None = None
+        self.decoder = None
+
+    def install(self) -> None:
+        """What arrived before this runs, then every later packet, in order."""
+        import queue
+
+        while True:
+            try:
+                self.put(self.input_q.get_nowait())
+            except queue.Empty:
+                break
+        self.input_q.put = self.put
+
+    def put(self, task, block: bool = True, timeout: float | None = None) -> None:
+        import av
+
+        if task is None:  # the receiver stopped: the track ends
+            self.output_q.put_nowait(None)
+            return
+        codec, encoded_frame = task
+        if codec.name != self.codec_name:
+            self.decoder, self.codec_name = _decoder(codec), codec.name
+        try:
+            frames = self.decoder.decode(encoded_frame)
+        except av.FFmpegError as exc:  # aiortc's own handling: keep the decoder's state, go on
+            log.warning("failed to decode a %s packet: %s", codec.name, exc)
+            self.decode_error.set()
+            return
+        for frame in frames:
+            self.output_q.put_nowait(frame)
+
+
+def _decoder(codec):
+    """aiortc's decoder for `codec`; for Opus, one that decodes into mono."""
+    from aiortc import rtcrtpreceiver as receiver
+    from aiortc.codecs.opus import OpusDecoder
+
+    decoder = receiver.get_decoder(codec)
+    if isinstance(decoder, OpusDecoder):
+        decoder.codec.layout = "mono"  # before its first packet opens the codec
+    return decoder
+
+
 def make_loop_decoder_worker():
     """In place of aiortc's `decoder_worker` (the thread each receiver starts): an audio
     receiver's packets decoded on the event loop, as each one arrives, into mono.
@@ -199,56 +250,14 @@ def make_loop_decoder_worker():
     aiortc decodes in a thread per receiver: each packet goes through a `queue.Queue` to it
     and each decoded frame back to the loop as a coroutine (`run_coroutine_threadsafe`), two
     thread hops per 40 ms packet, each costing more than decoding the packet (about 0.05 ms).
-    Here the thread only hands the receiver's queue to the loop and ends; from then on the
-    queue's `put` (called on the loop by the receiver) decodes the packet in place and the
-    frames go straight to the track's queue. Opus is decoded to mono (the caller's one
-    microphone; the room takes mono), which spares the resampler a downmix. Video receivers
-    keep aiortc's thread."""
-    import queue
+    Here the thread only hands the receiver's queue to the loop (`LoopDecoding`) and ends. Opus
+    is decoded to mono (the caller's one microphone; the room takes mono), which spares the
+    resampler a downmix. Video receivers keep aiortc's thread."""
     import threading
 
-    import av
     from aiortc import rtcrtpreceiver as receiver
-    from aiortc.codecs.opus import OpusDecoder
 
     threaded = receiver.decoder_worker
-
-    class MonoOpusDecoder(OpusDecoder):
-        def __init__(self) -> None:
-            super().__init__()
-            self.codec.layout = "mono"
-
-    class LoopDecoding:
-        def __init__(self, input_q: queue.Queue, output_q, decode_error: threading.Event) -> None:
-            self.input_q, self.output_q, self.decode_error = input_q, output_q, decode_error
-            self.codec_name: str | None = None
-            self.decoder = None
-
-        def install(self) -> None:
-            """On the loop: what arrived before this runs, then every later packet, in order."""
-            while True:
-                try:
-                    self.put(self.input_q.get_nowait())
-                except queue.Empty:
-                    break
-            self.input_q.put = self.put
-
-        def put(self, task, block: bool = True, timeout: float | None = None) -> None:
-            if task is None:  # the receiver stopped: the track ends
-                self.output_q.put_nowait(None)
-                return
-            codec, encoded_frame = task
-            if codec.name != self.codec_name:
-                self.decoder = MonoOpusDecoder() if codec.name.lower() == "opus" else receiver.get_decoder(codec)
-                self.codec_name = codec.name
-            try:
-                frames = self.decoder.decode(encoded_frame)
-            except av.FFmpegError as exc:  # aiortc's own handling: keep the decoder's state, go on
-                log.warning("failed to decode a %s packet: %s", codec.name, exc)
-                self.decode_error.set()
-                return
-            for frame in frames:
-                self.output_q.put_nowait(frame)
 
     def decoder_worker(loop, input_q, output_q, decode_error) -> None:
         if not threading.current_thread().name.startswith("audio"):
