@@ -275,11 +275,16 @@ class LaunchedApp:
                 pytest.fail(f"the app did not start:\n{self.log_text()[-3000:]}")
             time.sleep(0.3)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> float:
-        """Send `sig` and wait for the exit; the seconds it took (the process is killed after `timeout`)."""
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0, group: bool = False) -> float:
+        """Send `sig` (to the app's whole process group with `group`, as a terminal's Ctrl-C or a
+        container's stop does: `launched_app(own_group=True)`) and wait for the exit; the seconds
+        it took (the process is killed after `timeout`)."""
         began = time.monotonic()
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -291,7 +296,7 @@ class LaunchedApp:
 @contextlib.contextmanager
 def launched_app(tmp: Path, cache_dir: Path, *, args: Sequence[str] = (), env: dict | None = None,
                  host: str = "127.0.0.1", prefix: Sequence[str] = (), call: Callable | None = None,
-                 loopback: bool = True, entry: str = "app.py") -> Iterator[LaunchedApp]:
+                 loopback: bool = True, entry: str = "app.py", own_group: bool = False) -> Iterator[LaunchedApp]:
     """The tiny-model app on `host`, run under `prefix` (e.g. `ip netns exec NS`) from `entry` (a
     script that runs the app's main). On exit it gets SIGTERM, and the test fails if it left its
     recordings folder behind."""
@@ -307,7 +312,8 @@ def launched_app(tmp: Path, cache_dir: Path, *, args: Sequence[str] = (), env: d
     cmd = [*prefix, sys.executable, entry, "--model", "tiny", "--host", host, "--port", str(port),
            "--cache-dir", str(cache_dir), *args]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=own_group)
     app = LaunchedApp(proc, f"http://{host}:{port}", log, tmpdir, call or (lambda fn, *a: fn(*a)))
     try:
         app.wait_ready()

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import websockets
 
 from personaplex_demo.cli.lifecycle import StopSignals, shut_down
 from personaplex_demo.web.recording import (
@@ -146,7 +151,72 @@ def test_a_signal_ends_live_calls_with_a_message_cleans_up_and_exits_0(sig, mic_
         page.screenshot(path=str(ARTIFACTS / f"browser-{name.lower()}.png"), full_page=True)
     log = app.log_text()
     assert f"{name}: ending 1 call(s) with a message" in log and "delete the recordings" in log
-    assert " ERROR " not in log, log[-3000:]
+    assert " ERROR " not in log and "Traceback" not in log, log[-3000:]
+    assert "content_type" not in log  # Gradio's print for the page's offer, a DEBUG record now
     assert not own[0].exists() and running.exists()
     Path(running, "personaplex-x").rmdir()
     running.rmdir()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_whole_process_group_is_a_quiet_stop(sig, tiny_cache_dir, tmp_path):
+    """A terminal's Ctrl-C, a container's stop or a service manager signals every process of the
+    app at once (its media worker and engine process too): the caller is still told why, the app
+    exits 0, no replacement worker starts, and the log has no ERROR and no traceback."""
+    with launched_app(tmp_path, tiny_cache_dir, own_group=True) as app:
+        ended = asyncio.run_coroutine_threadsafe(realtime_call_until_it_ends(app), background_loop())
+        wait_for(lambda: app.status()["slots_live"] == 1, 30, "the socket's call live")
+        seconds = app.stop(sig, group=True)
+        code, reason = ended.result(10)
+        assert app.proc.returncode == 0 and seconds < 10, app.log_text()[-3000:]
+    assert code == 1001 and "restarting" in reason
+    log = app.log_text()
+    assert f"{signal.Signals(sig).name}: ending" in log
+    for noise in (" ERROR ", "Traceback", "replacement", "killing it", "content_type"):
+        assert noise not in log, (noise, log[-3000:])
+
+
+def background_loop() -> asyncio.AbstractEventLoop:
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    return loop
+
+
+async def realtime_call_until_it_ends(app) -> tuple[int | None, str]:
+    """A raw Realtime client that configures a persona, streams silence in real time and reads
+    every event until the server closes the socket: its close code and reason."""
+    url = app.base_url.replace("http", "ws", 1) + "/v1/realtime"
+    async with websockets.connect(url) as ws:
+        await ws.send(json.dumps({"type": "session.update", "session": {"instructions": "You are a teacher."}}))
+        silence = base64.b64encode(bytes(1920)).decode()
+
+        async def stream() -> None:
+            while True:
+                await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": silence}))
+                await asyncio.sleep(0.04)
+
+        sending = asyncio.create_task(stream())
+        try:
+            async for _ in ws:  # read on, so that the close frame is read as soon as it comes
+                pass
+        except websockets.ConnectionClosed:
+            pass
+        finally:
+            sending.cancel()
+        return ws.close_code, ws.close_reason or ""
+
+
+def test_what_a_library_prints_becomes_a_log_record_and_nothing_reaches_stdout(capsys, caplog):
+    import contextlib
+    import logging
+
+    from personaplex_demo.cli.app import PrintsToLog
+
+    with caplog.at_level(logging.DEBUG, logger="print"), contextlib.redirect_stdout(PrintsToLog(logging.DEBUG)):
+        print("content_type", "application/json")
+        print("two\nlines", end="")
+        print(" done")
+        print()
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "print"] == [
+        (logging.DEBUG, "content_type application/json"), (logging.DEBUG, "two"), (logging.DEBUG, "lines done")]
+    assert capsys.readouterr().out == ""

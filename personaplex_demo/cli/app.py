@@ -7,6 +7,7 @@ serve, shut down.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import sys
@@ -32,6 +33,7 @@ def setup_logging(verbose: bool = False) -> None:
     configure_logging(logging.INFO)
     for name in CHATTY_LOGGERS:
         logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
+    sys.stdout = PrintsToLog(logging.INFO if verbose else logging.DEBUG)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,6 +258,7 @@ def shut_down_app(demo: Any, recordings: RecordingStore, received: str, topology
         from gradio.tunneling import CURRENT_TUNNELS
 
         if demo.server is not None:
+            close_connections(demo.server)
             demo.server.force_exit = True  # an open tab keeps an event stream open: do not wait for it
         demo.close(verbose=False)
         for tunnel in CURRENT_TUNNELS:  # the --share link's process, as Gradio's own Ctrl-C path does
@@ -269,6 +272,57 @@ def shut_down_app(demo: Any, recordings: RecordingStore, received: str, topology
                ("delete the recordings", recordings.close),
                ("stop the media workers and engines", topology.close)],
               on_timeout=recordings.close)
+
+
+def close_connections(server, timeout: float = 2.0) -> None:
+    """End the web server's open connections and its lifespan on its own loop, before a forced
+    exit: an open tab's event stream sees its client leave and ends as it would then, and the app
+    shuts down. Forced as it is, uvicorn would cancel both instead, and log each cancelled
+    request ("Exception in ASGI application") and the lifespan (a failed shutdown) as an error
+    with a `CancelledError` traceback."""
+    import asyncio
+    import concurrent.futures
+
+    state, servers = getattr(server, "server_state", None), getattr(server, "servers", None)
+    if state is None or not servers:
+        return  # not started, or already stopped
+
+    async def close() -> None:
+        for connection in list(state.connections):
+            connection.transport.close()
+        deadline = asyncio.get_running_loop().time() + timeout / 2
+        while state.tasks and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        if getattr(server, "lifespan", None) is not None:
+            await server.lifespan.shutdown()
+
+    done = asyncio.run_coroutine_threadsafe(close(), servers[0].get_loop())
+    try:
+        done.result(timeout)
+    except (concurrent.futures.TimeoutError, RuntimeError) as exc:
+        log.warning("the web server's connections did not close within %.0f s (%s)", timeout, exc or "timeout")
+
+
+class PrintsToLog(io.TextIOBase):
+    """`sys.stdout` of the app's main process: every line printed there becomes a DEBUG log record
+    of the logger "print" (INFO with --verbose). The app itself logs; what prints is a library's
+    chatter (Gradio 5.50 prints the content type of every `component_server` request, one per
+    WebRTC offer), which must not interleave with the log unformatted."""
+
+    def __init__(self, level: int) -> None:
+        self.level = level
+        self._partial = ""
+        self._log = logging.getLogger("print")
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        *lines, self._partial = (self._partial + text).split("\n")
+        for line in lines:
+            if line.strip():
+                self._log.log(self.level, "%s", line)
+        return len(text)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from .pool_server import FIGURES_SECONDS, PoolServer
 
 log = logging.getLogger(__name__)
 
-STOP_SECONDS = 10.0  # an engine's time to end its calls and exit after Stop, before it is terminated
+STOP_SECONDS = 10.0  # an engine's time to end its calls and exit after Stop, before it is killed
 END_CALLS_JOIN_SECONDS = 3.0  # an engine's wait for its ticker on EndCalls (the process stays up)
 FAILED_FLUSH_SECONDS = 5.0  # for the EngineFailed message to leave before the process exits
 

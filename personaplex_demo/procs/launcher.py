@@ -9,11 +9,15 @@ Every child is started the same way:
   `messages.py`); the child wraps its end in one too. The child holds the only other end, so its
   death is an EOF here, and the main process's death an EOF there;
 - with one preamble (`_child_main`): `logs.configure_logging` with the child's name in each line
-  and the secret filter, before its entry point runs;
+  and the secret filter, and stop signals (SIGTERM, SIGINT) left to the main process, before its
+  entry point runs. A terminal's Ctrl-C, a container's stop or a service manager signals the
+  whole process group at once: a child that died of it first would look to the main process like
+  a crash (an ERROR, a replacement started during the shutdown, its calls cut before they are
+  told why). The main process stops its children itself, in order;
 - as a daemon: it cannot outlive the main process.
 
 `stop_children` is the one way to stop some: each is told `Stop` at once (so they wind down in
-parallel), then each is joined in turn and terminated if it outlives its time.
+parallel), then each is joined in turn and killed if it outlives its time.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import queue
+import signal
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -31,12 +36,14 @@ from .messages import Stop
 
 log = logging.getLogger(__name__)
 
-TERMINATE_WAIT = 2.0  # seconds a terminated child gets to exit before we stop waiting for it
+KILL_WAIT = 2.0  # seconds a killed child gets to exit before we stop waiting for it
 ChildMain = Callable[[Any, Connection], None]  # a module-level function: spawn pickles it by name
 
 
 def _child_main(target: ChildMain, spec: Any, conn: Connection, name: str, log_level: int) -> None:
-    """Every child's first code: the app's logging, then its entry point."""
+    """Every child's first code: the app's logging and signals, then its entry point."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)  # the main process stops its children (the module docstring)
     configure_logging(log_level, prefix=name)
     target(spec, conn)
 
@@ -89,15 +96,10 @@ class Child:
     def join(self, timeout: float | None = None) -> None:
         self.process.join(timeout)
 
-    def terminate(self) -> None:
-        """SIGTERM, then up to `TERMINATE_WAIT` s for it to exit."""
-        self.process.terminate()
-        self.process.join(TERMINATE_WAIT)
-
     def kill(self) -> None:
-        """SIGKILL (for a child that must not go on half-working), then wait for it as `terminate` does."""
+        """SIGKILL (a child ignores SIGTERM: `_child_main`), then up to `KILL_WAIT` s for it to exit."""
         self.process.kill()
-        self.process.join(TERMINATE_WAIT)
+        self.process.join(KILL_WAIT)
 
     def close(self) -> None:
         """Close the channel (its `on_close` runs if it has not yet); the process is not touched."""
@@ -106,15 +108,15 @@ class Child:
 
 
 def stop_children(children: Sequence[Child], join_timeout: float) -> None:
-    """Tell every child to `Stop`, then give each `join_timeout` s to exit before terminating it,
-    and close its channel."""
+    """Tell every child to `Stop`, then give each `join_timeout` s to exit before killing it, and
+    close its channel."""
     for child in children:
         child.send(Stop())
     for child in children:
         child.join(join_timeout)
         if child.alive:
-            log.warning("%s did not stop within %.0f s; terminating it", child.name, join_timeout)
-            child.terminate()
+            log.warning("%s did not stop within %.0f s; killing it", child.name, join_timeout)
+            child.kill()
         child.close()
 
 

@@ -42,7 +42,7 @@ from .queue_desk import QueueDesk
 
 log = logging.getLogger(__name__)
 
-STOP_SECONDS = 5.0  # a worker's time to close its peers and exit after Stop, before it is terminated
+STOP_SECONDS = 5.0  # a worker's time to close its peers and exit after Stop, before it is killed
 MAX_RESTARTS, RESTART_WINDOW = 5, 60.0  # a worker that dies more often than this stays down
 
 
