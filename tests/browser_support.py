@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -340,15 +341,16 @@ CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-
 
 @contextlib.contextmanager
 def chromium(user_dir: Path, mic_wav: Path, *, extra_args: Sequence[str] = ("--allow-loopback-in-peer-connection",),
-             executable: str = CHROMIUM, permissions: Sequence[str] = ("microphone",)):
-    """A persistent Chromium context with the fake microphone playing `mic_wav`."""
+             executable: str = CHROMIUM, permissions: Sequence[str] = ("microphone",), **screen: Any):
+    """A persistent Chromium context with the fake microphone playing `mic_wav`; `screen`: more of
+    Playwright's context options (a phone's `viewport`, `is_mobile`, `has_touch`)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         ctx = p.chromium.launch_persistent_context(
             str(user_dir), executable_path=executable, headless=True,
             args=[*CHROMIUM_FLAGS, f"--use-file-for-fake-audio-capture={mic_wav}", *extra_args],
-            ignore_default_args=["--mute-audio"], permissions=list(permissions))
+            ignore_default_args=["--mute-audio"], permissions=list(permissions), **screen)
         try:
             yield ctx
         finally:

@@ -237,3 +237,38 @@ def test_a_deep_link_sets_the_controls_and_the_copy_button_gives_it_back(app, mi
         assert fallback["text_temperature"] == "0.7" and fallback["audio_top_k"] == "250" and fallback["seed"] == "-1"
         assert bad.evaluate("window.__pwned") is None
         bad.screenshot(path=str(ARTIFACTS / "browser-deep-link-refused.png"), full_page=True)
+
+
+PHONE = {"width": 390, "height": 844}
+
+
+def test_on_a_phones_screen_the_call_comes_first_and_on_a_wide_one_the_settings_stay_left(app, mic_wav, tmp_path):
+    """Someone opens a shared link on a phone: the call's control and status line are on the first
+    screen, without scrolling past the settings the link already set."""
+    link = f"{app.base_url}/?{urlencode({'voice': 'NATM1', 'persona': PERSONA}, quote_via=quote)}"
+    with chromium(tmp_path / "phone", mic_wav, viewport=PHONE, is_mobile=True, has_touch=True) as ctx:
+        page = ctx.new_page()
+        page.goto(link, wait_until="networkidle")
+        page.wait_for_function("document.querySelector('#voice input').value === 'NATM1'", timeout=10_000)
+        grant = page.locator('[title="grant webcam access"]')
+        assert on_first_screen(page, grant), "the microphone's button"
+        grant.click()
+        record = page.locator('button[aria-label="start stream"]').first
+        record.wait_for(timeout=10_000)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "browser-phone.png"))
+        assert page.evaluate("window.scrollY") == 0
+        assert on_first_screen(page, record), "Record"
+        assert on_first_screen(page, page.locator("#status-line")), "the status line"
+    with chromium(tmp_path / "wide", mic_wav, viewport={"width": 1280, "height": 800}) as ctx:
+        page = ctx.new_page()
+        page.goto(link, wait_until="networkidle")
+        settings, call = (page.locator(f"#{name}-column").bounding_box() for name in ("settings", "call"))
+        assert settings["x"] + settings["width"] <= call["x"] and abs(settings["y"] - call["y"]) < 2
+
+
+def on_first_screen(page, locator) -> bool:
+    """The element is wholly inside the viewport as the page first shows it (no scrolling)."""
+    box, view = locator.bounding_box(), page.viewport_size
+    return box is not None and box["y"] >= 0 and box["y"] + box["height"] <= view["height"] \
+        and box["x"] >= 0 and box["x"] + box["width"] <= view["width"]

@@ -46,6 +46,11 @@ CSS = """
 #headphones {opacity: 0.85;}
 #stats, #recording-note, #call-figures {font-size: 0.85em; opacity: 0.85;}
 #apply-link {display: none !important;}
+/* A phone's first screen: the call (its control and status line) before the settings, which a
+   shared link has usually set already; on a wide screen the settings stay on the left. */
+@media (max-width: 720px) {
+  #call-column {order: -1;}
+}
 """
 
 
@@ -191,9 +196,9 @@ class Page:
                 gr.Markdown(f"**Note.** {options.notice}", elem_id="notice")
             link_notice = gr.Markdown(visible=False, elem_id="link-notice")  # what a deep link could not set
             with gr.Row(equal_height=False):
-                with gr.Column(scale=1, min_width=320):
+                with gr.Column(scale=1, min_width=320, elem_id="settings-column"):
                     self.build_settings(demo, link_notice)
-                with gr.Column(scale=2, min_width=360):
+                with gr.Column(scale=2, min_width=360, elem_id="call-column"):
                     self.build_call()
             self.wire_events()
         bound_event_log(demo)  # Gradio keeps a record of every event (rtc/patches.py)
