@@ -258,6 +258,7 @@ async def test_a_receivers_packets_are_decoded_on_the_loop_in_order_into_mono_an
     input_q.put((opus, JitterFrame(data=b"\xff\xff\xff", timestamp=0)))  # not Opus: noted, skipped
     input_q.put(None)
     assert output_q.get_nowait() is None and error.is_set()
+    assert "put" not in vars(input_q)  # the queue is aiortc's own again, and the decoder is let go
     assert [f.pts for f in frames] == [p.timestamp for p in packets]
     assert {(f.layout.name, f.samples, f.sample_rate) for f in frames} == {("mono", 1920, 48000)}
 

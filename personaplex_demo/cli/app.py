@@ -11,6 +11,7 @@ import io
 import logging
 import os
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -163,6 +164,8 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
                  f"/v1/live/sessions, NVIDIA's protocol: ws://{cfg.host}:{cfg.port}/api/chat" if door else "")
         if demo.share_url:
             log.info("public link: %s", demo.share_url)
+        elif cfg.share:  # Gradio says why with a print: a DEBUG record here (PrintsToLog)
+            log.warning("no public link: Gradio could not create one (--verbose shows its message)")
         if topology.media is not None:
             page_second(demo.server)
         return demo, recordings, stop.wait()
@@ -249,6 +252,8 @@ def shut_down_app(demo: Any, recordings: RecordingStore, received: str, topology
     """End every call with a message, stop the web server, delete the recordings, stop the processes."""
     from fastrtc import WebRTC
 
+    from ..procs.launcher import kill_children
+
     rtc_component = next(b for b in demo.blocks.values() if isinstance(b, WebRTC))
     # A call is a peer connection here, or a connection mirrored from a media worker.
     calls = rtc_component.pcs or rtc_component.connections
@@ -271,7 +276,7 @@ def shut_down_app(demo: Any, recordings: RecordingStore, received: str, topology
                ("stop the web server", stop_web_server),
                ("delete the recordings", recordings.close),
                ("stop the media workers and engines", topology.close)],
-              on_timeout=recordings.close)
+              on_timeout=lambda: (recordings.close(), kill_children()))
 
 
 def close_connections(server, timeout: float = 2.0) -> None:
@@ -296,11 +301,14 @@ def close_connections(server, timeout: float = 2.0) -> None:
         if getattr(server, "lifespan", None) is not None:
             await server.lifespan.shutdown()
 
-    done = asyncio.run_coroutine_threadsafe(close(), servers[0].get_loop())
     try:
+        done = asyncio.run_coroutine_threadsafe(close(), servers[0].get_loop())
         done.result(timeout)
-    except (concurrent.futures.TimeoutError, RuntimeError) as exc:
-        log.warning("the web server's connections did not close within %.0f s (%s)", timeout, exc or "timeout")
+    except concurrent.futures.TimeoutError:
+        done.cancel()
+        log.warning("the web server's connections did not close within %.0f s", timeout)
+    except Exception as exc:  # the loop has stopped already, or a connection would not close: exit anyway
+        log.warning("closing the web server's connections: %s", exc)
 
 
 class PrintsToLog(io.TextIOBase):
@@ -312,13 +320,15 @@ class PrintsToLog(io.TextIOBase):
     def __init__(self, level: int) -> None:
         self.level = level
         self._partial = ""
+        self._lock = threading.Lock()  # several threads may print
         self._log = logging.getLogger("print")
 
     def writable(self) -> bool:
         return True
 
     def write(self, text: str) -> int:
-        *lines, self._partial = (self._partial + text).split("\n")
+        with self._lock:
+            *lines, self._partial = (self._partial + text).split("\n")
         for line in lines:
             if line.strip():
                 self._log.log(self.level, "%s", line)

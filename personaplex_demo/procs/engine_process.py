@@ -108,8 +108,6 @@ def run_engine(spec: EngineSpec, conn) -> None:
         # Stop, or None (EOF: the main process is gone): everything stops.
         while isinstance(inbox.get(), EndCalls):
             engine.end_calls()
-    except KeyboardInterrupt:
-        pass
     finally:
         engine.stop()
         control.close()

@@ -22,10 +22,12 @@ parallel), then each is joined in turn and killed if it outlives its time.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import queue
 import signal
+import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -108,16 +110,30 @@ class Child:
 
 
 def stop_children(children: Sequence[Child], join_timeout: float) -> None:
-    """Tell every child to `Stop`, then give each `join_timeout` s to exit before killing it, and
-    close its channel."""
+    """Tell every child to `Stop`, then give them `join_timeout` s (together) to exit before
+    killing those still there, and close their channels."""
     for child in children:
         child.send(Stop())
+    deadline = time.monotonic() + join_timeout
     for child in children:
-        child.join(join_timeout)
+        child.join(max(0.0, deadline - time.monotonic()))
         if child.alive:
             log.warning("%s did not stop within %.0f s; killing it", child.name, join_timeout)
             child.kill()
         child.close()
+
+
+def kill_children() -> None:
+    """SIGKILL every child process still running: the last resort of an exit that cannot wait
+    (a watchdog's, or the interpreter's own). Children ignore SIGTERM (`_child_main`), so
+    multiprocessing's exit hook, which terminates daemon children and then waits for them
+    without a limit, would wait forever on one that was never told `Stop`."""
+    for process in multiprocessing.active_children():
+        process.kill()
+
+
+# Registered after multiprocessing's own exit hook (imported above), so it runs before it.
+atexit.register(kill_children)
 
 
 class Inbox:

@@ -201,6 +201,7 @@ class LoopDecoding:
         self.input_q, self.output_q, self.decode_error = input_q, output_q, decode_error
         self.codec_name: str | None = None
         self.decoder = None
+        self.stopped = False
 
     def install(self) -> None:
         """What arrived before this runs, then every later packet, in order."""
@@ -211,20 +212,21 @@ class LoopDecoding:
                 self.put(self.input_q.get_nowait())
             except queue.Empty:
                 break
-        self.input_q.put = self.put
+        if not self.stopped:
+            self.input_q.put = self.put
 
     def put(self, task, block: bool = True, timeout: float | None = None) -> None:
-        import av
-
-        if task is None:  # the receiver stopped: the track ends
+        if task is None:  # the receiver stopped: the track ends, and the decoder goes
             self.output_q.put_nowait(None)
+            self.decoder, self.stopped = None, True
+            vars(self.input_q).pop("put", None)
             return
         codec, encoded_frame = task
-        if codec.name != self.codec_name:
-            self.decoder, self.codec_name = _decoder(codec), codec.name
         try:
+            if codec.name != self.codec_name:
+                self.decoder, self.codec_name = _decoder(codec), codec.name
             frames = self.decoder.decode(encoded_frame)
-        except av.FFmpegError as exc:  # aiortc's own handling: keep the decoder's state, go on
+        except Exception as exc:  # as aiortc's thread does with a decoding error: keep the decoder, go on
             log.warning("failed to decode a %s packet: %s", codec.name, exc)
             self.decode_error.set()
             return

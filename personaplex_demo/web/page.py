@@ -48,7 +48,7 @@ CSS = """
 #apply-link {display: none !important;}
 /* A phone's first screen: the call (its control and status line) before the settings, which a
    shared link has usually set already; on a wide screen the settings stay on the left. */
-@media (max-width: 720px) {
+@media (max-width: 767px) {  /* where the two columns (320 + 360 px, gaps, margins) no longer fit side by side */
   #call-column {order: -1;}
 }
 """
