@@ -1,4 +1,5 @@
-"""Project files stay consistent: README and CI run the same tests; dependencies are pinned."""
+"""Project files stay consistent: README and CI run the same tests; the docs list every setting;
+dependencies are pinned."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 CI_RUN = ROOT / ".ci" / "run"
 
 
@@ -72,13 +74,27 @@ def test_readme_space_front_matter() -> None:
     front = text.split("---\n", 2)[1]
     for line in ("sdk: gradio", "sdk_version: 5.50.0", "app_file: app.py", "suggested_hardware: a100-large"):
         assert line in front.splitlines()
-    for section in (
+    # The front page's sections, in this order; the manual is in docs/.
+    sections = [line for line in text.splitlines() if line.startswith("## ")]
+    assert sections == [
+        "## Quick start",
+        "## The page",
+        "## Call it from code",
         "## Running on your own GPU box",
         "## Hosting as a Hugging Face Space",
         "## Offline CLI",
         "## Architecture",
-    ):
-        assert section in text.splitlines()
+        "## Documentation",
+    ]
+    for door in ("### The Realtime API", "### GPT-Live", "### Coming from NVIDIA's server", "### Agent frameworks"):
+        assert door in text.splitlines(), door
+
+
+def test_the_readme_links_every_docs_page() -> None:
+    text = README.read_text(encoding="utf-8")
+    for page in sorted(DOCS.glob("*.md")):
+        assert f"](docs/{page.name})" in text, page.name
+    assert "](BENCHMARKS.md)" in text
 
 
 def test_ci_run_script() -> None:
@@ -121,8 +137,9 @@ def test_space_sdk_version_matches_the_gradio_pin() -> None:
     assert sdk and sdk.group(1) == pins(ROOT / "requirements.txt")["gradio"]
 
 
-def readme_section(title: str) -> str:
-    text = README.read_text(encoding="utf-8")
+def doc_section(path: Path, title: str) -> str:
+    """The `## title` section of a Markdown file, up to the next `## ` heading."""
+    text = path.read_text(encoding="utf-8")
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start:end if end >= 0 else None]
@@ -132,14 +149,14 @@ def test_readme_flags_table_lists_every_app_setting() -> None:
     from personaplex_demo.cli.config import OTHER_ENV, AppConfig
     from personaplex_demo.cli.options import specs
 
-    section = readme_section("Flags and environment")
+    section = doc_section(DOCS / "configuration.md", "Flags and environment")
     rows = {}
     for line in section.splitlines():
         if line.startswith("| `--"):
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
             rows[cells[0]] = cells
     fields = specs(AppConfig)
-    assert set(rows) == {f"`{s.flag}`" for s in fields}, "the README table and AppConfig list different flags"
+    assert set(rows) == {f"`{s.flag}`" for s in fields}, "docs/configuration.md's table and AppConfig list different flags"
     for spec in fields:
         _, env, default, meaning = rows[f"`{spec.flag}`"]
         assert env.split()[0] == f"`{spec.option.env}`", spec.flag
@@ -164,7 +181,7 @@ def test_readme_documents_every_transcript_field(tmp_path) -> None:
     from personaplex_demo.web.page_inputs import CallRequest
     from personaplex_demo.web.recording import CallRecording
 
-    section = readme_section("Transcripts")
+    section = doc_section(DOCS / "transcripts.md", "Transcripts")
     offline = transcript_json(Conversation(np.zeros(1920, np.float32), ["hi"]), "tiny", "NATF2", "p", 1,
                               SamplingParams(seed=1), 0.08)
     assert not _documented(section, [*offline, *offline["sampling"], *offline["frames"][0]])

@@ -20,7 +20,7 @@ DESCRIPTION = ("PersonaPlex Live: talk with NVIDIA PersonaPlex-7B in the browser
                "Serves the page, the WebRTC calls, the API WebSockets (/v1/realtime, /v1/live/sessions) and "
                "GET /api/status on one port.")
 
-# Variables read outside AppConfig, listed in --help and the README with the config's own.
+# Variables read outside AppConfig, listed in --help and docs/configuration.md with the config's own.
 OTHER_ENV = {
     "HF_TOKEN": "a Hugging Face token: fetches the gated weights and TURN relay credentials",
     "SPACE_ID": "set by Hugging Face Spaces: the host defaults to 0.0.0.0",
@@ -96,8 +96,8 @@ class AppConfig:
                                        "on a CPU (at least 1; 0 on one core)",
                                        metavar="N")
     engines: str = option("local", "local: the engines run on this machine (--device, --devices); ray: as Ray actors "
-                          "on the machines of a Ray cluster, one per GPU (needs requirements-ray.txt; README "
-                          "\"Several machines\")", env="PERSONAPLEX_ENGINES", choices=ENGINE_KINDS)
+                          "on the machines of a Ray cluster, one per GPU (needs requirements-ray.txt; "
+                          "docs/operations.md, \"Several machines\")", env="PERSONAPLEX_ENGINES", choices=ENGINE_KINDS)
     ray_address: str | None = option(None, "the Ray cluster for --engines ray: auto (the one `ray start` joined on "
                                      "this machine) or HOST:PORT", env="PERSONAPLEX_RAY_ADDRESS",
                                      shown_default="a Ray started on this machine", metavar="ADDRESS")

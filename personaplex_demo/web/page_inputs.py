@@ -58,7 +58,7 @@ class CallRequest:
         return cls(str(page.voice or DEFAULT_VOICE), str(page.persona or ""), sampling)
 
     def recording_meta(self, call_id: str, model: str) -> dict[str, Any]:
-        """The call's settings, as they head its transcript JSON (documented in the README)."""
+        """The call's settings, as they head its transcript JSON (documented in docs/transcripts.md)."""
         return {"call_id": call_id, "model": model, "voice": self.voice, "persona": self.persona,
                 "sampling": asdict(self.sampling)}
 
