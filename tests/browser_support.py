@@ -87,6 +87,24 @@ CALL_TIMING = """
 })();
 """
 
+# The first agent packet the browser received that is audible (above -40 dBov), by the audio level
+# the server sends with every packet (RFC 6464; rtc/audio.py `audio_level_dbov`), as the browser
+# reports it per source (getSynchronizationSources): window.__t.first_audible (performance.now(),
+# ms). It needs no audio output, so it reads the same in Chromium and in a headless Firefox, which
+# has no sound device to run Web Audio on (CALL_TIMING's first_sound). Goes after CALL_TIMING.
+FIRST_AUDIBLE = """
+(() => {
+  const poll = () => {
+    const pc = window.__pcs && window.__pcs.at(-1);
+    for (const r of pc ? pc.getReceivers() : [])
+      for (const s of r.getSynchronizationSources())
+        if (s.audioLevel > 0.01 && window.__t.first_audible === undefined) window.__t.first_audible = performance.now();
+    if (window.__t.first_audible === undefined) setTimeout(poll, 10);
+  };
+  poll();
+})();
+"""
+
 # The round trip of a click, read without Web Audio: each sharp onset in the microphone's stream
 # and in the received track, as MediaStreamTrackProcessor hands their audio to the page
 # (performance.now(), ms, less the samples after the onset). A ScriptProcessor's FIFO against the

@@ -49,7 +49,7 @@ from ..api.config import RealtimeConfig
 from ..api.door import RealtimeDoor
 from ..api.stats import DoorStats
 from ..rtc.ice import server_configuration
-from ..rtc.patches import answer_in_packets
+from ..rtc.patches import accept_candidates, answer_in_packets
 from ..rtc.settings import apply_media_settings
 from ..runtime.facts import EngineFacts
 from ..web.handler import CallHandler
@@ -132,6 +132,7 @@ class MediaHost(WebRTCConnectionMixin):
         self._send = send
         # As the page's component does: answers ask the browser for 40 ms packets (rtc/audio.py).
         answer_in_packets(self)
+        accept_candidates(self)  # Firefox's too, and those that come before their offer (rtc/candidates.py)
 
     def outputs_to_main(self, webrtc_id: str):
         def relay(outputs: AdditionalOutputs) -> None:

@@ -10,12 +10,15 @@ reads. Everything here runs on the web server's event loop.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Any
 
 from fastapi.responses import JSONResponse
 from fastrtc import AdditionalOutputs
 
+from ..rtc import candidates
 from ..rtc.patches import route_offers
 from . import messages as msg
 
@@ -48,7 +51,10 @@ class PageRelay:
         self.workers.on_loop()
         webrtc_id = str(body.get("webrtc_id"))
         if body.get("type") == "ice-candidate":
-            worker = self._owner.get(webrtc_id)
+            # The page trickles candidates beside its offer: one may come before the offer's request.
+            deadline = time.monotonic() + candidates.WAIT_SECONDS
+            while (worker := self._owner.get(webrtc_id)) is None and time.monotonic() < deadline:
+                await asyncio.sleep(candidates.POLL_SECONDS)
             if worker is None:
                 return _failed("unknown_connection")
             return await self._forward_offer(worker, body)

@@ -5,7 +5,8 @@ They replace a module attribute or a setting that the library looks up at run ti
 app needs no fork: aiortc's Opus encoder, where it encodes and decodes, its audio level and jitter
 buffer, its receivers' switch (`receive_audio`), fastrtc's outgoing audio track (rtc/audio.py says
 why), aioice's host addresses and consent checks, Gradio's record of past events, and the offer
-handling of fastrtc's WebRTC component (one instance at a time, never its class). Each one first
+handling and trickled candidates of fastrtc's WebRTC component (one instance at a time, never its
+class). Each one first
 asks `written_for`, which logs a warning when the installed version is not the one the patch was
 read against: the patch still applies (each checks that what it replaces is there), but its
 premise is then unchecked, and tests/test_rtc_audio.py and tests/test_gradio_queue.py are the
@@ -29,6 +30,7 @@ from .audio import (
     make_loop_decoder_worker,
     make_paced_callback_class,
 )
+from .candidates import accepting_candidates
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +166,15 @@ def answer_in_packets(owner: Any) -> None:
     wrapped so that its SDP answers ask the browser for `PACKET_MS` packets (rtc/audio.py)."""
     written_for("fastrtc")
     owner.handle_offer = answering_with_packet_time(owner.handle_offer)
+
+
+def accept_candidates(owner: Any) -> None:
+    """`owner.handle_offer` (fastrtc's, on the page's WebRTC component or a media worker's host)
+    wrapped so that every browser's trickled ICE candidates reach its peer connections, even one
+    sent before its offer was taken (rtc/candidates.py)."""
+    written_for("fastrtc")
+    written_for("aiortc")
+    owner.handle_offer = accepting_candidates(lambda: owner.pcs, owner.handle_offer)
 
 
 def route_offers(rtc: Any, offer: Any, set_input: Any) -> None:

@@ -1,0 +1,75 @@
+"""The browser's trickled ICE candidates, added to the call's peer connection whichever browser
+sent them and whenever they arrive.
+
+Written for fastrtc 0.0.34 and aiortc 1.16 (rtc/patches.py names the versions). fastrtc parses a
+trickled candidate itself and refuses one of fewer than ten fields ("Invalid candidate format",
+logged as an error): Chromium appends `generation`, `ufrag` and `network-id` to its candidates,
+but Firefox sends the eight fields the SDP grammar requires and nothing more, so none of a Firefox
+caller's candidates reached the server, which then learned the browser's addresses only from its
+connectivity checks. A candidate can also arrive before its connection's offer has been taken: the
+page trickles each candidate as soon as the browser gathers it, in a request of its own beside the
+offer's, and aiortc drops a candidate added before the remote description is set.
+
+`accepting_candidates` wraps a `handle_offer` (the page's WebRTC component's, or a media worker's
+host's): a candidate is read by aiortc's own SDP parser (`candidate_from_sdp`) and, while its
+connection's offer is still being taken, waits for it (at most `WAIT_SECONDS`). The answers keep
+fastrtc's shape (`{"status": "success"}`, or `"failed"` with the reason in `meta.error`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiortc.sdp import candidate_from_sdp
+from starlette.responses import JSONResponse
+
+log = logging.getLogger(__name__)
+
+WAIT_SECONDS = 5.0  # for the offer of a candidate that came first
+POLL_SECONDS = 0.02
+
+
+def answer(status: str, error: str | None = None) -> JSONResponse:
+    """fastrtc's answer to a trickled candidate."""
+    return JSONResponse(status_code=200, content={"status": status, **({"meta": {"error": error}} if error else {})})
+
+
+def accepting_candidates(pcs: Callable[[], dict[str, Any]], handle_offer: Callable[..., Awaitable[Any]]):
+    """`handle_offer`, with the trickled candidates of the connections in `pcs()` added here."""
+
+    async def handle_offer_and_candidates(body, set_outputs):
+        if body.get("type") == "ice-candidate" and isinstance(body.get("candidate"), dict):
+            return await add_candidate(pcs, str(body.get("webrtc_id")), body["candidate"])
+        return await handle_offer(body, set_outputs)
+
+    return handle_offer_and_candidates
+
+
+async def add_candidate(pcs: Callable[[], dict[str, Any]], webrtc_id: str, fields: dict[str, Any]) -> JSONResponse:
+    text = str(fields.get("candidate") or "").strip()
+    if not text:  # the end of the browser's candidates: nothing to add
+        return answer("success")
+    try:
+        candidate = candidate_from_sdp(text.removeprefix("candidate:"))
+    except (AssertionError, ValueError, IndexError):
+        log.info("connection %s: an unreadable ICE candidate ignored: %.120s", webrtc_id, text)
+        return answer("failed", "invalid_candidate_format")
+    candidate.sdpMid, candidate.sdpMLineIndex = fields.get("sdpMid"), fields.get("sdpMLineIndex")
+    if candidate.sdpMid is None and candidate.sdpMLineIndex is None:
+        candidate.sdpMLineIndex = 0  # the page's one audio section (and its bundled data channel)
+    deadline = time.monotonic() + WAIT_SECONDS
+    while True:
+        pc = pcs().get(webrtc_id)
+        if pc is not None and (pc.connectionState == "closed" or pc.remoteDescription is not None):
+            break
+        if time.monotonic() > deadline:
+            return answer("failed", "unknown_connection" if pc is None else "no_offer")
+        await asyncio.sleep(POLL_SECONDS)
+    if pc.connectionState == "closed":
+        return answer("failed", "connection_closed")
+    await pc.addIceCandidate(candidate)
+    return answer("success")
