@@ -345,7 +345,7 @@ async def test_the_room_ends_a_queued_page_call_at_the_wait_limit_whatever_audio
     """The queue's rules are the room's (PoolConfig): the page only shows what the room decided. A
     waiting page holds its microphone (web/mic_hold.py), so audio that still arrives while it
     waits, or stops arriving, says nothing of the caller: the connection does (ICE consent)."""
-    with started_pool(runtime, max_wait_seconds=1.5, queued_silence_seconds=0.5, idle_release_seconds=10) as pool:
+    with started_pool(runtime, max_wait_seconds=1.5, idle_release_seconds=10) as pool:
         holders = [await direct_call(pool, recordings) for _ in range(2)]
         patient = await direct_call(pool, recordings)  # its audio keeps arriving
         paused = await direct_call(pool, recordings)  # a moment of audio, then none

@@ -59,7 +59,7 @@ from .support.waiting import eventually
 KEY = secrets.token_bytes(16)
 # The queue's scenario runs without a wait limit (it takes longer on a slower host); the wait limit
 # has a room of its own, in which nothing else happens.
-QUEUE_RULES = PoolConfig(max_queue=3, max_wait_seconds=None, queued_silence_seconds=1.0, admission="slots",
+QUEUE_RULES = PoolConfig(max_queue=3, max_wait_seconds=None, admission="slots",
                          idle_release_seconds=60.0, time_limit_seconds=None)
 MAX_WAIT = 2.0
 WAIT_LIMIT = dataclasses.replace(QUEUE_RULES, max_wait_seconds=MAX_WAIT)
@@ -262,16 +262,18 @@ async def test_every_back_end_keeps_the_rooms_one_queue_and_its_rules(kind, runt
         await waiting[0].call.wait_live(10)
         await eventually(lambda: waiting[2].call.queue_position == 1, "the last caller moving up to 1")
 
-        # A waiting caller whose audio stops has gone: the room gives its place up. One that never
-        # sent audio (a Realtime client waits in silence) keeps its place.
+        # A waiting caller's audio is not heard yet, and neither its audio nor its silence moves
+        # anyone: only a hang-up (or the room's wait limit) ends a wait. A duration is what is
+        # tested here: a second of audio, then a second of silence.
         silent = await arrive()
-        silent_since = time.monotonic()
-        waiting[2].push(TONE)
-        assert await until_ended(waiting[2], 10.0) == "idle"
-        await eventually(lambda: silent.call.queue_position == 1, "the silent caller in first place")
-        # Twice the silence that let the other one go: a duration is what is tested here.
-        await asyncio.sleep(max(0.0, silent_since + 2 * QUEUE_RULES.queued_silence_seconds - time.monotonic()))
-        assert silent.state == CallState.QUEUED
+        await eventually(lambda: silent.call.queue_position == 2, "the newcomer in second place")
+        for _ in range(25):
+            waiting[2].push(TONE)
+            await asyncio.sleep(0.04)
+        await asyncio.sleep(1.0)
+        assert [(c.state, c.call.queue_position) for c in (waiting[2], silent)] == [(CallState.QUEUED, 1),
+                                                                                    (CallState.QUEUED, 2)]
+        waiting[2].hang_up()
         silent.hang_up()
 
         # The engines stop: their live calls end with a reason, and newcomers are turned away.

@@ -57,7 +57,6 @@ class DeskRoom(EngineSet):
         call = RoutedCall(voice, persona, sampling, door)
         rid = next(self._rids)
         call.on_leave = lambda reason: self._leave(rid, reason)
-        call.on_heard = lambda: self._send(msg.Heard(rid))
         first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._calls[rid], self._first[rid] = call, first
         self._send(msg.Admit(rid, voice, persona, dataclasses.asdict(sampling), door))

@@ -59,7 +59,6 @@ START_TIMEOUT = 15.0  # seconds an engine may take to answer a start (it is one 
 ENGINE_LOST = EndReason.error("the engine process stopped")
 START_TIMED_OUT = EndReason.error("start timed out")
 DEFAULT_SAMPLING = SamplingParams()
-HEARD_SECONDS = 1.0  # a queued caller's audio reaches the engine's queue this often (it is not heard yet)
 
 
 class RemoteCall(CallView, WaitingCall):
@@ -74,7 +73,6 @@ class RemoteCall(CallView, WaitingCall):
         self.frames_pushed = 0
         self.on_change: Callable[[], None] | None = None  # a `RoutedCall` that holds it listens
         self._deadline: float | None = None
-        self._heard_sent = 0.0
         self._outbox: collections.deque[SlotOutput] = collections.deque(maxlen=engine.config.output_queue_frames)
         self.update(started.state, started.queue_position, started.slot, started.time_left, None,
                     started.wait_reason)
@@ -88,15 +86,9 @@ class RemoteCall(CallView, WaitingCall):
         return max(0.0, self._deadline - time.monotonic())
 
     def push_audio(self, samples: np.ndarray) -> None:
-        """Send the caller's audio to the engine as it arrived; while queued, a push a second
-        (the engine's queue hears that the caller is still there). Never blocks."""
+        """Send the caller's audio to the engine as it arrived; dropped unless live. Never blocks."""
         arr = checked_audio(samples)  # sent as it is: int16 is half the bytes of float32
-        if self.state == CallState.QUEUED:
-            now = time.monotonic()
-            if now - self._heard_sent < HEARD_SECONDS:
-                return
-            self._heard_sent = now
-        elif self.state != CallState.LIVE:
+        if self.state != CallState.LIVE:
             return
         self.frames_pushed += 1
         self.engine.send(msg.Push(self.rid, arr.copy()))

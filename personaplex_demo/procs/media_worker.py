@@ -18,7 +18,7 @@ Control messages with the main process (messages.py, over one `channel.Channel`)
                      Stop
                      Grant, QueueNews, Dropped, Refused, QueueLength   the room's queue (desk_room.py)
     worker -> main   WorkerReady      once connected to the engines (and whether torch got imported)
-                     Admit, Placed, Leave, Heard          the room's queue (desk_room.py)
+                     Admit, Placed, Leave  the room's queue (desk_room.py)
                      Reply            to an Offer (an OfferAnswer) or a RecordingQuery (RecordingPaths or None)
                      SocketError, SocketClosed   what the API sockets it serves tell the door's counts
                      Outputs          a page update (AdditionalOutputs args)

@@ -210,7 +210,7 @@ class MediaWorkers:
     def _on_batch(self, worker: _Worker, batch: list[msg.WorkerReport]) -> None:
         """A worker's reader thread: replies and readiness here, page updates to the page's loop."""
         page: list[msg.Outputs | msg.Closed] = []
-        desk: list[msg.Admit | msg.Placed | msg.Leave | msg.Heard] = []
+        desk: list[msg.Admit | msg.Placed | msg.Leave] = []
         sockets: list[msg.SocketError | msg.SocketClosed] = []
         for message in batch:
             match message:
@@ -225,7 +225,7 @@ class MediaWorkers:
                     worker.ready.set()
                 case msg.Outputs() | msg.Closed():
                     page.append(message)
-                case msg.Admit() | msg.Placed() | msg.Leave() | msg.Heard():
+                case msg.Admit() | msg.Placed() | msg.Leave():
                     desk.append(message)
                 case msg.SocketError() | msg.SocketClosed():
                     sockets.append(message)

@@ -12,7 +12,7 @@ Three conversations, each over a `channel.Channel` (one pickled batch per write)
     the main process <-> a media worker          (media_workers.py <-> media_worker.py)
         main -> worker     Offer, Input, RecordingQuery, Relink, Stop;
                            Grant, QueueNews, Dropped, Refused, QueueLength (the room's queue: queue_desk.py)
-        worker -> main     WorkerReady, Reply, Outputs, Closed; Admit, Placed, Leave, Heard;
+        worker -> main     WorkerReady, Reply, Outputs, Closed; Admit, Placed, Leave;
                            SocketError, SocketClosed (the API sockets it serves)
 
 A receiver matches on the type (`match message: case Push(rid=rid, samples=samples): ...`), never on a
@@ -256,13 +256,6 @@ class Leave:
 
 
 @dataclass(frozen=True, slots=True)
-class Heard:
-    """A queued caller's audio still comes (sent at most once a second): it has not gone."""
-
-    rid: int
-
-
-@dataclass(frozen=True, slots=True)
 class OfferAnswer:
     """fastrtc's answer to an offer (or its refusal), as JSON, and its status code when fastrtc
     answered with a JSONResponse."""
@@ -322,4 +315,4 @@ ServerMessage = Started | Refused | StateChange | Out | PoolFigures
 EngineCommand = EndCalls | Stop
 EngineReport = EngineReady | EngineFailed
 WorkerCommand = Offer | Input | RecordingQuery | Relink | Stop | Grant | QueueNews | Dropped | Refused | QueueLength
-WorkerReport = WorkerReady | Reply | Outputs | Closed | Admit | Placed | Leave | Heard | SocketError | SocketClosed
+WorkerReport = WorkerReady | Reply | Outputs | Closed | Admit | Placed | Leave | SocketError | SocketClosed

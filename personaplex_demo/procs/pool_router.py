@@ -229,8 +229,7 @@ class PoolRouter(EngineSet):
         """One look at the queue: its rules, then a seat for its head if an engine shows one."""
         now = time.monotonic()
         for call in self._waiting:
-            if call.state == CallState.QUEUED and (why := queue_expiry(self.config, now, call.queued_at,
-                                                                       call.heard_at)):
+            if call.state == CallState.QUEUED and (why := queue_expiry(self.config, now, call.queued_at)):
                 log.info("call %s ended in the queue: %s", call.id, why)
                 call.end(why)
         for gone in [c for c in self._waiting if c.state == CallState.ENDED]:  # hung up, or waited too long

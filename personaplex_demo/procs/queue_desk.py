@@ -6,7 +6,7 @@ worker sends `Admit`, and here the caller enters the main process's `PoolRouter`
 router offers it a seat on an engine, the desk sends `Grant`; the worker starts the call on
 that engine itself (its frames go straight there) and answers `Placed`. While it waits the
 worker hears `QueueNews` (its place, and why) and, if the room gives up on it, `Dropped`; the
-worker says `Leave` when its caller hangs up and `Heard` while the caller's audio still comes.
+worker says `Leave` when its caller hangs up.
 
 Every method runs on the router's event loop (the page's); `MediaWorkers` hands the messages
 over from its reader threads.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 
 from ..errors import CallerError
@@ -35,7 +34,7 @@ log = logging.getLogger(__name__)
 GRANT_TIMEOUT = START_TIMEOUT + 5.0
 WORKER_GONE = EndReason.error("media worker lost")
 
-DeskMessage = msg.Admit | msg.Placed | msg.Leave | msg.Heard
+DeskMessage = msg.Admit | msg.Placed | msg.Leave
 
 
 class DeskEntry(RoutedCall):
@@ -116,9 +115,6 @@ class QueueDesk:
             case msg.Leave(reason=reason):
                 if (entry := self._entries.get(key)) is not None:
                     entry.release(reason)
-            case msg.Heard():
-                if (entry := self._entries.get(key)) is not None and entry.state == CallState.QUEUED:
-                    entry.heard_at = time.monotonic()
 
     async def _admit(self, worker: int, admit: msg.Admit) -> None:
         entry = DeskEntry(self, worker, admit)

@@ -25,7 +25,6 @@ from ..serving.call import checked_audio
 from ..serving.headroom import WaitReason
 from ..serving.room import CallState, EndReason, PoolClosedError, PoolFullError, SlotOutput
 from ..serving.waiting import WaitingCall
-from .engine_link import HEARD_SECONDS
 
 if TYPE_CHECKING:
     from .engine_link import EngineLink, RemoteCall
@@ -45,11 +44,7 @@ class RoutedCall(WaitingCall):
         self.held_back = False  # counted once as waiting for headroom
         self.arrival = 0  # the room's order of arrival: first come, first served
         self.queued_at = time.monotonic()
-        self.heard_at: float | None = None  # the caller's latest audio while queued
         self.on_leave: Callable[[str], None] | None = None  # told when the caller gives up its place
-        # Told that the caller's audio still comes while queued, at most every HEARD_SECONDS.
-        self.on_heard: Callable[[], None] | None = None
-        self._heard_told = -HEARD_SECONDS
         self._ended: str | None = None
 
     def __repr__(self) -> str:
@@ -119,12 +114,7 @@ class RoutedCall(WaitingCall):
         if self.inner is not None:
             self.inner.push_audio(samples)
             return
-        checked_audio(samples)  # bad audio is the caller's error at any time
-        if self.state == CallState.QUEUED:
-            self.heard_at = now = time.monotonic()
-            if self.on_heard is not None and now - self._heard_told >= HEARD_SECONDS:
-                self._heard_told = now
-                self.on_heard()
+        checked_audio(samples)  # bad audio is the caller's error at any time; unheard until seated
 
     def time_left(self) -> float | None:
         return self.inner.time_left() if self.inner is not None else None

@@ -82,7 +82,6 @@ class Call(CallView, WaitingCall):
                                         margin_seconds=ctx.config.input_margin_seconds))
         self._outbox: collections.deque[SlotOutput] = collections.deque()
         self.queued_at = ctx.clock.monotonic()
-        self.heard_while_queued: float | None = None  # the caller's latest audio while QUEUED
         self._live_since: float | None = None
         self._last_input: float | None = None
         self._prefill_started = False
@@ -104,8 +103,6 @@ class Call(CallView, WaitingCall):
         audio = input_audio(samples)
         with self._ctx.lock:
             now = self._ctx.clock.monotonic()
-            if self.state == CallState.QUEUED:
-                self.heard_while_queued = now  # still there; the audio itself has nowhere to go yet
             if self.state != CallState.LIVE:
                 return
             self._last_input = now
@@ -203,7 +200,7 @@ class Call(CallView, WaitingCall):
         input for a while), or None."""
         cfg = self._ctx.config
         if self.state == CallState.QUEUED:
-            return queue_expiry(cfg, now, self.queued_at, self.heard_while_queued)
+            return queue_expiry(cfg, now, self.queued_at)
         if self.state != CallState.LIVE or self._live_since is None:
             return None
         if cfg.time_limit_seconds is not None and now - self._live_since >= cfg.time_limit_seconds:

@@ -25,9 +25,6 @@ class PoolConfig:
     time_limit_seconds: float | None = 300.0  # per-call limit from going live ("time_limit")
     max_queue: int | None = 32  # callers waiting for a slot beyond this are refused (PoolFullError)
     max_wait_seconds: float | None = DEFAULT_MAX_WAIT_SECONDS  # queued longer ends the call ("queue_timeout")
-    # A queued caller whose audio stopped this long has gone (a closed tab, before WebRTC notices):
-    # its place is given up ("idle"). Only for callers who had sent audio while queued.
-    queued_silence_seconds: float = 5.0
     resync_after_seconds: float = 1.0  # further behind than this, the ticker skips ahead instead of bursting
     catch_up_gap_seconds: float = 0.04  # shortest gap between two steps while catching up after an overrun
     resync_keep_frames: int = 1  # on a resync each caller's backlog is cut to this many newest frames

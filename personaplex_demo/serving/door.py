@@ -94,9 +94,8 @@ class DoorCall:
         return self.call.state if self.call is not None else None
 
     def push(self, samples: np.ndarray) -> None:
-        """The caller's audio as it arrived: heard while live; while queued, it tells the room the
-        caller is still there (a caller who was sending audio and stopped has gone: the room
-        decides when). A door whose callers send nothing while they wait need not push then."""
+        """The caller's audio as it arrived: heard while live; while queued it is checked and
+        dropped (the model is not listening yet), so a door need not push then."""
         if self.call is not None and self.call.state in (CallState.LIVE, CallState.QUEUED):
             self.call.push_audio(samples)
 

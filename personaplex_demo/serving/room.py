@@ -133,8 +133,7 @@ class CallHandle(Protocol):
 
     def push_audio(self, samples: np.ndarray) -> None:
         """Queue the caller's audio as it arrived: any number of samples up to a second (int16 or
-        float, 24 kHz mono); the room cuts its frames at each tick. Dropped unless LIVE; while
-        QUEUED it tells the room the caller is still there (`PoolConfig.queued_silence_seconds`)."""
+        float, 24 kHz mono); the room cuts its frames at each tick. Dropped unless LIVE."""
         ...
 
     async def next_output(self, timeout: float) -> SlotOutput | None:

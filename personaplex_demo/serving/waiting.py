@@ -20,13 +20,11 @@ from .headroom import WaitReason
 from .room import DOOR_PAGE, CallEnded, CallState, EndReason, SlotOutput
 
 
-def queue_expiry(config: PoolConfig, now: float, queued_at: float, heard_at: float | None) -> str | None:
+def queue_expiry(config: PoolConfig, now: float, queued_at: float) -> str | None:
     """The room's rules for a caller in its queue: why it must leave now, or None. Whichever room
     keeps the queue applies them, on its own clock."""
     if config.max_wait_seconds is not None and now - queued_at >= config.max_wait_seconds:
         return EndReason.QUEUE_TIMEOUT
-    if heard_at is not None and now - heard_at >= config.queued_silence_seconds:
-        return EndReason.IDLE
     return None
 
 
