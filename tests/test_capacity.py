@@ -75,6 +75,9 @@ def test_an_80_gb_card_fills_with_slots_and_a_large_one_is_capped_by_max_slots()
     assert h200.fit > 64 and h200.slots == 64
     assert "capped by --max-slots 64" in h200.describe()
     assert full_size_plan(141 * 10**9, max_slots=200).slots == h200.fit
+    # What set the number, as /api/status tells it once every slot is held (web/status.py `limited_by`).
+    assert (a100.bound, h200.bound, full_size_plan(80 * 10**9, slots=8).bound) == ("memory", "--max-slots", "--slots")
+    assert a100.as_dict()["bound"] == "memory"
 
 
 def test_no_room_for_one_slot_names_context_and_the_context_that_fits():

@@ -374,6 +374,8 @@ def test_the_media_side_lagging_holds_new_callers():
     assert (waiting.state, waiting.wait_reason) == ("queued", WaitReason.CAPACITY)
     assert pool.snapshot().media_lag_ms == pytest.approx(300)
     assert limited_by(pool.snapshot(), pool.config.media_lag_limit_seconds) == "media"  # /api/status says why
+    full = dataclasses.replace(pool.snapshot(), slots_free=0)
+    assert [limited_by(full, 0.05, bound) for bound in ("memory", "--slots", None)] == ["memory", "slots", "slots"]
     pool.report_media_lag(0.01, "page")
     talk(pool, calls, 3)
     assert waiting.state == "live"

@@ -109,6 +109,16 @@ class SlotPlan:
             return min(CPU_AUTO_SLOTS, self.max_slots)
         return max(1, min(self.fit or 0, self.max_slots))
 
+    @property
+    def bound(self) -> str:
+        """What set the number of slots: the device's "memory" (auto), the "--max-slots" cap on
+        what would fit, a fixed "--slots", or "the CPU default"."""
+        if self.mode == "fixed":
+            return "--slots"
+        if self.mode == "auto-cpu":
+            return "the CPU default"
+        return "memory" if (self.fit or 0) <= self.max_slots else "--max-slots"
+
     def describe(self) -> str:
         c = self.cost
         n = f"{self.slots} slot{'' if self.slots == 1 else 's'}"
@@ -129,6 +139,7 @@ class SlotPlan:
         d = asdict(self)
         d["cost"]["total"] = self.cost.total
         d["arithmetic"] = self.describe()
+        d["bound"] = self.bound
         return d
 
 

@@ -76,7 +76,8 @@ def status_payload(runtime: RuntimeFacts, room: Room) -> dict[str, Any]:
     return {"model": runtime.model_name, "tiny": bool(runtime.is_tiny), "banner": runtime.banner,
             "weights": runtime.weights, "device": runtime.device_name, "capacity": runtime.capacity_facts(),
             "admission": room.config.admission, "queue_reason": queue_reason(metrics),
-            "limited_by": limited_by(metrics, room.config.media_lag_limit_seconds), **metrics.as_dict()}
+            "limited_by": limited_by(metrics, room.config.media_lag_limit_seconds,
+                                     (runtime.capacity_facts() or {}).get("bound")), **metrics.as_dict()}
 
 
 def status_routes(runtime: RuntimeFacts, room: Room, extra: Callable[[], dict[str, Any]] | None = None) -> list[Route]:

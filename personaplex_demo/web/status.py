@@ -47,12 +47,13 @@ def queue_reason(m: PoolMetrics) -> str | None:
     return WaitReason.CAPACITY if m.slots_free and not m.admitting else WaitReason.SLOTS
 
 
-def limited_by(m: PoolMetrics, media_lag_limit_seconds: float) -> str | None:
+def limited_by(m: PoolMetrics, media_lag_limit_seconds: float, slots_bound: str | None = None) -> str | None:
     """What keeps the next caller out now (None: a caller would be seated at once): every slot
-    held ("slots"), the engine's tick, whose next size would not fit its budget ("tick"), or a
+    held, where the device's memory set their number ("memory", `SlotPlan.bound`) or a setting
+    did ("slots"); the engine's tick, whose next size would not fit its budget ("tick"); or a
     door's process whose event loop lags, so its CPU cannot carry more media ("media")."""
     if m.slots_free == 0:
-        return "slots"
+        return "memory" if slots_bound == "memory" else "slots"
     if m.admitting:
         return None
     return "media" if m.media_lag_ms > 1e3 * media_lag_limit_seconds else "tick"
