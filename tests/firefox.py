@@ -20,7 +20,9 @@ import base64
 import contextlib
 import itertools
 import json
+import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -62,15 +64,19 @@ class Firefox:
         (profile / "user.js").write_text("".join(f"user_pref({json.dumps(k)}, {json.dumps(v)});\n"
                                                  for k, v in PREFS.items()))
         self.log = profile.parent / f"{profile.name}.log"
-        with open(self.log, "w") as out:
+        with open(self.log, "w") as out:  # a session of its own: `_kill` ends its content processes too
             self.proc = subprocess.Popen([FIREFOX, "--headless", "--no-remote", "--profile", str(profile),
                                           "--remote-debugging-port", "0"], stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
         self._ids = itertools.count(1)
-        self.ws: ClientConnection = connect(f"{self._address(start_timeout)}/session", max_size=None,
-                                            open_timeout=start_timeout)
-        self.command("session.new", {"capabilities": {}})
-        self.context = self.command("browsingContext.getTree", {})["contexts"][0]["context"]
+        try:
+            self.ws: ClientConnection = connect(f"{self._address(start_timeout)}/session", max_size=None,
+                                                open_timeout=start_timeout)
+            self.command("session.new", {"capabilities": {}})
+            self.context = self.command("browsingContext.getTree", {})["contexts"][0]["context"]
+        except BaseException:
+            self._kill()
+            raise
 
     def _address(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -140,8 +146,14 @@ class Firefox:
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            pass
+        self._kill()
+
+    def _kill(self) -> None:
+        """Whatever of the browser's processes is still there."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
 
 @contextlib.contextmanager

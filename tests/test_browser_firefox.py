@@ -61,5 +61,5 @@ def test_a_call_in_firefox(tiny_cache_dir, tmp_path):
         ARTIFACTS.mkdir(exist_ok=True)
         ff.screenshot(ARTIFACTS / "browser-firefox.png")
         ff.evaluate(f"{RECORD}.click()")  # the same button hangs up
-        wait_for(lambda: app.status()["slots_free"] == 2, 5, "the slot freed after hang-up")
+        wait_for(lambda: app.status()["slots_free"] == 2, 10, "the slot freed after hang-up")
         ff.wait_for(f"{STATUS}.startsWith('Call ended')", 10, "the page saying the call ended")

@@ -52,9 +52,10 @@ class PageRelay:
         webrtc_id = str(body.get("webrtc_id"))
         if body.get("type") == "ice-candidate":
             # The page trickles candidates beside its offer: one may come before the offer's request.
-            deadline = time.monotonic() + candidates.WAIT_SECONDS
+            deadline, pause = time.monotonic() + candidates.WAIT_SECONDS, candidates.POLL_SECONDS
             while (worker := self._owner.get(webrtc_id)) is None and time.monotonic() < deadline:
-                await asyncio.sleep(candidates.POLL_SECONDS)
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, candidates.MAX_POLL_SECONDS)
             if worker is None:
                 return _failed("unknown_connection")
             return await self._forward_offer(worker, body)

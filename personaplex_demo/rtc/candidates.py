@@ -30,7 +30,8 @@ from starlette.responses import JSONResponse
 log = logging.getLogger(__name__)
 
 WAIT_SECONDS = 5.0  # for the offer of a candidate that came first
-POLL_SECONDS = 0.02
+POLL_SECONDS = 0.01  # the first look again; each later one waits twice as long, up to MAX_POLL_SECONDS
+MAX_POLL_SECONDS = 0.2  # a candidate whose offer was refused costs the loop a few wake-ups, not hundreds
 
 
 def answer(status: str, error: str | None = None) -> JSONResponse:
@@ -61,15 +62,20 @@ async def add_candidate(pcs: Callable[[], dict[str, Any]], webrtc_id: str, field
     candidate.sdpMid, candidate.sdpMLineIndex = fields.get("sdpMid"), fields.get("sdpMLineIndex")
     if candidate.sdpMid is None and candidate.sdpMLineIndex is None:
         candidate.sdpMLineIndex = 0  # the page's one audio section (and its bundled data channel)
-    deadline = time.monotonic() + WAIT_SECONDS
+    deadline, pause = time.monotonic() + WAIT_SECONDS, POLL_SECONDS
     while True:
         pc = pcs().get(webrtc_id)
         if pc is not None and (pc.connectionState == "closed" or pc.remoteDescription is not None):
             break
         if time.monotonic() > deadline:
             return answer("failed", "unknown_connection" if pc is None else "no_offer")
-        await asyncio.sleep(POLL_SECONDS)
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, MAX_POLL_SECONDS)
     if pc.connectionState == "closed":
         return answer("failed", "connection_closed")
-    await pc.addIceCandidate(candidate)
+    try:
+        await pc.addIceCandidate(candidate)
+    except Exception as exc:  # as fastrtc answers it: the page only logs a candidate's failure
+        log.info("connection %s: ICE candidate not added: %s", webrtc_id, exc)
+        return answer("failed", str(exc))
     return answer("success")
