@@ -234,7 +234,14 @@ class PageCaller(Caller):
         return task
 
     async def _event(self, event: str, data: list) -> None:
-        """Run one Gradio event as the page does: join the queue, then read its SSE stream."""
+        """Run one Gradio event as the page does: join the queue, then read its SSE stream. An app
+        that stops (or a connection that drops) ends the event, as it ends the page's."""
+        try:
+            await self._run_event(event, data)
+        except httpx.TransportError:
+            pass
+
+    async def _run_event(self, event: str, data: list) -> None:
         session = uuid.uuid4().hex[:11]
         r = await self.http.post("/gradio_api/queue/join", json={
             "data": data, "event_data": None, "fn_index": self.page.fn[event], "trigger_id": self.page.rtc_id,

@@ -15,6 +15,12 @@ from personaplex_demo.runtime.tiny import ensure_tiny_repo
 from personaplex_demo.runtime.voices import VOICE_NAMES
 
 PERSONA = "You enjoy having a good conversation."
+OFFLINE_LOGGER = "personaplex_demo.cli.offline"
+
+
+def offline_errors(caplog) -> list:
+    """The CLI's own error records: another test's leftovers (an asyncio task collected now) may log too."""
+    return [r for r in caplog.records if r.levelno >= logging.ERROR and r.name == OFFLINE_LOGGER]
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +136,9 @@ def test_unknown_voice_lists_the_voices(cache_dir, stereo_44k, tmp_path, caplog)
     out = tmp_path / "out.wav"
     argv = ["-i", str(inp), "-o", str(out), "--voice", "NOBODY", "--model", "tiny", "--cache-dir", str(cache_dir),
             "--quiet"]
-    with caplog.at_level(logging.ERROR, logger="personaplex_demo.cli.offline"):
+    with caplog.at_level(logging.ERROR, logger=OFFLINE_LOGGER):
         assert main(argv) == 2
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    errors = offline_errors(caplog)
     assert len(errors) == 1 and errors[0].exc_info is None
     message = errors[0].getMessage()
     assert "\n" not in message and "NOBODY" in message
@@ -144,7 +150,7 @@ def test_persona_over_the_limit(cache_dir, stereo_44k, tmp_path, caplog):
     inp, _ = stereo_44k
     argv = ["-i", str(inp), "-o", str(tmp_path / "out.wav"), "--persona", "word " * 1000, "--model", "tiny",
             "--cache-dir", str(cache_dir), "--quiet"]
-    with caplog.at_level(logging.ERROR, logger="personaplex_demo.cli.offline"):
+    with caplog.at_level(logging.ERROR, logger=OFFLINE_LOGGER):
         assert main(argv) == 2
     assert "limit" in caplog.text
 
@@ -157,9 +163,9 @@ def test_unreadable_input(cache_dir, tmp_path, caplog, case):
     elif case == "empty":
         sf.write(inp, np.zeros(0, dtype=np.float32), 16000)
     out = tmp_path / "out.wav"
-    with caplog.at_level(logging.ERROR, logger="personaplex_demo.cli.offline"):
+    with caplog.at_level(logging.ERROR, logger=OFFLINE_LOGGER):
         assert run_cli(cache_dir, inp, out) == 2
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    errors = [r.getMessage() for r in offline_errors(caplog)]
     assert len(errors) == 1 and str(inp) in errors[0] and "\n" not in errors[0]
     expected = {"garbage": "cannot read", "missing": "not found", "empty": "no audio"}[case]
     assert expected in errors[0]
@@ -168,15 +174,15 @@ def test_unreadable_input(cache_dir, tmp_path, caplog, case):
 
 def test_unwritable_output_fails_before_the_model_runs(cache_dir, stereo_44k, tmp_path, caplog):
     inp, _ = stereo_44k
-    with caplog.at_level(logging.ERROR, logger="personaplex_demo.cli.offline"):
+    with caplog.at_level(logging.ERROR, logger=OFFLINE_LOGGER):
         assert run_cli(cache_dir, inp, tmp_path / "no-such-folder" / "out.wav") == 2
         assert run_cli(cache_dir, inp, tmp_path / "out.wav", transcript=tmp_path) == 2
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    errors = [r.getMessage() for r in offline_errors(caplog)]
     assert "does not exist" in errors[0] and "folder" in errors[1]
 
 
 def test_bad_sampling_knob_is_a_usage_error(cache_dir, stereo_44k, tmp_path, caplog):
     inp, _ = stereo_44k
-    with caplog.at_level(logging.ERROR, logger="personaplex_demo.cli.offline"):
+    with caplog.at_level(logging.ERROR, logger=OFFLINE_LOGGER):
         assert run_cli(cache_dir, inp, tmp_path / "out.wav", "--topk-audio", "5000") == 2
     assert "audio_top_k" in caplog.text
