@@ -39,11 +39,9 @@ from tests.browser_support import (  # noqa: E402
     stop_call,
     wait_for,
 )
-from tests.firefox import firefox  # noqa: E402
+from tests.firefox import RECORD, firefox  # noqa: E402
 
 log = logging.getLogger("bench.first_sound")
-GRANT = "document.querySelector('[title=\"grant webcam access\"] button')"
-RECORD = "document.querySelector('button[aria-label=\"start stream\"]')"
 WAIT_SECONDS = 20.0  # for a call's first audible packet
 
 
@@ -69,10 +67,7 @@ def chromium_call(ctx, app) -> dict:
 def firefox_call(ff, app) -> dict:
     """The call's marks; without `first_audible` if no agent audio came within the wait."""
     ff.navigate(app.base_url + "/")
-    ff.wait_for(f"{GRANT} !== null", 30, "the microphone's button")
-    ff.evaluate(f"{GRANT}.click()")
-    ff.wait_for(f"{RECORD} !== null", 30, "Record")
-    ff.evaluate(f"{RECORD}.click()")
+    ff.start_call()
     try:
         ff.wait_for("window.__t.first_audible !== undefined", WAIT_SECONDS, "the first audible packet")
     except AssertionError as exc:

@@ -49,6 +49,8 @@ PREFS: dict[str, Any] = {
     "network.captive-portal-service.enabled": False,
     "network.connectivity-service.enabled": False,
 }
+GRANT = "document.querySelector('[title=\"grant webcam access\"] button')"  # the page's microphone button
+RECORD = "document.querySelector('button[aria-label=\"start stream\"]')"  # Record, then Stop
 LISTENING = re.compile(r"WebDriver BiDi listening on (ws://\S+)")
 
 
@@ -137,6 +139,13 @@ class Firefox:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{what} within {timeout:g} s in Firefox")
             time.sleep(0.2)
+
+    def start_call(self, timeout: float = 30.0) -> None:
+        """The page's own buttons, as a person presses them: the microphone, then Record."""
+        self.wait_for(f"{GRANT} !== null", timeout, "the microphone's button")
+        self.evaluate(f"{GRANT}.click()")
+        self.wait_for(f"{RECORD} !== null", timeout, "Record")
+        self.evaluate(f"{RECORD}.click()")
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -19,13 +19,11 @@ from .browser_support import (
     require,
     wait_for,
 )
-from .firefox import FIREFOX, firefox
+from .firefox import FIREFOX, RECORD, firefox
 
 pytestmark = pytest.mark.browser
 log = logging.getLogger(__name__)
 
-GRANT = "document.querySelector('[title=\"grant webcam access\"] button')"
-RECORD = "document.querySelector('button[aria-label=\"start stream\"]')"
 CONNECTED = "window.__pcs.length > 0 && window.__pcs.at(-1).connectionState === 'connected'"
 STATUS = "document.querySelector('#status-line').innerText"
 TRANSCRIPT = "document.querySelector('#transcript-box textarea').value"
@@ -39,10 +37,7 @@ def test_a_call_in_firefox(tiny_cache_dir, tmp_path):
         ff.preload(CALL_TIMING)
         ff.preload(FIRST_AUDIBLE)
         ff.navigate(app.base_url + "/")
-        ff.wait_for(f"{GRANT} !== null", 20, "the microphone's button")
-        ff.evaluate(f"{GRANT}.click()")
-        ff.wait_for(f"{RECORD} !== null", 20, "Record")
-        ff.evaluate(f"{RECORD}.click()")
+        ff.start_call()
         ff.wait_for(CONNECTED, 30, "a connected peer")
         ff.wait_for(f"{STATUS}.startsWith('Live')", 20, "the call live")
         first = ff.call(INBOUND_BYTES)

@@ -10,9 +10,7 @@ reads. Everything here runs on the web server's event loop.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -52,10 +50,8 @@ class PageRelay:
         webrtc_id = str(body.get("webrtc_id"))
         if body.get("type") == "ice-candidate":
             # The page trickles candidates beside its offer: one may come before the offer's request.
-            deadline, pause = time.monotonic() + candidates.WAIT_SECONDS, candidates.POLL_SECONDS
-            while (worker := self._owner.get(webrtc_id)) is None and time.monotonic() < deadline:
-                await asyncio.sleep(pause)
-                pause = min(2 * pause, candidates.MAX_POLL_SECONDS)
+            await candidates.wait_until(lambda: webrtc_id in self._owner)
+            worker = self._owner.get(webrtc_id)
             if worker is None:
                 return _failed("unknown_connection")
             return await self._forward_offer(worker, body)

@@ -34,6 +34,18 @@ POLL_SECONDS = 0.01  # the first look again; each later one waits twice as long,
 MAX_POLL_SECONDS = 0.2  # a candidate whose offer was refused costs the loop a few wake-ups, not hundreds
 
 
+async def wait_until(ready: Callable[[], bool], seconds: float = WAIT_SECONDS) -> bool:
+    """Until `ready()`, looking again at growing intervals (a wait that never ends costs the loop
+    a few wake-ups, not hundreds); whether it came within `seconds`."""
+    deadline, pause = time.monotonic() + seconds, POLL_SECONDS
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, MAX_POLL_SECONDS)
+    return True
+
+
 def answer(status: str, error: str | None = None) -> JSONResponse:
     """fastrtc's answer to a trickled candidate."""
     return JSONResponse(status_code=200, content={"status": status, **({"meta": {"error": error}} if error else {})})
@@ -62,15 +74,13 @@ async def add_candidate(pcs: Callable[[], dict[str, Any]], webrtc_id: str, field
     candidate.sdpMid, candidate.sdpMLineIndex = fields.get("sdpMid"), fields.get("sdpMLineIndex")
     if candidate.sdpMid is None and candidate.sdpMLineIndex is None:
         candidate.sdpMLineIndex = 0  # the page's one audio section (and its bundled data channel)
-    deadline, pause = time.monotonic() + WAIT_SECONDS, POLL_SECONDS
-    while True:
+    def taken() -> bool:  # the offer is answered (or the connection is over already)
         pc = pcs().get(webrtc_id)
-        if pc is not None and (pc.connectionState == "closed" or pc.remoteDescription is not None):
-            break
-        if time.monotonic() > deadline:
-            return answer("failed", "unknown_connection" if pc is None else "no_offer")
-        await asyncio.sleep(pause)
-        pause = min(2 * pause, MAX_POLL_SECONDS)
+        return pc is not None and (pc.connectionState == "closed" or pc.remoteDescription is not None)
+
+    if not await wait_until(taken):
+        return answer("failed", "unknown_connection" if webrtc_id not in pcs() else "no_offer")
+    pc = pcs()[webrtc_id]
     if pc.connectionState == "closed":
         return answer("failed", "connection_closed")
     try:
