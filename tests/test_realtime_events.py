@@ -353,20 +353,29 @@ def test_sockets_are_limited_per_client_address():
 def test_the_door_follows_its_flags_and_help_never_shows_the_key(capsys):
     from types import SimpleNamespace
 
-    from personaplex_demo.cli.app import realtime_door
+    from personaplex_demo.cli.app import api_doors
     from personaplex_demo.cli.config import parse_config
 
     topology = SimpleNamespace(room=object(), runtime=SimpleNamespace(engine=Rules(), model_name="tiny"))
-    assert realtime_door(parse_config(["--no-realtime"], environ={}), topology) is None
-    door = realtime_door(parse_config(["--api-key", "k1", "--realtime-max-sockets", "2"], environ={}), topology)
-    assert door.status()["api_key_required"] and door.status()["max_sockets_per_client"] == 2
-    assert door.config.api_key == "k1" and door.routes()[0].path == "/v1/realtime"
+    assert api_doors(parse_config(["--no-api"], environ={}), topology) is None
+    # The former names still work.
+    assert api_doors(parse_config(["--no-realtime"], environ={}), topology) is None
+    assert api_doors(parse_config([], environ={"PERSONAPLEX_NO_REALTIME": "1"}), topology) is None
+    old = api_doors(parse_config(["--realtime-max-sockets", "3"], environ={}), topology)
+    assert old.status()["realtime"]["max_sockets_per_client"] == 3
+    door = api_doors(parse_config(["--api-key", "k1", "--api-max-sockets", "2"], environ={}), topology)
+    status = door.status()
+    assert status["realtime"]["api_key_required"] and status["realtime"]["max_sockets_per_client"] == 2
+    assert door.config.api_key == "k1"
     assert [r.path for r in door.routes()] == ["/v1/realtime", "/v1/live/sessions", "/api/chat", "/api/voices"]
-    assert door.chat_status()["api_key_required"]
-    opened = realtime_door(parse_config(["--api-key", "k1", "--chat-without-key"], environ={}), topology)
-    assert not opened.chat_status()["api_key_required"] and opened.status()["api_key_required"]
-    no_chat = realtime_door(parse_config(["--no-chat"], environ={}), topology)
+    assert status["chat"]["api_key_required"] and status["twilio"] is None  # no TWILIO_AUTH_TOKEN: no phone door
+    opened = api_doors(parse_config(["--api-key", "k1", "--chat-without-key"], environ={}), topology).status()
+    assert not opened["chat"]["api_key_required"] and opened["realtime"]["api_key_required"]
+    no_chat = api_doors(parse_config(["--no-chat"], environ={}), topology)
     assert [r.path for r in no_chat.routes()] == ["/v1/realtime", "/v1/live/sessions"]
+    phone = api_doors(parse_config([], environ={"TWILIO_AUTH_TOKEN": "t0ken"}), topology)
+    assert [r.path for r in phone.routes()][-2:] == ["/telephony/twilio/stream/{ticket}", "/telephony/twilio"]
+    assert not phone.status()["twilio"]["api_key_required"]
     assert parse_config([], environ={"PERSONAPLEX_API_KEY": "from-env"}).api_key == "from-env"
     with pytest.raises(SystemExit):
         parse_config(["--help"], environ={"PERSONAPLEX_API_KEY": "s3cret-value"})
@@ -439,12 +448,12 @@ class FakeSocket:
 async def test_a_gpt_live_session_the_room_ends_is_closed_with_the_rooms_reason():
     import asyncio
 
-    from personaplex_demo.api.config import RealtimeConfig
+    from personaplex_demo.api.config import ApiConfig
     from personaplex_demo.api.live_socket import LiveSocket
     from personaplex_demo.api.stats import DoorStats
 
     ws = FakeSocket()
-    sock = LiveSocket(ws, room=None, rules=Rules(), config=RealtimeConfig(), stats=DoorStats())
+    sock = LiveSocket(ws, room=None, rules=Rules(), config=ApiConfig(), stats=DoorStats())
     sock.settings = start_settings({"instructions": "You are Ada."}, Rules(), None)
     writer = asyncio.create_task(sock._write())
     await sock.on_ended("time_limit")

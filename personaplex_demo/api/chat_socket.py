@@ -19,17 +19,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import BaseRoute, Route
 from starlette.websockets import WebSocket
 
 from ..frame import SAMPLE_RATE
 from ..sampling_params import SamplingParams
-from ..serving.room import DOOR_CHAT, CallHandle, Room, SlotOutput
+from ..serving.room import CallHandle, Room, SlotOutput
 from . import errors as e
 from .client_events import ClientEvent
-from .config import RealtimeConfig
+from .config import ApiConfig
 from .errors import RealtimeError
 from .session import PromptRules, check_persona
 from .socket_base import ApiSocket
+from .socket_door import SocketDoor
 from .stats import DoorStats
 
 log = logging.getLogger(__name__)
@@ -76,13 +80,53 @@ def chat_request(query: Any, rules: PromptRules) -> ChatRequest:
     return ChatRequest(voice, persona, sampling, query.get("room_events") in ("1", "true"))
 
 
+class ChatDoor(SocketDoor):
+    """NVIDIA's protocol, with its reference clients' ways: the key may come in the query, and the
+    query is checked before anything else (a bad one is told why in the protocol's words)."""
+
+    kind, path, label = "chat", "/api/chat", "/api/chat (NVIDIA's protocol)"
+
+    @classmethod
+    def enabled(cls, config: ApiConfig) -> bool:
+        return config.chat
+
+    def key_required(self) -> bool:
+        return self.config.api_key is not None and not self.config.chat_without_key
+
+    def presented_key(self, ws: WebSocket) -> str | None:
+        return super().presented_key(ws) or ws.query_params.get("api_key")
+
+    async def check(self, ws: WebSocket) -> bool:
+        try:
+            chat_request(ws.query_params, self.doors.rules)
+        except RealtimeError as err:
+            self.stats.refuse(err.code)
+            await ws.accept()
+            await ws.send_bytes(bytes([ERROR]) + err.message.encode())
+            await ws.close(POLICY, err.message[:120])
+            return False
+        return True
+
+    def open(self, ws: WebSocket) -> tuple[str, ApiSocket]:
+        request = chat_request(ws.query_params, self.doors.rules)  # checked at the door
+        return f"chat (voice {request.voice})", ChatSocket(ws, self.doors.room, self.config, self.stats, request)
+
+    def routes(self) -> list[BaseRoute]:
+        return [Route("/api/voices", self.voices)]
+
+    async def voices(self, _: Request) -> JSONResponse:
+        """The reference server's voice list, as its clients read it."""
+        names = [f"{voice}.pt" for voice in self.doors.rules.voice_names]
+        return JSONResponse({"voices": names, "count": len(names)})
+
+
 class ChatSocket(ApiSocket):
     protocol = "chat"
     start_hint = "the call could not be placed"
 
-    def __init__(self, ws: WebSocket, room: Room, config: RealtimeConfig, stats: DoorStats,
+    def __init__(self, ws: WebSocket, room: Room, config: ApiConfig, stats: DoorStats,
                  request: ChatRequest) -> None:
-        super().__init__(ws, room, config, stats, DOOR_CHAT, speech=False)
+        super().__init__(ws, room, config, stats, ChatDoor.kind, speech=False)
         import sphn  # the reference's Opus streams; imported with the first call of this door
 
         self.request = request

@@ -1,4 +1,4 @@
-"""The Realtime door's settings (docs/realtime.md): one dataclass, mapped from the app's flags in
+"""The API doors' settings (docs/api.md): one dataclass, mapped from the app's flags in
 cli/app.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from .speech_detector import SpeechConfig
 
 
 @dataclass(frozen=True)
-class RealtimeConfig:
+class ApiConfig:
     api_key: str | None = None  # when set, a socket must present it before it may take a slot
     max_sockets_per_client: int = 4  # open sockets per client address: one script cannot take the room
     # Audio a client may send ahead of real time; the door hands it to the room at the room's pace.
@@ -44,6 +44,10 @@ class RealtimeConfig:
     # when asked (the reference protocol carries no key and LiveKit's plugin cannot add one).
     chat: bool = True
     chat_without_key: bool = False
+    # The phone door (Twilio Media Streams): on with the account's auth token, which signs its
+    # webhooks; a webhook's one-time stream URL lapses unused after `phone_ticket_seconds`.
+    twilio_auth_token: str | None = None
+    phone_ticket_seconds: float = 30.0
     # When the caller speaks (silero-vad, off the tick and the event loop): the Realtime door's
     # input_audio_buffer.speech_started / speech_stopped.
     speech: SpeechConfig = field(default_factory=SpeechConfig)

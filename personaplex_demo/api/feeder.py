@@ -18,13 +18,13 @@ import numpy as np
 from ..frame import FRAME_SAMPLES
 from ..serving.room import CallHandle, CallState
 from .audio_in import InputAudio, decode_pcm16, pcm16_samples
-from .config import RealtimeConfig
+from .config import ApiConfig
 
 SILENCE = np.zeros(FRAME_SAMPLES, np.int16)
 
 
 class Feeder:
-    def __init__(self, config: RealtimeConfig, heard: Callable[[np.ndarray], None] | None = None) -> None:
+    def __init__(self, config: ApiConfig, heard: Callable[[np.ndarray], None] | None = None) -> None:
         self.config = config
         self.heard = heard  # called with each frame handed to the room
         self.muted = False

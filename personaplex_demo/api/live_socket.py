@@ -26,10 +26,10 @@ import numpy as np
 from starlette.websockets import WebSocket
 
 from ..frame import FRAME_SECONDS
-from ..serving.room import DOOR_LIVE, CallHandle, Room, SlotOutput
+from ..serving.room import CallHandle, Room, SlotOutput
 from . import errors as e
 from .client_events import ClientEvent, field
-from .config import RealtimeConfig
+from .config import ApiConfig
 from .errors import RealtimeError
 from .live_events import (
     TEXT_APPENDS,
@@ -45,6 +45,7 @@ from .live_events import (
 from .server_events import event
 from .session import PromptRules, SessionSettings
 from .socket_base import ApiSocket
+from .socket_door import SocketDoor
 from .stats import DoorStats
 from .turns import is_speech
 
@@ -54,13 +55,20 @@ USAGE_EVERY_FRAMES = 12  # session.usage.updated about once a second
 HOLD_TEXT_FRAMES = 12  # a transcript piece waits this long for audible audio, then is left out
 
 
+class LiveDoor(SocketDoor):
+    kind, path, label = "live", "/v1/live/sessions", "GPT-Live"
+
+    def open(self, ws: WebSocket) -> tuple[str, ApiSocket]:
+        return "gpt-live", LiveSocket(ws, self.doors.room, self.doors.rules, self.config, self.stats)
+
+
 class LiveSocket(ApiSocket):
     protocol = "gpt-live"
     start_hint = "send session.start to start one"
 
-    def __init__(self, ws: WebSocket, room: Room, rules: PromptRules, config: RealtimeConfig,
+    def __init__(self, ws: WebSocket, room: Room, rules: PromptRules, config: ApiConfig,
                  stats: DoorStats) -> None:
-        super().__init__(ws, room, config, stats, DOOR_LIVE, speech=False)
+        super().__init__(ws, room, config, stats, LiveDoor.kind, speech=False)
         self.rules = rules
         self.settings: SessionSettings | None = None
         self._held_text: list[str] = []

@@ -35,8 +35,8 @@ class Outbox:
         self.audio_frames = 0
         self._checked_at = time.monotonic()
 
-    def put(self, ev: dict[str, Any] | bytes, audio: bool = False) -> None:
-        """A JSON event (an audio delta is counted as audio), or a binary message (`audio` says)."""
+    def put(self, ev: dict[str, Any] | str | bytes, audio: bool = False) -> None:
+        """A JSON event (an audio delta is counted as audio), or a text or binary message (`audio` says)."""
         if isinstance(ev, dict):
             audio = ev["type"] in AUDIO_EVENTS
             self._items.append((json.dumps(ev, separators=(",", ":")), audio))

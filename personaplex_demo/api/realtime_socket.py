@@ -19,10 +19,11 @@ from typing import Any
 
 from starlette.websockets import WebSocket
 
-from ..serving.room import DOOR_REALTIME, Room, SlotOutput
+from ..serving.room import Room, SlotOutput
+from .access import BETA_SUBPROTOCOL
 from .audio_in import decode_pcm16
 from .client_events import ClientEvent, field, parse
-from .config import RealtimeConfig
+from .config import ApiConfig
 from .conversation import Conversation
 from .errors import RealtimeError
 from .server_events import error_event, event
@@ -37,19 +38,38 @@ from .session import (
     session_object,
 )
 from .socket_base import ApiSocket
+from .socket_door import SocketDoor
 from .stats import DoorStats
 from .turns import TurnTracker
 
 log = logging.getLogger(__name__)
 
 
+def dialect_of(headers: Any, subprotocols: list[str]) -> Dialect:
+    """The beta event names for clients that ask for them (`OpenAI-Beta: realtime=v1`)."""
+    beta = "realtime=v1" in headers.get("openai-beta", "").replace(" ", "") or BETA_SUBPROTOCOL in subprotocols
+    return Dialect.BETA if beta else Dialect.CURRENT
+
+
+class RealtimeDoor(SocketDoor):
+    kind, path, label = "realtime", "/v1/realtime", "Realtime API"
+
+    def open(self, ws: WebSocket) -> tuple[str, ApiSocket]:
+        dialect = dialect_of(ws.headers, list(ws.scope.get("subprotocols") or []))
+        socket = RealtimeSocket(ws, self.doors.room, self.doors.rules, self.config, dialect, self.stats)
+        return f"realtime ({dialect.value} events)", socket
+
+    def subprotocol(self, ws: WebSocket) -> str | None:
+        return "realtime" if "realtime" in (ws.scope.get("subprotocols") or []) else None
+
+
 class RealtimeSocket(ApiSocket):
     protocol = "realtime"
     start_hint = "send audio or response.create to start one"
 
-    def __init__(self, ws: WebSocket, room: Room, rules: PromptRules, config: RealtimeConfig, dialect: Dialect,
+    def __init__(self, ws: WebSocket, room: Room, rules: PromptRules, config: ApiConfig, dialect: Dialect,
                  stats: DoorStats) -> None:
-        super().__init__(ws, room, config, stats, DOOR_REALTIME)
+        super().__init__(ws, room, config, stats, RealtimeDoor.kind)
         self.rules, self.dialect = rules, dialect
         self.settings = SessionSettings()
         self.conversation = Conversation(dialect)

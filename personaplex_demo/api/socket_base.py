@@ -29,7 +29,7 @@ from ..serving.door import DoorCall, Ended, Frame, Live, Preparing, Queued, Refu
 from ..serving.room import CallHandle, EndReason, Room, SlotOutput, end_message
 from . import errors as e
 from .client_events import ClientEvent
-from .config import RealtimeConfig
+from .config import ApiConfig
 from .errors import RealtimeError
 from .feeder import Feeder
 from .outbox import Outbox
@@ -53,7 +53,7 @@ class ApiSocket:
     protocol = "api"  # for the log
     start_hint = "send an event that starts one"  # what a client that starts no call should do
 
-    def __init__(self, ws: WebSocket, room: Room, config: RealtimeConfig, stats: DoorStats, door: str,
+    def __init__(self, ws: WebSocket, room: Room, config: ApiConfig, stats: DoorStats, door: str,
                  speech: bool = True) -> None:
         self.ws, self.room, self.config, self.stats = ws, room, config, stats
         self.session_id = new_id("sess")
@@ -181,7 +181,7 @@ class ApiSocket:
         if self._reader is not None:
             self._reader.cancel()
 
-    def send(self, ev: dict[str, Any] | bytes, audio: bool = False) -> None:
+    def send(self, ev: dict[str, Any] | str | bytes, audio: bool = False) -> None:
         if not self._closing:
             self.outbox.put(ev, audio)
 

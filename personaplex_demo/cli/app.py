@@ -127,7 +127,7 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
     from ..web.recording import RecordingStore, remove_stale_recordings
 
     runtime, room = topology.runtime, topology.room
-    door = realtime_door(cfg, topology)
+    door = api_doors(cfg, topology)
     if runtime.banner:
         log.warning("%s", runtime.banner)
     notice = None
@@ -175,31 +175,33 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
         raise
 
 
-def realtime_door(cfg: AppConfig, topology: Topology):
-    """The Realtime WebSocket door on the room (api/door.py), or None with --no-realtime."""
-    if cfg.no_realtime:
+def api_doors(cfg: AppConfig, topology: Topology):
+    """The API doors on the room (api/doors.py), or None with --no-api."""
+    if cfg.no_api:
         return None
-    from ..api.door import RealtimeDoor
+    from ..api.doors import ApiDoors
 
     if cfg.api_key is not None and cfg.chat_without_key and not cfg.no_chat:
         log.warning("/api/chat is open without a key (--chat-without-key): anyone who reaches this port can call "
                     "through NVIDIA's protocol")
     if cfg.api_key is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("the API sockets (/v1/realtime, /v1/live/sessions) are open to anyone who reaches this port: "
-                    "set --api-key "
-                    "(PERSONAPLEX_API_KEY) to require a key, or --no-realtime to turn it off")
-    return RealtimeDoor(topology.room, topology.runtime.engine,
-                        replace(api_config(cfg), model_name=topology.runtime.model_name))
+        log.warning("the API sockets (/v1/realtime, /v1/live/sessions, /api/chat) are open to anyone who reaches "
+                    "this port: set --api-key (PERSONAPLEX_API_KEY) to require a key, or --no-api to turn them off")
+    log.info("the phone door is %s", "on: POST /telephony/twilio is the numbers' voice webhook" if
+             cfg.twilio_auth_token else "off (set TWILIO_AUTH_TOKEN to take calls from Twilio numbers)")
+    return ApiDoors(topology.room, topology.runtime.engine,
+                    replace(api_config(cfg), model_name=topology.runtime.model_name))
 
 
 def api_config(cfg: AppConfig):
-    """The API door's settings (None with --no-realtime), for the main process and the media workers."""
-    if cfg.no_realtime:
+    """The API doors' settings (None with --no-api), for the main process and the media workers."""
+    if cfg.no_api:
         return None
-    from ..api.config import RealtimeConfig
+    from ..api.config import ApiConfig
 
-    return RealtimeConfig(api_key=cfg.api_key, max_sockets_per_client=cfg.realtime_max_sockets, chat=not cfg.no_chat,
-                          chat_without_key=cfg.chat_without_key, trust_forwarded_for=bool(os.environ.get("SPACE_ID")))
+    return ApiConfig(api_key=cfg.api_key, max_sockets_per_client=cfg.api_max_sockets, chat=not cfg.no_chat,
+                     chat_without_key=cfg.chat_without_key, trust_forwarded_for=cfg.trust_forwarded_for,
+                     twilio_auth_token=cfg.twilio_auth_token)
 
 
 def server_parts(cfg: AppConfig, topology: Topology, door, demo) -> dict[str, list]:
@@ -207,6 +209,7 @@ def server_parts(cfg: AppConfig, topology: Topology, door, demo) -> dict[str, li
     first: a refused visitor costs no more than a lookup (web/visitor_limits.py, web/page_cache.py)."""
     from starlette.middleware import Middleware
 
+    from ..serving.room import DOOR_PAGE
     from ..web.deeplink import RefuseLongQueries
     from ..web.page import call_events, status_routes
     from ..web.page_cache import PageCache
@@ -215,10 +218,11 @@ def server_parts(cfg: AppConfig, topology: Topology, door, demo) -> dict[str, li
 
     room, visitors = topology.room, VisitorCounts()
     limits = VisitorConfig(page_loads_per_minute=cfg.page_loads_per_minute,
-                           trust_forwarded_for=bool(os.environ.get("SPACE_ID")))
+                           trust_forwarded_for=cfg.trust_forwarded_for)
     routes = (status_routes(topology.runtime, room, lambda: status_extra(topology, door, visitors))
               + metrics_routes(room, [EngineCollector(lambda: topology.status()["engines"]),
-                                      VisitorCollector(visitors.as_dict), *(door.collectors() if door else [])])
+                                      VisitorCollector(visitors.as_dict), *(door.collectors() if door else [])],
+                               doors=(DOOR_PAGE, *(door.doors if door else ())))
               + (door.routes() if door else []))
     return {"routes": routes,
             "middleware": [Middleware(RefuseLongQueries),
@@ -243,9 +247,7 @@ def page_second(server) -> None:
 def status_extra(topology: Topology, door, visitors=None) -> dict[str, Any]:
     """/api/status beyond the room's figures: engines, media workers, the API doors, visitors refused."""
     return {**topology.status(), "visitors": visitors.as_dict() if visitors is not None else None,
-            "realtime": door.status() if door is not None else None,
-            "live": door.live_status() if door is not None else None,
-            "chat": door.chat_status() if door is not None and door.config.chat else None}
+            **(door.status() if door is not None else {})}
 
 
 def shut_down_app(demo: Any, recordings: RecordingStore, received: str, topology: Topology) -> None:

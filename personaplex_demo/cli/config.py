@@ -17,13 +17,13 @@ from .options import at_least, between, build_parser, config_from, env_help, opt
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 
 DESCRIPTION = ("PersonaPlex Live: talk with NVIDIA PersonaPlex-7B in the browser.\n"
-               "Serves the page, the WebRTC calls, the API WebSockets (/v1/realtime, /v1/live/sessions) and "
-               "GET /api/status on one port.")
+               "Serves the page, the WebRTC calls, the API doors (/v1/realtime, /v1/live/sessions, /api/chat, "
+               "the phone door) and GET /api/status on one port.")
 
 # Variables read outside AppConfig, listed in --help and docs/configuration.md with the config's own.
 OTHER_ENV = {
     "HF_TOKEN": "a Hugging Face token: fetches the gated weights and TURN relay credentials",
-    "SPACE_ID": "set by Hugging Face Spaces: the host defaults to 0.0.0.0",
+    "SPACE_ID": "set by Hugging Face Spaces: the host defaults to 0.0.0.0, --trust-forwarded-for to on",
     "PERSONAPLEX_LOOPBACK_ICE": "1: WebRTC on 127.0.0.1 only, without STUN (browser and server on one machine)",
     "PERSONAPLEX_ICE_SERVERS": "your own STUN/TURN servers for the page and the server, as JSON RTCIceServer "
                                "objects (instead of HF_TOKEN's)",
@@ -101,23 +101,32 @@ class AppConfig:
     ray_address: str | None = option(None, "the Ray cluster for --engines ray: auto (the one `ray start` joined on "
                                      "this machine) or HOST:PORT", env="PERSONAPLEX_RAY_ADDRESS",
                                      shown_default="a Ray started on this machine", metavar="ADDRESS")
-    no_realtime: bool = option(False, "turn off the API WebSockets, OpenAI-Realtime at /v1/realtime and GPT-Live "
-                               "at /v1/live/sessions (calls from code: agent frameworks, the openai SDK)",
-                               env="PERSONAPLEX_NO_REALTIME")
+    no_api: bool = option(False, "turn off every API door: the WebSockets of OpenAI-Realtime (/v1/realtime), "
+                          "GPT-Live (/v1/live/sessions) and NVIDIA's protocol (/api/chat), and the phone door "
+                          "(calls from code and from phones)", env="PERSONAPLEX_NO_API",
+                          formerly=("--no-realtime", "PERSONAPLEX_NO_REALTIME"))
     api_key: str | None = option(None, "the key every API socket must send (Authorization: Bearer KEY); on a "
                                  "Space, set it as a secret",
                                  env="PERSONAPLEX_API_KEY", secret=True,
                                  shown_default="none: the socket is open to anyone who can reach the port",
                                  metavar="KEY")
-    realtime_max_sockets: int = option(4, "open API sockets (Realtime and GPT-Live together) per client address, so "
-                                       "that one script cannot take the room", env="PERSONAPLEX_REALTIME_MAX_SOCKETS",
-                                       check=at_least(1),
-                                       metavar="N")
+    api_max_sockets: int = option(4, "open API sockets (every API door together) per client address, so that one "
+                                  "script cannot take the room (a phone network's calls are not counted: each "
+                                  "comes through a signed webhook)", env="PERSONAPLEX_API_MAX_SOCKETS",
+                                  check=at_least(1), metavar="N",
+                                  formerly=("--realtime-max-sockets", "PERSONAPLEX_REALTIME_MAX_SOCKETS"))
     no_chat: bool = option(False, "turn off /api/chat, NVIDIA's PersonaPlex server protocol (its web client, "
                            "LiveKit's PersonaPlex plugin)", env="PERSONAPLEX_NO_CHAT")
     chat_without_key: bool = option(False, "with --api-key, still open /api/chat to clients that send no key (the "
                                     "reference protocol has none, LiveKit's plugin cannot add one)",
                                     env="PERSONAPLEX_CHAT_WITHOUT_KEY")
+    twilio_auth_token: str | None = option(None, "the Twilio account's auth token: turns on the phone door "
+                                           "(POST /telephony/twilio, the number's voice webhook; docs/phone.md) and "
+                                           "checks every webhook's signature with it", env="TWILIO_AUTH_TOKEN",
+                                           secret=True, shown_default="none: the phone door is off", metavar="TOKEN")
+    trust_forwarded_for: bool = option(False, "behind a proxy that sets X-Forwarded-For (a Space's): take a "
+                                       "client's address from its last hop, for the per-address limits; "
+                                       "elsewhere a client could name any address", env="PERSONAPLEX_TRUST_FORWARDED_FOR")
     page_loads_per_minute: int = option(60, "page loads a minute from one client address, half of them at once, and "
                                         "ten times as many of the page's other visitor requests; beyond that the "
                                         "address is asked to wait (calls are never limited); 0: no limit",
@@ -134,7 +143,8 @@ class AppConfig:
 def parse_config(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> AppConfig:
     """Flags win over env vars, env vars over the defaults of AppConfig."""
     environ = os.environ if environ is None else environ
-    presets = {"host": ("0.0.0.0", "on a Hugging Face Space")} if environ.get("SPACE_ID") else {}
+    presets = ({"host": ("0.0.0.0", "on a Hugging Face Space"), "trust_forwarded_for": (True, "on a Hugging Face "
+                "Space")} if environ.get("SPACE_ID") else {})
     parser = build_parser(AppConfig, environ, presets, description=DESCRIPTION,
                           epilog=env_help(AppConfig, OTHER_ENV))
     cfg = config_from(AppConfig, parser.parse_args(argv))

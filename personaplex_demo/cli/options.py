@@ -32,15 +32,18 @@ class Option:
     metavar: str | None = None
     parse: Callable[[str], Any] | None = None  # text to value for a type of its own; a ValueError says what is wrong
     secret: bool = False  # --help says whether it is set, never the value
+    # The flag's and the variable's former names, still taken (a rename never breaks a command line).
+    formerly: tuple[str, ...] = ()
 
 
 def option(default: Any, help: str, *, env: str | None = None, choices: tuple[str, ...] | None = None,
            check: Check | None = None, shown_default: str | None = None, metavar: str | None = None,
-           parse: Callable[[str], Any] | None = None, secret: bool = False) -> Any:
-    """A dataclass field that is also a command-line flag (`--field-name`) and, with `env`, a variable."""
+           parse: Callable[[str], Any] | None = None, secret: bool = False, formerly: tuple[str, ...] = ()) -> Any:
+    """A dataclass field that is also a command-line flag (`--field-name`) and, with `env`, a variable;
+    `formerly`: its old flags (`--old-name`) and variables (`OLD_NAME`), kept as aliases."""
     return dataclasses.field(default=default,
                              metadata={"option": Option(help, env, choices, check, shown_default, metavar, parse,
-                                                        secret)})
+                                                        secret, formerly)})
 
 
 def at_least(minimum: float) -> Check:
@@ -144,22 +147,27 @@ def add_options(parser: argparse.ArgumentParser, cls: type, environ: Mapping[str
         if names is not None and spec.name not in names:
             continue
         default, source = (presets or {}).get(spec.name, (spec.default, None))
-        raw = environ.get(spec.option.env, "") if spec.option.env else ""
-        if raw.strip():  # an empty variable counts as unset
+        old_flags = [name for name in spec.option.formerly if name.startswith("--")]
+        variables = [spec.option.env] if spec.option.env else []
+        variables += [name for name in spec.option.formerly if not name.startswith("--")]
+        variable = next((name for name in variables if environ.get(name, "").strip()), None)
+        if variable is not None:  # an empty variable counts as unset
             try:
-                default = spec.convert(raw)
+                default = spec.convert(environ[variable])
             except argparse.ArgumentTypeError as exc:  # one line, without the usage text a flag error has
-                parser.exit(2, f"{parser.prog}: error: {spec.option.env}: {exc}\n")
-            source = f"from {spec.option.env}"
+                parser.exit(2, f"{parser.prog}: error: {variable}: {exc}\n")
+            source = f"from {variable}"
         shown = ("set" if spec.option.secret and default else spec.shown(default)) + (f", {source}" if source else "")
-        help_text = f"{spec.option.help} (default: {shown})".replace("%", "%%")
+        formerly = f"; formerly {', '.join(spec.option.formerly)}, still taken" if spec.option.formerly else ""
+        help_text = f"{spec.option.help} (default: {shown}{formerly})".replace("%", "%%")
         if spec.kind is bool:
-            parser.add_argument(spec.flag, dest=spec.name, action="store_true", default=default, help=help_text)
+            parser.add_argument(spec.flag, *old_flags, dest=spec.name, action="store_true", default=default,
+                                help=help_text)
         else:
             metavar = spec.option.metavar or ("{" + ",".join(spec.option.choices) + "}" if spec.option.choices
                                               else spec.name.upper())
-            parser.add_argument(spec.flag, dest=spec.name, type=spec.convert, default=default, metavar=metavar,
-                                help=help_text)
+            parser.add_argument(spec.flag, *old_flags, dest=spec.name, type=spec.convert, default=default,
+                                metavar=metavar, help=help_text)
 
 
 def config_from(cls: type, namespace: argparse.Namespace) -> Any:

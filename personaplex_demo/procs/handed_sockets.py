@@ -1,6 +1,6 @@
 """The main process's record of the API sockets it handed to media workers.
 
-The door (api/door.py) admits a socket (its key, its client's socket count); `HandedSockets`
+The API doors (api/doors.py) admit a socket (its key, its client's socket count); `HandedSockets`
 passes its connection to the worker with the fewest calls and sockets (socket_handoff.py) and
 keeps, per hand-over, which worker serves it and whose count it holds, until the worker says it
 closed (`SocketClosed`) or the worker stops. The worker's error events come back as `SocketError`,
@@ -37,7 +37,7 @@ class HandedSockets:
         self._least_loaded, self._on_loop = least_loaded, on_loop
         self._numbers = itertools.count(1)
         self._handed: dict[int, tuple[SocketWorker, str, str]] = {}  # number -> (worker, kind, address)
-        self._door = None  # api/door.py RealtimeDoor
+        self._door = None  # api/doors.py ApiDoors
         self._web_server: Callable[[], Any] = lambda: None
 
     def serve(self, door, web_server: Callable[[], Any]) -> None:

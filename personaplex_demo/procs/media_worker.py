@@ -45,8 +45,8 @@ from fastrtc import AdditionalOutputs
 from fastrtc.webrtc_connection_mixin import WebRTCConnectionMixin
 from starlette.applications import Starlette
 
-from ..api.config import RealtimeConfig
-from ..api.door import RealtimeDoor
+from ..api.config import ApiConfig
+from ..api.doors import KINDS, ApiDoors
 from ..api.stats import DoorStats
 from ..rtc.ice import server_configuration
 from ..rtc.patches import accept_candidates, answer_in_packets
@@ -80,7 +80,7 @@ class WorkerSpec:
     loopback_ice: bool = False
     connect_timeout: float = 600.0  # the engines may still be loading their model
     log_level: int = logging.INFO
-    api: RealtimeConfig | None = None  # the API door's settings, when this worker serves its sockets
+    api: ApiConfig | None = None  # the API door's settings, when this worker serves its sockets
     handoff: socket.socket | None = None  # where their connections arrive (socket_handoff.py)
 
     @property
@@ -104,13 +104,13 @@ class ReportedStats(DoorStats):
 
 
 def api_door(spec: WorkerSpec, room: DeskRoom, facts: dict[str, Any], send: Callable[[msg.WorkerReport], None]
-             ) -> RealtimeDoor | None:
+             ) -> ApiDoors | None:
     """The API door as this worker serves it: sockets the main process admitted and handed over."""
     if spec.api is None or spec.handoff is None:
         return None
     config = replace(spec.api, model_name=facts.get("model_name", spec.api.model_name))
-    stats = {kind: ReportedStats(kind, send) for kind in ("realtime", "live", "chat")}
-    return RealtimeDoor(room, EngineFacts(facts), config, stats)
+    stats = {kind: ReportedStats(kind, send) for kind in KINDS}
+    return ApiDoors(room, EngineFacts(facts), config, stats)
 
 
 class MediaHost(WebRTCConnectionMixin):

@@ -54,7 +54,7 @@ class Start:
     persona: str
     sampling: dict[str, Any]  # a SamplingParams's fields
     may_queue: bool
-    door: str = "page"  # the door it came through (serving/room.py DOORS), for the room's counts
+    door: str = "page"  # the door it came through (a label: serving/room.py), for the room's counts
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..api.config import RealtimeConfig
+from ..api.config import ApiConfig
 from ..runtime.build import RuntimeOptions, build_runtime
 from ..serving.config import PoolConfig
 from ..serving.pool import SlotPool
@@ -107,7 +107,7 @@ class TopologyOptions:
     loopback_ice: bool = False
     engines: str = "local"  # local: on this machine (`devices`); ray: actors on a Ray cluster (procs/ray/)
     ray_address: str | None = None  # None: start a Ray on this machine
-    api: RealtimeConfig | None = None  # the API sockets' door, served by the media workers when there are any
+    api: ApiConfig | None = None  # the API sockets' door, served by the media workers when there are any
 
 
 class Topology:

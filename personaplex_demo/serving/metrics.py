@@ -52,7 +52,7 @@ class PoolMetrics:
     media_lag_ms: float = 0.0  # the worst event-loop lag a door reported lately
     # Calls ended, by reason: hangup, idle, time_limit, queue_timeout, shutdown, error (any "error: ...").
     calls_ended: dict[str, int] = dataclasses.field(default_factory=dict)
-    # By the door a call came through (serving/room.py DOORS): calls in the room now, calls gone live.
+    # By the door a call came through (a label: serving/room.py): calls in the room now, calls gone live.
     calls_by_door: dict[str, int] = dataclasses.field(default_factory=dict)
     calls_started_by_door: dict[str, int] = dataclasses.field(default_factory=dict)
 

@@ -19,16 +19,13 @@ from .config import PoolConfig
 from .headroom import WaitReason
 from .metrics import PoolMetrics, TickListener
 
-__all__ = ["DOORS", "DOOR_CHAT", "DOOR_LIVE", "DOOR_PAGE", "DOOR_REALTIME", "CallEnded", "CallHandle", "CallState",
+__all__ = ["DOOR_PAGE", "CallEnded", "CallHandle", "CallState",
            "EndReason", "PoolClosedError", "PoolFullError", "Room", "SlotOutput", "TickListener", "WaitReason",
            "end_message"]
 
-# The door a call came through, a label the room only counts by (/api/status, /metrics).
-DOOR_PAGE = "page"  # the WebRTC page (web/handler.py)
-DOOR_REALTIME = "realtime"  # the OpenAI-Realtime WebSocket (api/)
-DOOR_LIVE = "live"  # the GPT-Live WebSocket (api/)
-DOOR_CHAT = "chat"  # NVIDIA's PersonaPlex protocol, /api/chat (api/)
-DOORS = (DOOR_PAGE, DOOR_REALTIME, DOOR_LIVE, DOOR_CHAT)
+# The door a call came through, a label the room only counts by (/api/status, /metrics): the
+# WebRTC page's (web/handler.py), or an API door's kind (api/doors.py's table).
+DOOR_PAGE = "page"
 
 
 class CallState(enum.StrEnum):
@@ -124,7 +121,7 @@ class CallHandle(Protocol):
     """One caller's call, as a door holds it. Non-blocking or awaitable: never blocks a loop."""
 
     id: str
-    door: str  # the door it came through (DOORS)
+    door: str  # the label of the door it came through
     state: CallState
     queue_position: int | None  # while QUEUED, 1 = next
     wait_reason: WaitReason | None  # while QUEUED: why

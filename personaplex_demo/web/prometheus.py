@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..serving.room import DOORS, EndReason, Room
+from ..serving.room import DOOR_PAGE, EndReason, Room
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,8 @@ COUNTERS = (
 class PoolCollector(Collector):
     """Reads one `pool.snapshot()` per scrape."""
 
-    def __init__(self, room: Room) -> None:
-        self.room = room
+    def __init__(self, room: Room, doors: Sequence[str] = (DOOR_PAGE,)) -> None:
+        self.room, self.doors = room, doors  # the doors' labels, each counted from zero
 
     def collect(self) -> Iterable[Metric]:
         m = self.room.snapshot()
@@ -80,13 +80,13 @@ class PoolCollector(Collector):
             ended.add_metric([reason], count)
         yield ended
         in_room = GaugeMetricFamily(f"{PREFIX}_calls", "Calls in the room (waiting, preparing or live), by the "
-                                    "door they came through: page (WebRTC), realtime (the Realtime API), live "
-                                    "(GPT-Live) or chat (NVIDIA's protocol).",
+                                    "door they came through: page (WebRTC) or an API door (/api/status names "
+                                    "each).",
                                     labels=["door"])
         started = CounterMetricFamily(f"{PREFIX}_calls_started_by_door", "Calls that went live, by door.",
                                       labels=["door"])
         for family, counts in ((in_room, m.calls_by_door), (started, m.calls_started_by_door)):
-            for door, count in sorted({**dict.fromkeys(DOORS, 0), **counts}.items()):
+            for door, count in sorted({**dict.fromkeys(self.doors, 0), **counts}.items()):
                 family.add_metric([door], count)
             yield family
 
@@ -138,11 +138,12 @@ class VisitorCollector(Collector):
         yield refused
 
 
-def build_registry(room: Room, collectors: Sequence[Collector] = ()) -> CollectorRegistry:
+def build_registry(room: Room, collectors: Sequence[Collector] = (), doors: Sequence[str] = (DOOR_PAGE,)
+                   ) -> CollectorRegistry:
     """A registry of this pool's metrics plus the process's (memory, CPU, GC). Its own registry, not
     prometheus_client's global one, so several pools (tests) never clash."""
     registry = CollectorRegistry()
-    registry.register(PoolCollector(room))
+    registry.register(PoolCollector(room, doors))
     for collector in collectors:  # the other doors' own figures
         registry.register(collector)
     tick = Histogram(f"{PREFIX}_tick_seconds", "Wall time of one tick: the batched engine step and its bookkeeping.",
@@ -163,8 +164,9 @@ def build_registry(room: Room, collectors: Sequence[Collector] = ()) -> Collecto
     return registry
 
 
-def metrics_routes(room: Room, collectors: Sequence[Collector] = ()) -> list[Route]:
-    registry = build_registry(room, collectors)
+def metrics_routes(room: Room, collectors: Sequence[Collector] = (), doors: Sequence[str] = (DOOR_PAGE,)
+                   ) -> list[Route]:
+    registry = build_registry(room, collectors, doors)
 
     async def metrics(_: Request) -> Response:
         # A snapshot sorts thousands of samples under the ticker's lock: not on the event loop.

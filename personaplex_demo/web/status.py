@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from ..serving.headroom import WaitReason
 from ..serving.metrics import PoolMetrics
-from ..serving.room import DOOR_CHAT, DOOR_LIVE, DOOR_REALTIME, CallHandle, CallState, Room
+from ..serving.room import DOOR_PAGE, CallHandle, CallState, Room
 
 # Each page update costs the server a data-channel message and a Gradio event step, per caller:
 # new text is batched to at most one update per TEXT_SECONDS, and the status line (time left,
@@ -65,7 +65,7 @@ def room_line(m: PoolMetrics, holding: int = 0) -> str:
     room = f"slots {max(m.slots_live + m.slots_prefill, holding)}/{m.slots_total} in use"
     if m.queue_length:
         room += f", {m.queue_length} waiting"
-    if api := sum(m.calls_by_door.get(door, 0) for door in (DOOR_REALTIME, DOOR_LIVE, DOOR_CHAT)):
+    if api := sum(count for door, count in m.calls_by_door.items() if door != DOOR_PAGE):
         room += f" ({api} via the API)"
     return room
 

@@ -1,0 +1,148 @@
+"""The API doors on the app's one port, beside the page (docs/api.md): one table of socket doors,
+each a module of its own. `ApiDoors` admits each socket before accepting it (the door's own
+check, then the API key and its client's socket count; a refused client gets a plain HTTP answer
+and never reaches the room), hands it to a media worker or serves it here, and reports every
+door to /api/status and /metrics.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.routing import BaseRoute, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from ..serving.loop_lag import ensure_probe
+from ..serving.room import Room
+from .access import SocketLimiter, client_address, key_accepted
+from .chat_socket import ChatDoor
+from .config import ApiConfig
+from .live_socket import LiveDoor
+from .realtime_socket import RealtimeDoor
+from .session import PromptRules
+from .socket_door import SocketDoor, deny
+from .stats import DoorStats
+from .twilio_socket import TwilioDoor
+
+log = logging.getLogger(__name__)
+
+# The table of doors: a door is its module and its line here.
+DOOR_TABLE: tuple[type[SocketDoor], ...] = (RealtimeDoor, LiveDoor, ChatDoor, TwilioDoor)
+KINDS = tuple(door.kind for door in DOOR_TABLE)
+
+# Hands an admitted socket's connection to another process (procs/handed_sockets.py): True when
+# it was taken (that process serves the socket and reports its close), False to serve it here.
+HandOff = Callable[[WebSocket, str, str], Awaitable[bool]]
+
+
+class ApiDoors:
+    """The socket doors. In the main process they admit each socket and, with media workers, hand
+    it over (`hand_off`); wherever a socket is served, `serve` accepts it and runs its protocol."""
+
+    def __init__(self, room: Room, rules: PromptRules, config: ApiConfig,
+                 stats: dict[str, DoorStats] | None = None) -> None:
+        self.room, self.rules, self.config = room, rules, config
+        self.limiter = SocketLimiter(config.max_sockets_per_client)
+        self.hand_off: HandOff | None = None
+        self.doors = {cls.kind: cls(self, (stats or {}).get(cls.kind) or DoorStats())
+                      for cls in DOOR_TABLE if cls.enabled(config)}
+
+    @property
+    def stats_by_kind(self) -> dict[str, DoorStats]:
+        return {kind: door.stats for kind, door in self.doors.items()}
+
+    def routes(self) -> list[BaseRoute]:
+        routes: list[BaseRoute] = []
+        for door in self.doors.values():
+            routes += [WebSocketRoute(door.path, functools.partial(self._enter, door=door)), *door.routes()]
+        return routes
+
+    def served_routes(self) -> list[BaseRoute]:
+        """For a process that serves sockets admitted elsewhere: accept and run, no admission."""
+        return [WebSocketRoute(door.path, functools.partial(self.serve, kind=kind)) for kind, door in self.doors.items()]
+
+    async def _enter(self, ws: WebSocket, door: SocketDoor) -> None:
+        """Admit the socket (the door's check, the key, the per-client limit); serve it here or hand it over."""
+        if not await door.check(ws):
+            return
+        address = await self._admit(ws, door)
+        if address is None:
+            return
+        try:
+            if self.hand_off is not None and await self.hand_off(ws, door.kind, address):
+                door.stats.opened()
+                address = None  # the serving process reports the close: `handed_closed`
+                return
+            door.stats.opened()
+            try:
+                await self.serve(ws, door.kind)
+            finally:
+                door.stats.closed()
+        finally:
+            if address is not None and door.keyed:
+                self.limiter.give_back(address)
+
+    def handed_closed(self, kind: str, address: str) -> None:
+        """A socket served by another process closed (or that process stopped)."""
+        door = self.doors[kind]
+        door.stats.closed()
+        if door.keyed:
+            self.limiter.give_back(address)
+
+    async def serve(self, ws: WebSocket, kind: str) -> None:
+        """Accept an admitted socket and run its protocol until it closes."""
+        door = self.doors[kind]
+        what, socket = door.open(ws)
+        await ws.accept(subprotocol=door.subprotocol(ws))
+        ensure_probe(self.room)
+        log.info("%s socket from %s", what, ws.client.host if ws.client else "?")
+        await socket.run()
+
+    async def _admit(self, ws: WebSocket, door: SocketDoor) -> str | None:
+        """The client's address, its socket counted; None (and an HTTP answer) when refused."""
+        address = client_address(ws.headers, ws.client.host if ws.client else None, self.config.trust_forwarded_for)
+        if not door.keyed:
+            return address
+        if door.key_required() and not key_accepted(self.config.api_key, door.presented_key(ws)):
+            door.stats.refuse("api_key")
+            await deny(ws, 401, "invalid_api_key", "this server needs an API key: send it as "
+                       "\"Authorization: Bearer <key>\" (or the openai-insecure-api-key.<key> subprotocol)")
+            return None
+        if not self.limiter.take(address):
+            door.stats.refuse("too_many_sockets")
+            await deny(ws, 429, "too_many_sockets", f"at most {self.limiter.limit} sockets may be open from one "
+                       "address (every API door together); close one first")
+            return None
+        return address
+
+    def status(self) -> dict[str, Any]:
+        """For /api/status: each door's figures by its kind (None for a door that is off)."""
+        return {cls.kind: self.doors[cls.kind].status() if cls.kind in self.doors else None for cls in DOOR_TABLE}
+
+    def collectors(self) -> list[Collector]:
+        return [DoorCollector(door.stats, kind, door.label) for kind, door in self.doors.items()]
+
+
+class DoorCollector(Collector):
+    def __init__(self, stats: DoorStats, prefix: str, name: str) -> None:
+        self.stats, self.prefix, self.name = stats, prefix, name
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.stats.as_dict()
+        yield GaugeMetricFamily(f"personaplex_{self.prefix}_sockets", f"Open {self.name} sockets.",
+                                value=s["sockets_open"])
+        refused = CounterMetricFamily(f"personaplex_{self.prefix}_sockets_refused",
+                                      f"{self.name} sockets refused at the door, by why.", labels=["why"])
+        for why in sorted({"api_key": 0, "too_many_sockets": 0, **s["refused"]}):
+            refused.add_metric([why], s["refused"].get(why, 0))
+        yield refused
+        errors = CounterMetricFamily(f"personaplex_{self.prefix}_errors", f"Error events sent to {self.name} "
+                                     "clients, by code.", labels=["code"])
+        for code, count in sorted(s["errors"].items()):
+            errors.add_metric([code], count)
+        yield errors

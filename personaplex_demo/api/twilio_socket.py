@@ -1,0 +1,352 @@
+"""The phone door: Twilio Media Streams into the room (docs/phone.md), so that a phone number
+takes as many simultaneous callers as the room has slots.
+
+A call to the number reaches the voice webhook (`POST /telephony/twilio`). Its
+`X-Twilio-Signature` is checked with the account's auth token by the `twilio` package's own
+validator, over the public URL Twilio called (rebuilt from the forwarded headers a Space or a
+proxy sets); the query chooses the voice and the persona (`?voice=NATM1&persona=...`, so each
+number's webhook URL can name its own), checked as the page checks them. The answer is TwiML
+that connects the call to the stream socket, whose URL carries a one-time ticket: only a call
+that came through a signed webhook reaches a slot, and only once.
+
+The stream socket speaks Twilio's events (`connected`, `start`, `media` every 20 ms, `mark`,
+`dtmf`, `stop`). The caller's mu-law 8 kHz audio is decoded and resampled to the room's 24 kHz
+(PyAV's `pcm_mulaw` codec and its stateful resampler) and handed to the call at the room's pace
+(api/feeder.py); the agent's frames go back the same way, as 20 ms `media` events, as soon as the
+room makes them. A caller who waits for a slot hears a soft tone, paced in real time; `stop` or a
+dropped socket frees the slot at once; a call the room ends is hung up (Twilio moves past the
+`<Connect>`, and the TwiML has nothing after it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import secrets
+import threading
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+import av
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import BaseRoute, Route
+from starlette.websockets import WebSocket
+
+from ..frame import SAMPLE_RATE
+from ..runtime.voice_names import DEFAULT_VOICE
+from ..sampling_params import SamplingParams
+from ..serving.room import Room, SlotOutput
+from . import errors as e
+from .client_events import ClientEvent
+from .config import ApiConfig
+from .errors import RealtimeError
+from .session import PromptRules, check_persona
+from .socket_base import ApiSocket
+from .socket_door import Doors, SocketDoor, deny
+from .stats import DoorStats
+
+log = logging.getLogger(__name__)
+
+WEBHOOK_PATH = "/telephony/twilio"
+PHONE_RATE = 8000  # Twilio Media Streams: audio/x-mulaw, 8 kHz, one channel, both ways
+CHUNK_BYTES = PHONE_RATE // 50  # 20 ms of mu-law, the size Twilio sends
+MAX_PAYLOAD_BYTES = 2 * PHONE_RATE  # 2 s of mu-law in one media event: far past anything Twilio sends
+HOLD_STEP_SECONDS = 0.08  # a waiting caller's tone goes out in steps of this much audio
+# The close codes (RFC 6455): a message that is not Twilio's JSON, a payload that is not audio,
+# events out of order.
+UNSUPPORTED_DATA, INVALID_DATA, POLICY = 1003, 1007, 1008
+
+
+class Tickets:
+    """One-time stream tickets: the webhook issues one per call, the stream socket's upgrade takes
+    it. Unused ones lapse after `seconds`. Thread-safe."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._open: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def issue(self) -> str:
+        ticket = secrets.token_urlsafe(18)
+        now = time.monotonic()
+        with self._lock:
+            self._open = {t: until for t, until in self._open.items() if until > now}
+            self._open[ticket] = now + self.seconds
+        return ticket
+
+    def take(self, ticket: str) -> bool:
+        with self._lock:
+            until = self._open.pop(ticket, None)
+        return until is not None and until > time.monotonic()
+
+
+def public_url(request: Request) -> str:
+    """The URL Twilio requested, as it signed it: behind a proxy (a Space) the scheme and host it
+    was sent to come in X-Forwarded-Proto and X-Forwarded-Host. Trusting them costs nothing here:
+    a signature is only valid with the account's secret token."""
+    headers = request.headers
+    scheme = headers.get("x-forwarded-proto", request.url.scheme).split(",")[0].strip()
+    host = headers.get("x-forwarded-host", headers.get("host", request.url.netloc)).split(",")[0].strip()
+    query = f"?{request.url.query}" if request.url.query else ""
+    return f"{scheme}://{host}{request.url.path}{query}"
+
+
+def twiml_connect(stream_url: str, parameters: dict[str, str]) -> str:
+    """TwiML that connects the call to the stream socket, with the call's settings as parameters."""
+    from twilio.twiml.voice_response import Connect, VoiceResponse
+
+    response, connect = VoiceResponse(), Connect()
+    stream = connect.stream(url=stream_url)
+    for name, value in parameters.items():
+        stream.parameter(name=name, value=value)
+    response.append(connect)
+    return str(response)
+
+
+class TwilioDoor(SocketDoor):
+    kind, path, label = "twilio", WEBHOOK_PATH + "/stream/{ticket}", "phone (Twilio Media Streams)"
+    keyed = False  # a phone network carries no key; a signed webhook's ticket admits the socket
+
+    def __init__(self, doors: Doors, stats: DoorStats) -> None:
+        super().__init__(doors, stats)
+        self.tickets = Tickets(self.config.phone_ticket_seconds)
+
+    @classmethod
+    def enabled(cls, config: ApiConfig) -> bool:
+        return config.twilio_auth_token is not None
+
+    async def check(self, ws: WebSocket) -> bool:
+        if self.tickets.take(ws.path_params.get("ticket", "")):
+            return True
+        self.stats.refuse("ticket")
+        await deny(ws, 403, "invalid_ticket", "a stream socket needs the one-time URL a signed webhook answered")
+        return False
+
+    def open(self, ws: WebSocket) -> tuple[str, ApiSocket]:
+        return "phone (Twilio)", TwilioSocket(ws, self.doors.room, self.doors.rules, self.config, self.stats)
+
+    def routes(self) -> list[BaseRoute]:
+        return [Route(WEBHOOK_PATH, self.webhook, methods=["POST"])]
+
+    def status(self) -> dict[str, Any]:
+        return {**super().status(), "webhook": WEBHOOK_PATH}
+
+    async def webhook(self, request: Request) -> Response:
+        """The voice webhook: a signed request from Twilio gets TwiML that connects the call."""
+        from twilio.request_validator import RequestValidator, get_signature_algorithm
+
+        form = {key: str(value) for key, value in (await request.form()).items()}
+        url = public_url(request)
+        signature = request.headers.get("x-twilio-signature", "")
+        algorithm = get_signature_algorithm(request.headers.get("x-twilio-webhooks-signature-settings"))
+        if not RequestValidator(self.config.twilio_auth_token).validate(url, form, signature, algorithm):
+            self.stats.refuse("signature")
+            log.warning("phone: a webhook for %s with %s was refused", url,
+                        "a wrong signature" if signature else "no signature")
+            return PlainTextResponse("the X-Twilio-Signature does not match this request and the account's auth "
+                                     "token", status_code=403)
+        query = request.query_params
+        voice = str(query.get("voice") or DEFAULT_VOICE).removesuffix(".pt")
+        persona = str(query.get("persona") or "")
+        try:
+            if voice not in self.doors.rules.voice_names:
+                raise RealtimeError(e.UNKNOWN_VOICE, f"unknown voice {voice!r}: one of "
+                                    f"{', '.join(self.doors.rules.voice_names)}")
+            check_persona(persona, self.doors.rules, "the persona", "persona")
+        except RealtimeError as err:
+            self.stats.refuse("bad_request")
+            log.warning("phone: the webhook's call was refused: %s", err.message)
+            return PlainTextResponse(err.message, status_code=400)
+        scheme = "ws" if url.startswith("http:") else "wss"
+        stream = f"{scheme}://{urlsplit(url).netloc}{WEBHOOK_PATH}/stream/{self.tickets.issue()}"
+        log.info("phone: call %s from %s connected to the room", form.get("CallSid", "?"), form.get("From", "?"))
+        return Response(twiml_connect(stream, {"voice": voice, "persona": persona}), media_type="application/xml")
+
+
+def hold_tone(seconds: float = 2.0) -> np.ndarray:
+    """A waiting caller's sound: a soft 440 Hz note of half a second, faded in and out, then quiet,
+    every `seconds`; int16 at the phone's rate."""
+    t = np.arange(int(PHONE_RATE * 0.5)) / PHONE_RATE
+    note = np.sin(2 * np.pi * 440 * t) * np.sin(np.pi * t / 0.5) * 0.1
+    cycle = np.zeros(int(PHONE_RATE * seconds))
+    cycle[:note.size] = note
+    return np.round(cycle * 32767).astype(np.int16)
+
+
+class PhoneAudio:
+    """mu-law 8 kHz to the room's int16 24 kHz and back, with PyAV's codec and stateful resamplers
+    (one of each way per call, so no sample is lost between chunks)."""
+
+    def __init__(self) -> None:
+        self._decoder = av.CodecContext.create("pcm_mulaw", "r")
+        self._decoder.sample_rate, self._decoder.layout = PHONE_RATE, "mono"
+        self._encoder = av.CodecContext.create("pcm_mulaw", "w")
+        self._encoder.sample_rate, self._encoder.format, self._encoder.layout = PHONE_RATE, "s16", "mono"
+        self._up = av.AudioResampler(format="s16", layout="mono", rate=SAMPLE_RATE)
+        self._down = av.AudioResampler(format="s16", layout="mono", rate=PHONE_RATE)
+
+    def heard(self, mulaw: bytes) -> np.ndarray:
+        frames = [out for decoded in self._decoder.decode(av.Packet(mulaw)) for out in self._up.resample(decoded)]
+        return np.concatenate([f.to_ndarray()[0] for f in frames]) if frames else np.zeros(0, np.int16)
+
+    def said(self, pcm: np.ndarray, rate: int = SAMPLE_RATE) -> bytes:
+        """int16 or float (-1..1) samples at `rate` as mu-law at the phone's rate."""
+        if pcm.dtype != np.int16:
+            pcm = np.clip(np.round(np.nan_to_num(pcm) * 32767.0), -32768, 32767).astype(np.int16)
+        frame = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = rate
+        frames = self._down.resample(frame) if rate != PHONE_RATE else [frame]
+        return b"".join(bytes(packet) for f in frames for packet in self._encoder.encode(f))
+
+
+class TwilioSocket(ApiSocket):
+    protocol = "phone"
+    start_hint = "a stream starts with its start event"
+
+    def __init__(self, ws: WebSocket, room: Room, rules: PromptRules, config: ApiConfig, stats: DoorStats) -> None:
+        super().__init__(ws, room, config, stats, TwilioDoor.kind, speech=False)
+        self.rules = rules
+        self.room_events = True  # the queue's news starts and stops the hold tone
+        self.outbox.frame_bytes = 4 * 330  # one room frame: four 20 ms media events
+        self.audio = PhoneAudio()
+        self.stream_sid: str | None = None
+        self.call_sid = "?"
+        self._hold: asyncio.Task | None = None
+
+    def parse(self, data: str | bytes | None) -> ClientEvent:
+        if not isinstance(data, str):
+            return ClientEvent("binary", None, {})
+        if len(data) > self.config.max_message_bytes:
+            return ClientEvent("oversize", None, {})
+        try:
+            body = json.loads(data)
+        except ValueError:
+            return ClientEvent("not_json", None, {})
+        if not isinstance(body, dict) or not isinstance(body.get("event"), str):
+            return ClientEvent("not_json", None, {})
+        return ClientEvent(body["event"], None, body)
+
+    async def handle(self, ev: ClientEvent) -> None:
+        match ev.type:
+            case "media":
+                await self._media(ev.body.get("media"))
+            case "start":
+                await self._start(ev.body.get("start"))
+            case "stop":
+                log.info("phone %s: Twilio stopped the stream (call %s)", self.session_id, self.call_sid)
+                self.door_call.hang_up()
+                await self.close(1000, "the stream stopped")
+            case "connected" | "mark":
+                pass
+            case "dtmf":
+                digit = (ev.body.get("dtmf") or {}).get("digit")
+                log.info("phone %s: the caller pressed %s", self.session_id, digit)
+            case "binary":
+                await self.refuse(UNSUPPORTED_DATA, "Twilio's stream events are JSON text messages")
+            case "oversize":
+                await self.refuse(POLICY, f"a message over {self.config.max_message_bytes} bytes")
+            case "not_json":
+                await self.refuse(INVALID_DATA, "a message that is not a JSON object with an event")
+            case other:  # a newer version of the protocol: carry on without it
+                self.stats.error("unknown_event")
+                log.info("phone %s: ignoring an unknown event %r", self.session_id, other[:40])
+
+    async def _start(self, start: Any) -> None:
+        if self.stream_sid is not None:
+            await self.refuse(POLICY, "a second start event on one stream")
+            return
+        if not isinstance(start, dict) or not isinstance(start.get("streamSid"), str):
+            await self.refuse(POLICY, "a start event without its streamSid")
+            return
+        fmt = start.get("mediaFormat") or {}
+        if (fmt.get("encoding"), int(fmt.get("sampleRate") or 0), int(fmt.get("channels") or 0)) != (
+                "audio/x-mulaw", PHONE_RATE, 1):
+            await self.refuse(POLICY, f"media format {fmt!r}: this door takes audio/x-mulaw, 8000 Hz, one channel")
+            return
+        self.stream_sid, self.call_sid = start["streamSid"], str(start.get("callSid") or "?")
+        params = start.get("customParameters") or {}
+        voice, persona = str(params.get("voice") or DEFAULT_VOICE), str(params.get("persona") or "")
+        try:
+            check_persona(persona, self.rules, "the persona", "persona")
+            await self.start_call(voice, persona, SamplingParams(), None)
+        except RealtimeError as err:  # the webhook checked both: a stream that did not come through it
+            await self.refuse(POLICY, err.message)
+
+    async def _media(self, media: Any) -> None:
+        if self.stream_sid is None:
+            await self.refuse(POLICY, "a media event before the start event")
+            return
+        payload = media.get("payload") if isinstance(media, dict) else None
+        if not isinstance(payload, str) or len(payload) > MAX_PAYLOAD_BYTES * 4 // 3 + 4:
+            await self.refuse(POLICY, f"a media event needs a base64 payload of at most {MAX_PAYLOAD_BYTES} bytes")
+            return
+        try:
+            mulaw = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            await self.refuse(INVALID_DATA, "a media payload that is not base64")
+            return
+        if not mulaw or media.get("track", "inbound") != "inbound":
+            return
+        if self.feeder.append_pcm(self.audio.heard(mulaw), self.call):
+            self.feeder.feed(self.call)
+
+    async def refuse(self, code: int, reason: str) -> None:
+        """Bad input: the reason in the close (Twilio's debugger shows it), the call hung up."""
+        self.stats.error(str(code))
+        log.info("phone %s: closing (%d): %s", self.session_id, code, reason)
+        self.door_call.hang_up()
+        await self.close(code, reason)
+
+    def error(self, err: RealtimeError) -> None:
+        """Twilio's protocol has no error message: counted and logged only."""
+        self.stats.error(err.code)
+        log.info("phone %s: %s", self.session_id, err)
+
+    def room_event(self, kind: str, **fields: Any) -> None:
+        """The room's news, as marks in the outgoing audio (Twilio names each back once the caller
+        has heard up to it): `queue-<place>` while waiting, with the hold tone; `live` where the
+        agent's audio starts."""
+        if kind == "queue":
+            self._mark(f"queue-{fields.get('position')}")
+            if self._hold is None:
+                log.info("phone %s: waiting, place %s", self.session_id, fields.get("position"))
+                self._hold = self._spawn(self._play_hold_tone())
+        elif kind in ("preparing", "live"):
+            if self._hold is not None:
+                self._hold.cancel()
+                self._hold = None
+            if kind == "live":
+                self._mark("live")
+
+    def _mark(self, name: str) -> None:
+        self.send(json.dumps({"event": "mark", "streamSid": self.stream_sid, "mark": {"name": name}}))
+
+    async def _play_hold_tone(self) -> None:
+        """The tone, paced against the clock (Twilio plays what it gets at once: sent faster it
+        would pile up ahead of the agent's first words)."""
+        tone = self.audio.said(hold_tone(), PHONE_RATE)
+        step = int(PHONE_RATE * HOLD_STEP_SECONDS)
+        loop, start, sent = asyncio.get_running_loop(), asyncio.get_running_loop().time(), 0
+        while True:
+            offset = (sent * step) % len(tone)
+            self._send_audio(tone[offset:offset + step])
+            sent += 1
+            await asyncio.sleep(max(0.0, start + sent * HOLD_STEP_SECONDS - loop.time()))
+
+    def _send_audio(self, mulaw: bytes) -> None:
+        for i in range(0, len(mulaw), CHUNK_BYTES):
+            payload = base64.b64encode(mulaw[i:i + CHUNK_BYTES]).decode()
+            self.send(json.dumps({"event": "media", "streamSid": self.stream_sid, "media": {"payload": payload}},
+                                 separators=(",", ":")), audio=i == 0)
+
+    def on_frame(self, out: SlotOutput) -> None:
+        self._send_audio(self.audio.said(np.asarray(out.pcm, np.float32)))
+
+    def tell_ended(self, reason: str, message: str) -> None:
+        log.info("phone %s: the room ended call %s (%s): %s", self.session_id, self.call_sid, reason, message)
