@@ -2,7 +2,8 @@
 the app as a user starts it (default topology, tiny model, one torch thread), in real time.
 
 For each door (`realtime`: OpenAI Realtime events over plain `websockets`; `live`: GPT-Live;
-`chat`: NVIDIA's /api/chat with Ogg Opus through sphn) and each caller count N, this starts the
+`chat`: NVIDIA's /api/chat with Ogg Opus through sphn; `twilio`: the phone door, a signed webhook
+and Media Streams' mu-law events every 20 ms, tests/phone_network.py) and each caller count N, this starts the
 app, connects N clients that configure a voice and a persona and stream 24 kHz speech-like audio
 at the pace it plays (40 ms appends, 80 ms Opus pages on /api/chat), waits until every caller
 hears the agent, and measures over `--seconds`:
@@ -24,6 +25,7 @@ import asyncio
 import base64
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -117,6 +119,42 @@ class Caller:
         return sum(n for at, n in self.arrivals if since <= at <= until) / RATE
 
 
+PHONE_TOKEN = "bench-auth-token"
+
+
+class PhoneCaller:
+    """A phone call as Twilio places it: the signed webhook, then the stream in real time."""
+
+    def __init__(self, base: str, index: int) -> None:
+        self.base, self.index = base, index
+        self.stream = None
+
+    @property
+    def arrivals(self) -> list[tuple[float, int]]:
+        return self.stream.arrivals if self.stream is not None else []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        import httpx
+
+        from tests.phone_network import PhoneStream, caller_voice, place_call
+
+        async with httpx.AsyncClient(timeout=10) as http:
+            twiml = await place_call(http, f"{self.base}/telephony/twilio?voice=NATF2", PHONE_TOKEN)
+        self.stream = PhoneStream(twiml)
+        await self.stream.open()
+        talking = asyncio.create_task(self.stream.talk(caller_voice(3.0, self.index), 600))
+        try:
+            await stop.wait()
+        finally:
+            talking.cancel()
+            await self.stream.hang_up()
+
+    def heard(self, since: float, until: float) -> float:
+        """Seconds of agent audio (8000 mu-law bytes a second) that arrived in [since, until]."""
+        marks = [(0.0, 0), *self.arrivals]
+        return sum(n - before for (_, before), (at, n) in zip(marks, marks[1:]) if since <= at <= until) / 8000
+
+
 def process_cpu(app: App, workers: list[int]) -> dict[str, float]:
     """CPU seconds of the main process, of the media workers (`workers`: their pids, from
     /api/status) and of every other child (the engine process)."""
@@ -157,7 +195,7 @@ class Row:
 
 async def measure(app: App, door: str, n: int, seconds: float, settle: float) -> tuple[dict[str, float], list[float]]:
     stop = asyncio.Event()
-    callers = [Caller(door, app.base, i) for i in range(n)]
+    callers = [PhoneCaller(app.base, i) if door == "twilio" else Caller(door, app.base, i) for i in range(n)]
     tasks = [asyncio.create_task(c.run(stop)) for c in callers]
     deadline = time.monotonic() + 60
     while not all(c.arrivals for c in callers):
@@ -222,7 +260,8 @@ async def run(args) -> list[Row]:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--doors", nargs="+", default=["realtime", "live", "chat"], choices=["realtime", "live", "chat"])
+    ap.add_argument("--doors", nargs="+", default=["realtime", "live", "chat", "twilio"],
+                    choices=["realtime", "live", "chat", "twilio"])
     ap.add_argument("--callers", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=15.0)
@@ -231,13 +270,15 @@ def main() -> None:
     ap.add_argument("--compare", default=None, metavar="DIR", help="a checkout of another version, run alternately")
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--section", default="API callers per process", help="the section of BENCHMARKS.md to write")
     args = ap.parse_args()
+    os.environ["TWILIO_AUTH_TOKEN"] = PHONE_TOKEN  # the phone door, in every app this starts
     rows = asyncio.run(run(args))
     text = table(rows)
     print(machine_line(machine()))
     print(text)
     if args.write:
-        replace_section("API callers per process", text, command_line(), machine())
+        replace_section(args.section, text, command_line(), machine())
 
 
 if __name__ == "__main__":
