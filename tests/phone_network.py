@@ -7,9 +7,8 @@
 - The stream socket, Media Streams' messages: `connected`, `start` (streamSid, callSid,
   accountSid, tracks, mediaFormat, customParameters), then a `media` event every 20 ms of the
   caller's mu-law 8 kHz audio (`track`, `chunk`, `timestamp` in ms, `payload` in base64), each
-  with its `sequenceNumber`; `dtmf`; `stop`. What the server sends: `media` (played in order),
-  `mark` (named back once what came before it has played: here at once, as nothing is played),
-  `clear`.
+  with its `sequenceNumber`; `dtmf`; `stop`. What the server sends: `media` (played in order) and
+  `mark` (named back once what came before it has played: here at once, as nothing is played).
 """
 
 from __future__ import annotations
@@ -47,15 +46,17 @@ class Twiml:
 
 
 async def place_call(http: httpx.AsyncClient, url: str, token: str | None, *, call_sid: str | None = None,
-                     signature: str | None = None) -> Twiml:
+                     signature: str | None = None, public_url: str | None = None,
+                     headers: dict[str, str] | None = None) -> Twiml:
     """The webhook request Twilio makes when the number rings: the form fields of a voice call,
-    signed with `token` (or with the given `signature`)."""
+    signed with `token` (or with the given `signature`) over `public_url` (the URL Twilio called,
+    when a proxy stands between it and `url`)."""
     form = {"AccountSid": ACCOUNT, "ApiVersion": "2010-04-01", "CallSid": call_sid or sid("CA"),
             "CallStatus": "ringing", "Called": "+15005550006", "Caller": "+14155550100", "Direction": "inbound",
             "From": "+14155550100", "To": "+15005550006"}
     if signature is None and token is not None:
-        signature = RequestValidator(token).compute_signature(url, form)
-    headers = {"X-Twilio-Signature": signature} if signature is not None else {}
+        signature = RequestValidator(token).compute_signature(public_url or url, form)
+    headers = {**(headers or {}), **({"X-Twilio-Signature": signature} if signature is not None else {})}
     r = await http.post(url, data=form, headers=headers)
     twiml = Twiml(r.status_code, r.text)
     if r.status_code == 200:
@@ -106,7 +107,8 @@ class PhoneStream:
         self.close_code: int | None = None
         self.close_reason = ""
         self.closed = asyncio.Event()
-        self._sequence = 0
+        self._sequence = 0  # every message after `connected`
+        self._chunks = 0  # media messages, from 1
         self._sent_ms = 0
         self._reader: asyncio.Task | None = None
 
@@ -141,7 +143,8 @@ class PhoneStream:
         await self.ws.send(data)
 
     async def media(self, chunk: bytes) -> None:
-        await self.send({"event": "media", "media": {"track": "inbound", "chunk": str(self._sequence),
+        self._chunks += 1
+        await self.send({"event": "media", "media": {"track": "inbound", "chunk": str(self._chunks),
                                                      "timestamp": str(self._sent_ms),
                                                      "payload": base64.b64encode(chunk).decode()}})
         self._sent_ms += len(chunk) * 1000 // RATE
@@ -166,8 +169,7 @@ class PhoneStream:
                     self.arrivals.append((time.monotonic(), len(self.heard)))
                 elif ev.get("event") == "mark":
                     self.marks.append((time.monotonic(), ev["mark"]["name"]))
-                    await self.ws.send(json.dumps({"event": "mark", "streamSid": self.stream_sid,
-                                                   "sequenceNumber": "0", "mark": ev["mark"]}))
+                    await self.send({"event": "mark", "mark": ev["mark"]})
         except Exception:
             pass
         finally:

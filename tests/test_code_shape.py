@@ -17,12 +17,11 @@ MAX_FUNCTION_LINES = 60
 MAX_TOP_LEVEL_MODULES = 6
 # Folders whose every module must import without torch: they run in processes that never load
 # the model (the page's process with engine processes, media workers) or sit between the doors
-# and the room. procs/ holds both sides of the process boundary: its engine side loads the model.
-TORCH_FREE_FOLDERS = ("serving", "web", "rtc")
-TORCH_FREE_MODULES = ("procs.channel", "procs.messages", "procs.launcher", "procs.engine_link", "procs.pool_server",
-                      "procs.media_worker", "procs.media_workers", "procs.pool_router", "procs.routed_call",
-                      "procs.queue_desk", "procs.desk_room", "cli.app", "cli.options", "cli.preflight",
-                      "cli.lifecycle", "frame", "errors", "sampling_params", "logs", "runtime.voice_names")
+# and the room. orchestration/ starts both sides of the process boundary: its engine side loads the model.
+TORCH_FREE_FOLDERS = ("serving", "web", "rtc", "procs", "api")
+TORCH_FREE_MODULES = ("orchestration.media_worker", "orchestration.media_workers", "orchestration.page_relay",
+                      "orchestration.handed_sockets", "cli.app", "cli.options", "cli.preflight", "cli.lifecycle",
+                      "frame", "errors", "sampling_params", "logs", "addresses", "runtime.voice_names")
 
 
 def parse(source: str) -> ast.Module:
@@ -112,6 +111,41 @@ def test_no_import_circle_in_the_package():
         if name not in state:
             walk(name, [])
     assert not circles, "\n".join(circles)
+
+
+# The layers, bottom to top: the folders each folder may import from ("" is the package's top-level
+# modules, shared by all). The doors (web/ the page's, api/ the sockets') stand side by side on the
+# room and never import each other; procs/, the process plumbing, sits below them, and
+# orchestration/, which hosts them in processes, above them.
+MAY_IMPORT = {
+    "": set(),
+    "model": {""},
+    "engine": {"", "model"},
+    "runtime": {"", "model", "engine", "serving"},
+    "serving": {"", "engine"},  # the engine's type, for a type checker only
+    "procs": {"", "serving"},
+    "rtc": {""},
+    "web": {"", "serving", "runtime", "rtc"},
+    "api": {"", "serving", "runtime"},
+    "orchestration": {"", "serving", "runtime", "procs", "rtc", "web", "api"},
+    "cli": {"", "model", "engine", "runtime", "serving", "procs", "rtc", "web", "api", "orchestration"},
+}
+
+
+def folder_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else ""
+
+
+def test_each_layer_imports_only_the_layers_below_it_and_no_door_another_door():
+    modules = package_modules()
+    assert {folder_of(name) for name in modules} == set(MAY_IMPORT), "a folder without its place in MAY_IMPORT"
+    wrong = []
+    for name, path in modules.items():
+        for target in imported_modules(path, name, modules):
+            if folder_of(target) != folder_of(name) and folder_of(target) not in MAY_IMPORT[folder_of(name)]:
+                wrong.append(f"{name} imports {target}")
+    assert not wrong, "\n".join(sorted(wrong))
 
 
 def test_the_torch_free_layers_do_not_import_torch():

@@ -23,7 +23,7 @@ import torch
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from personaplex_demo.procs.topology import default_media_workers, ipc_directory, resolve_devices
+from personaplex_demo.orchestration.topology import default_media_workers, ipc_directory, resolve_devices
 from personaplex_demo.web import mic_hold
 
 from .browser_support import LaunchedApp, launched_app

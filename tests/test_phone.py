@@ -60,15 +60,28 @@ async def test_the_webhook_connects_a_signed_call_and_refuses_the_rest(app):
         twiml = await place_call(http, webhook(app, voice="NATM1", persona=PERSONA), TOKEN)
         assert twiml.status == 200 and "<Connect><Stream" in twiml.text
         assert twiml.stream_url.startswith(app.base_url.replace("http", "ws", 1) + "/telephony/twilio/stream/")
-        assert twiml.parameters == {"voice": "NATM1", "persona": PERSONA}
+        assert twiml.parameters == {"voice": "NATM1"}  # the persona stays with the ticket, on the server
+        # A persona by the name of one of the page's presets.
+        preset = await place_call(http, webhook(app, voice="VARF1", preset="Customer service: restaurant"), TOKEN)
+        assert preset.status == 200 and preset.parameters == {"voice": "VARF1", "preset": "Customer service: restaurant"}
+        # Behind a proxy: Twilio signed the public https URL, and streams to wss on that host.
+        public = "https://phone.example.org/telephony/twilio?voice=NATM1"
+        proxied = await place_call(http, webhook(app, voice="NATM1"), TOKEN, public_url=public,
+                                   headers={"X-Forwarded-Proto": "https", "X-Forwarded-Host": "phone.example.org"})
+        assert proxied.status == 200 and proxied.stream_url.startswith("wss://phone.example.org/telephony/twilio/stream/")
+        # Signed with a webhook shared key: not the auth token's signature, refused with the reason.
+        shared = await place_call(http, url := webhook(app, voice="NATM1"), TOKEN,
+                                  headers={"X-Twilio-Webhooks-Signature-Settings": "key=k1,algorithm=HMAC_SHA256"})
+        assert shared.status == 403 and "shared-key" in shared.text
         # Signed with another account's token, not signed, or signed for another URL.
-        url = webhook(app, voice="NATM1")
         for bad in (await place_call(http, url, "another-token"), await place_call(http, url, None),
                     await place_call(http, url, TOKEN, signature=twiml_signature_for(webhook(app), TOKEN))):
             assert bad.status == 403 and "X-Twilio-Signature" in bad.text and bad.stream_url is None
         # A number set up with a voice or a persona the room cannot take: refused before any slot.
         unknown = await place_call(http, webhook(app, voice="NOBODY"), TOKEN)
         assert unknown.status == 400 and "unknown voice 'NOBODY'" in unknown.text
+        no_such = await place_call(http, webhook(app, preset="Nobody's persona"), TOKEN)
+        assert no_such.status == 400 and "unknown preset" in no_such.text
         long = await place_call(http, webhook(app, persona="talk " * 1000), TOKEN)  # 5000 characters
         assert long.status == 400 and "persona" in long.text
         # The stream socket: only with the URL a signed webhook answered, and only once.
@@ -81,7 +94,7 @@ async def test_the_webhook_connects_a_signed_call_and_refuses_the_rest(app):
                 await PhoneStream(twiml_used).open()
             assert info.value.response.status_code == 403
     status = app.status()["twilio"]
-    assert status["refused"]["signature"] >= 3 and status["refused"]["bad_request"] >= 2
+    assert status["refused"]["signature"] >= 4 and status["refused"]["bad_request"] >= 3
     assert status["refused"]["ticket"] >= 2 and status["api_key_required"] is False
 
 

@@ -9,8 +9,9 @@ import json
 import numpy as np
 import pytest
 
+from personaplex_demo.addresses import client_address
 from personaplex_demo.api import errors as codes
-from personaplex_demo.api.access import SocketLimiter, client_address, key_accepted, presented_key
+from personaplex_demo.api.access import SocketLimiter, key_accepted, presented_key
 from personaplex_demo.api.audio_in import InputAudio, decode_pcm16, pcm16_samples
 from personaplex_demo.api.client_events import parse
 from personaplex_demo.api.conversation import Conversation

@@ -101,14 +101,14 @@ def relayed(message: Any) -> Any:
 @contextlib.contextmanager
 def ray_engines(cache_dir: Path, config: PoolConfig) -> Iterator[Any]:
     """Two engines of one slot as Ray actors, one on each node of a two-node cluster on this
-    machine, as `--engines ray` starts them (procs/ray/engines.py)."""
+    machine, as `--engines ray` starts them (orchestration/ray/engines.py)."""
     if not IN_CI:
         pytest.importorskip("ray", reason="Ray is an optional extra (requirements-ray.txt)")
     import ray
     from ray.cluster_utils import Cluster
 
-    from personaplex_demo.procs.ray.engine_actor import ENGINE_RESOURCE
-    from personaplex_demo.procs.ray.engines import RayEngines, connect, new_spec
+    from personaplex_demo.orchestration.ray.engine_actor import ENGINE_RESOURCE
+    from personaplex_demo.orchestration.ray.engines import RayEngines, connect, new_spec
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     node = {"num_cpus": 1, "resources": {ENGINE_RESOURCE: 1}}

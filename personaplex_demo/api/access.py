@@ -1,4 +1,4 @@
-"""Who may open a Realtime socket: the API key (when one is set) and a limit of sockets per
+"""Who may open an API socket: the API key (when one is set) and a limit of sockets per
 client address, both checked before the socket is accepted, so a refused client never touches
 a slot (docs/realtime.md § Access)."""
 
@@ -30,17 +30,6 @@ def key_accepted(expected: str | None, presented: str | None) -> bool:
     if expected is None:
         return True
     return presented is not None and hmac.compare_digest(expected.encode(), presented.encode())
-
-
-def client_address(headers: Mapping[str, str], peer: str | None, trust_forwarded_for: bool = False) -> str:
-    """The client's address: behind a proxy that sets X-Forwarded-For (a Space), the last hop it
-    added (a client can forge the earlier ones); otherwise the peer's, since without such a proxy
-    the header is whatever the client wrote."""
-    if trust_forwarded_for:
-        forwarded = [part.strip() for part in headers.get("x-forwarded-for", "").split(",") if part.strip()]
-        if forwarded:
-            return forwarded[-1]
-    return peer or "unknown"
 
 
 class SocketLimiter:

@@ -17,9 +17,10 @@ from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket
 
+from ..addresses import client_address
 from ..serving.loop_lag import ensure_probe
 from ..serving.room import Room
-from .access import SocketLimiter, client_address, key_accepted
+from .access import SocketLimiter, key_accepted
 from .chat_socket import ChatDoor
 from .config import ApiConfig
 from .live_socket import LiveDoor
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 DOOR_TABLE: tuple[type[SocketDoor], ...] = (RealtimeDoor, LiveDoor, ChatDoor, TwilioDoor)
 KINDS = tuple(door.kind for door in DOOR_TABLE)
 
-# Hands an admitted socket's connection to another process (procs/handed_sockets.py): True when
+# Hands an admitted socket's connection to another process (orchestration/handed_sockets.py): True when
 # it was taken (that process serves the socket and reports its close), False to serve it here.
 HandOff = Callable[[WebSocket, str, str], Awaitable[bool]]
 

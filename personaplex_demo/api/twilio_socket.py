@@ -4,10 +4,12 @@ takes as many simultaneous callers as the room has slots.
 A call to the number reaches the voice webhook (`POST /telephony/twilio`). Its
 `X-Twilio-Signature` is checked with the account's auth token by the `twilio` package's own
 validator, over the public URL Twilio called (rebuilt from the forwarded headers a Space or a
-proxy sets); the query chooses the voice and the persona (`?voice=NATM1&persona=...`, so each
-number's webhook URL can name its own), checked as the page checks them. The answer is TwiML
-that connects the call to the stream socket, whose URL carries a one-time ticket: only a call
-that came through a signed webhook reaches a slot, and only once.
+proxy sets); the query chooses the voice and the persona (`?voice=NATM1&preset=...` or
+`&persona=...`, so each number's webhook URL can name its own), checked as the page checks them.
+The answer is TwiML that connects the call to the stream socket, whose URL carries a one-time
+ticket: only a call that came through a signed webhook reaches a slot, and only once. The call's
+settings stay here with the ticket (Twilio limits the size of a stream's parameters; the TwiML
+names the voice and the preset only) and travel with the socket to the process that serves it.
 
 The stream socket speaks Twilio's events (`connected`, `start`, `media` every 20 ms, `mark`,
 `dtmf`, `stop`). The caller's mu-law 8 kHz audio is decoded and resampled to the room's 24 kHz
@@ -23,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import dataclasses
 import json
 import logging
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -39,6 +43,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.websockets import WebSocket
 
 from ..frame import SAMPLE_RATE
+from ..runtime.personas import load_presets
 from ..runtime.voice_names import DEFAULT_VOICE
 from ..sampling_params import SamplingParams
 from ..serving.room import Room, SlotOutput
@@ -46,7 +51,7 @@ from . import errors as e
 from .client_events import ClientEvent
 from .config import ApiConfig
 from .errors import RealtimeError
-from .session import PromptRules, check_persona
+from .session import check_persona
 from .socket_base import ApiSocket
 from .socket_door import Doors, SocketDoor, deny
 from .stats import DoorStats
@@ -54,6 +59,7 @@ from .stats import DoorStats
 log = logging.getLogger(__name__)
 
 WEBHOOK_PATH = "/telephony/twilio"
+CALL_HEADER = b"x-personaplex-phone-call"  # the call's settings, set here on an admitted socket
 PHONE_RATE = 8000  # Twilio Media Streams: audio/x-mulaw, 8 kHz, one channel, both ways
 CHUNK_BYTES = PHONE_RATE // 50  # 20 ms of mu-law, the size Twilio sends
 MAX_PAYLOAD_BYTES = 2 * PHONE_RATE  # 2 s of mu-law in one media event: far past anything Twilio sends
@@ -63,27 +69,43 @@ HOLD_STEP_SECONDS = 0.08  # a waiting caller's tone goes out in steps of this mu
 UNSUPPORTED_DATA, INVALID_DATA, POLICY = 1003, 1007, 1008
 
 
+@dataclass(frozen=True)
+class PhoneCall:
+    """What a number's webhook asked for: the call's voice and persona."""
+
+    voice: str
+    persona: str
+
+    def header(self) -> tuple[bytes, bytes]:
+        """As a request header of the stream socket, for the process that serves it."""
+        return CALL_HEADER, base64.urlsafe_b64encode(json.dumps(dataclasses.asdict(self)).encode())
+
+    @classmethod
+    def from_headers(cls, headers: Any) -> PhoneCall:
+        return cls(**json.loads(base64.urlsafe_b64decode(headers[CALL_HEADER.decode()])))
+
+
 class Tickets:
-    """One-time stream tickets: the webhook issues one per call, the stream socket's upgrade takes
-    it. Unused ones lapse after `seconds`. Thread-safe."""
+    """One-time stream tickets: the webhook issues one per call, with its settings; the stream
+    socket's upgrade takes it. Unused ones lapse after `seconds`. Thread-safe."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self._open: dict[str, float] = {}
+        self._open: dict[str, tuple[float, PhoneCall]] = {}
         self._lock = threading.Lock()
 
-    def issue(self) -> str:
+    def issue(self, call: PhoneCall) -> str:
         ticket = secrets.token_urlsafe(18)
         now = time.monotonic()
         with self._lock:
-            self._open = {t: until for t, until in self._open.items() if until > now}
-            self._open[ticket] = now + self.seconds
+            self._open = {t: held for t, held in self._open.items() if held[0] > now}
+            self._open[ticket] = (now + self.seconds, call)
         return ticket
 
-    def take(self, ticket: str) -> bool:
+    def take(self, ticket: str) -> PhoneCall | None:
         with self._lock:
-            until = self._open.pop(ticket, None)
-        return until is not None and until > time.monotonic()
+            until, call = self._open.pop(ticket, (0.0, None))
+        return call if until > time.monotonic() else None
 
 
 def public_url(request: Request) -> str:
@@ -122,14 +144,18 @@ class TwilioDoor(SocketDoor):
         return config.twilio_auth_token is not None
 
     async def check(self, ws: WebSocket) -> bool:
-        if self.tickets.take(ws.path_params.get("ticket", "")):
+        call = self.tickets.take(ws.path_params.get("ticket", ""))
+        if call is not None:
+            # The settings ride with the socket (the only such header: a client's own is dropped).
+            ws.scope["headers"] = [*(h for h in ws.scope["headers"] if h[0] != CALL_HEADER), call.header()]
             return True
         self.stats.refuse("ticket")
         await deny(ws, 403, "invalid_ticket", "a stream socket needs the one-time URL a signed webhook answered")
         return False
 
     def open(self, ws: WebSocket) -> tuple[str, ApiSocket]:
-        return "phone (Twilio)", TwilioSocket(ws, self.doors.room, self.doors.rules, self.config, self.stats)
+        call = PhoneCall.from_headers(ws.headers)
+        return f"phone (voice {call.voice})", TwilioSocket(ws, self.doors.room, self.config, self.stats, call)
 
     def routes(self) -> list[BaseRoute]:
         return [Route(WEBHOOK_PATH, self.webhook, methods=["POST"])]
@@ -139,34 +165,49 @@ class TwilioDoor(SocketDoor):
 
     async def webhook(self, request: Request) -> Response:
         """The voice webhook: a signed request from Twilio gets TwiML that connects the call."""
-        from twilio.request_validator import RequestValidator, get_signature_algorithm
+        from twilio.request_validator import RequestValidator
 
-        form = {key: str(value) for key, value in (await request.form()).items()}
+        form = await request.form()
         url = public_url(request)
         signature = request.headers.get("x-twilio-signature", "")
-        algorithm = get_signature_algorithm(request.headers.get("x-twilio-webhooks-signature-settings"))
-        if not RequestValidator(self.config.twilio_auth_token).validate(url, form, signature, algorithm):
-            self.stats.refuse("signature")
-            log.warning("phone: a webhook for %s with %s was refused", url,
-                        "a wrong signature" if signature else "no signature")
-            return PlainTextResponse("the X-Twilio-Signature does not match this request and the account's auth "
-                                     "token", status_code=403)
-        query = request.query_params
-        voice = str(query.get("voice") or DEFAULT_VOICE).removesuffix(".pt")
-        persona = str(query.get("persona") or "")
+        if request.headers.get("x-twilio-webhooks-signature-settings"):
+            # Signed with a webhook shared key, not the auth token this door holds.
+            return self._refuse_signature(url, "a shared key's signature", "this door checks signatures made with the "
+                                          "account's auth token; turn off shared-key signing for this webhook")
+        if not RequestValidator(self.config.twilio_auth_token).validate(url, form, signature):
+            return self._refuse_signature(url, "a wrong signature" if signature else "no signature",
+                                          "the X-Twilio-Signature does not match this request and the account's "
+                                          "auth token")
         try:
-            if voice not in self.doors.rules.voice_names:
-                raise RealtimeError(e.UNKNOWN_VOICE, f"unknown voice {voice!r}: one of "
-                                    f"{', '.join(self.doors.rules.voice_names)}")
-            check_persona(persona, self.doors.rules, "the persona", "persona")
+            call = self._call_of(request.query_params)
         except RealtimeError as err:
             self.stats.refuse("bad_request")
             log.warning("phone: the webhook's call was refused: %s", err.message)
             return PlainTextResponse(err.message, status_code=400)
-        scheme = "ws" if url.startswith("http:") else "wss"
-        stream = f"{scheme}://{urlsplit(url).netloc}{WEBHOOK_PATH}/stream/{self.tickets.issue()}"
+        scheme = "ws" if url.startswith("http:") else "wss"  # Twilio itself calls https and streams to wss
+        stream = f"{scheme}://{urlsplit(url).netloc}{WEBHOOK_PATH}/stream/{self.tickets.issue(call)}"
         log.info("phone: call %s from %s connected to the room", form.get("CallSid", "?"), form.get("From", "?"))
-        return Response(twiml_connect(stream, {"voice": voice, "persona": persona}), media_type="application/xml")
+        names = {"voice": call.voice, **({"preset": request.query_params["preset"]}
+                                         if request.query_params.get("preset") else {})}
+        return Response(twiml_connect(stream, names), media_type="application/xml")
+
+    def _refuse_signature(self, url: str, what: str, reason: str) -> Response:
+        self.stats.refuse("signature")
+        log.warning("phone: a webhook for %s with %s was refused", url, what)
+        return PlainTextResponse(reason, status_code=403)
+
+    def _call_of(self, query: Any) -> PhoneCall:
+        """The call a number's webhook URL names (RealtimeError when the room cannot take it)."""
+        rules = self.doors.rules
+        voice = str(query.get("voice") or DEFAULT_VOICE).removesuffix(".pt")
+        if voice not in rules.voice_names:
+            raise RealtimeError(e.UNKNOWN_VOICE, f"unknown voice {voice!r}: one of {', '.join(rules.voice_names)}")
+        preset = query.get("preset")
+        if preset and preset not in load_presets():
+            raise RealtimeError(e.INVALID_FIELD, f"unknown preset {preset!r}: one of {', '.join(load_presets())}")
+        persona = load_presets()[preset] if preset else str(query.get("persona") or "")
+        check_persona(persona, rules, "the persona", "persona")
+        return PhoneCall(voice, persona)
 
 
 def hold_tone(seconds: float = 2.0) -> np.ndarray:
@@ -209,9 +250,9 @@ class TwilioSocket(ApiSocket):
     protocol = "phone"
     start_hint = "a stream starts with its start event"
 
-    def __init__(self, ws: WebSocket, room: Room, rules: PromptRules, config: ApiConfig, stats: DoorStats) -> None:
+    def __init__(self, ws: WebSocket, room: Room, config: ApiConfig, stats: DoorStats, call: PhoneCall) -> None:
         super().__init__(ws, room, config, stats, TwilioDoor.kind, speech=False)
-        self.rules = rules
+        self.phone_call = call
         self.room_events = True  # the queue's news starts and stops the hold tone
         self.outbox.frame_bytes = 4 * 330  # one room frame: four 20 ms media events
         self.audio = PhoneAudio()
@@ -270,12 +311,9 @@ class TwilioSocket(ApiSocket):
             await self.refuse(POLICY, f"media format {fmt!r}: this door takes audio/x-mulaw, 8000 Hz, one channel")
             return
         self.stream_sid, self.call_sid = start["streamSid"], str(start.get("callSid") or "?")
-        params = start.get("customParameters") or {}
-        voice, persona = str(params.get("voice") or DEFAULT_VOICE), str(params.get("persona") or "")
         try:
-            check_persona(persona, self.rules, "the persona", "persona")
-            await self.start_call(voice, persona, SamplingParams(), None)
-        except RealtimeError as err:  # the webhook checked both: a stream that did not come through it
+            await self.start_call(self.phone_call.voice, self.phone_call.persona, SamplingParams(), None)
+        except RealtimeError as err:  # the webhook checked both; the room refused them all the same
             await self.refuse(POLICY, err.message)
 
     async def _media(self, media: Any) -> None:

@@ -23,7 +23,7 @@ from .config import CHATTY_LOGGERS, AppConfig, parse_config
 from .lifecycle import StopSignals, exit_now, shut_down, wait_until
 
 if TYPE_CHECKING:
-    from ..procs.topology import Topology
+    from ..orchestration.topology import Topology
     from ..web.recording import RecordingStore
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def preflight(cfg: AppConfig) -> tuple[list | None, dict | None] | int:
 def start_room(cfg: AppConfig, server_rtc: dict | None) -> Topology | int:
     """The engines, their slot pools and the media workers, or an exit status."""
     from ..errors import CheckpointError
-    from ..procs.topology import TopologyOptions, default_media_workers, resolve_devices, start_topology
+    from ..orchestration.topology import TopologyOptions, default_media_workers, resolve_devices, start_topology
     from ..rtc.settings import loopback_requested
     from ..runtime.build import RuntimeOptions, check_placement
     from ..serving.config import PoolConfig

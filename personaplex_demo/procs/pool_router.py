@@ -2,7 +2,7 @@
 (`PoolRouter`).
 
 The engines may be processes on this machine (`--devices`, `--media-workers`) or Ray actors on
-other machines (`--engines ray`, procs/ray/); either way each is a `EngineLink` here. An engine
+other machines (`--engines ray`, orchestration/ray/); either way each is a `EngineLink` here. An engine
 that stopped is skipped, and one that came back (a restarted Ray actor) takes its place
 (`replace`). Callers who find every engine full wait in the router's one queue
 (routed_call.py), not at one engine: the first slot freed anywhere goes to the head of it.

@@ -179,7 +179,7 @@ def accept_candidates(owner: Any) -> None:
 
 def route_offers(rtc: Any, offer: Any, set_input: Any) -> None:
     """The page's WebRTC component sends its offers (and trickled candidates) to `offer` and its
-    inputs to `set_input` instead of answering them itself (procs/media_workers.py). Only this
+    inputs to `set_input` instead of answering them itself (orchestration/media_workers.py). Only this
     instance changes: the page keeps fastrtc's own component and front end."""
     written_for("fastrtc")
 

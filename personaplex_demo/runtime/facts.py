@@ -1,6 +1,6 @@
 """What the page, `/api/status` and the doors know of the model that serves the room, whether it
 runs in this process (`runtime.build.Runtime`) or in engine processes and Ray actors
-(`procs.engine_process.RemoteRuntime`, built from the facts each engine sends)."""
+(`orchestration.engine_process.RemoteRuntime`, built from the facts each engine sends)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -24,6 +23,7 @@ from ..frame import AUDIO_CARD
 from ..rtc.ice import server_configuration
 from ..rtc.patches import accept_candidates, answer_in_packets, bound_event_log
 from ..runtime.facts import RuntimeFacts
+from ..runtime.personas import load_presets
 from ..runtime.voice_names import DEFAULT_VOICE
 from ..sampling_params import SamplingParams
 from ..serving.room import Room
@@ -36,7 +36,6 @@ from .recording import RecordingStore
 from .room_figures import ROOM_SCRIPT, RoomFigures, figures_html
 from .status import SharedFigures, limited_by, queue_reason, room_line
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_PRESET = "Assistant (teacher)"
 STOP_WAIT_SECONDS = 5.0  # after Stop, how long the page waits for the recording to be written
 
@@ -62,11 +61,6 @@ class PageOptions:
     server_rtc_configuration: Any = None
     notice: str | None = None  # an extra warning for the page, e.g. "no TURN relay configured"
     title: str = "PersonaPlex Live"
-
-
-def load_presets() -> dict[str, str]:
-    """Persona presets (label -> text): the examples from NVIDIA's PersonaPlex README."""
-    return json.loads((ASSETS / "personas.json").read_text(encoding="utf-8"))
 
 
 def status_payload(runtime: RuntimeFacts, room: Room) -> dict[str, Any]:
@@ -175,7 +169,7 @@ class Page:
     def __init__(self, runtime, room: Room, options: PageOptions, recordings: RecordingStore) -> None:
         self.runtime, self.room, self.options, self.recordings = runtime, room, options, recordings
         self.engine = runtime.engine
-        self.presets = load_presets()
+        self.presets = dict(load_presets())
         self.voices = list(self.engine.voice_names)
         self.figures = SharedFigures(room)
         self.handler = CallHandler(room, recordings, model_name=runtime.model_name, room_figures=self.figures,

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..api.access import client_address
+from ..addresses import client_address
 
 log = logging.getLogger(__name__)
 

@@ -30,15 +30,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..procs import messages as msg
+from ..procs import socket_handoff
+from ..procs.launcher import Child, stop_children
+from ..procs.pool_router import PoolRouter
+from ..procs.queue_desk import QueueDesk
 from ..web.recording import RecordingFiles, recordings_prefix
-from . import messages as msg
-from . import socket_handoff
 from .handed_sockets import HandedSockets
-from .launcher import Child, stop_children
 from .media_worker import WorkerSpec, run_worker
 from .page_relay import PageRelay
-from .pool_router import PoolRouter
-from .queue_desk import QueueDesk
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,10 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
 
-from ..engine_link import EngineLink
-from ..links import Address
-from ..pool_router import PoolRouter
-from ..watchdog import SilenceWatchdog
+from ...procs.engine_link import EngineLink
+from ...procs.links import Address
+from ...procs.pool_router import PoolRouter
+from ...procs.watchdog import SilenceWatchdog
 from .engine_actor import CONCURRENCY, ENGINE_RESOURCE, EngineActor, RayEngineSpec
 
 log = logging.getLogger(__name__)

@@ -34,15 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from ..api.config import ApiConfig
+from ..procs.engine_link import EngineLink
+from ..procs.pool_router import PoolRouter
 from ..runtime.build import RuntimeOptions, build_runtime
 from ..serving.config import PoolConfig
 from ..serving.pool import SlotPool
 from ..serving.room import Room
-from .engine_link import EngineLink
 from .engine_process import EngineProcesses, EngineSpec, RemoteRuntime
 from .media_worker import WorkerSpec
 from .media_workers import MediaWorkers
-from .pool_router import PoolRouter
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class TopologyOptions:
     media_workers: int = 0
     server_rtc_configuration: dict[str, Any] | None = None
     loopback_ice: bool = False
-    engines: str = "local"  # local: on this machine (`devices`); ray: actors on a Ray cluster (procs/ray/)
+    engines: str = "local"  # local: on this machine (`devices`); ray: actors on a Ray cluster (orchestration/ray/)
     ray_address: str | None = None  # None: start a Ray on this machine
     api: ApiConfig | None = None  # the API sockets' door, served by the media workers when there are any
 

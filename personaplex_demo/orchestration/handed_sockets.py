@@ -15,8 +15,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from . import messages as msg
-from . import socket_handoff
+from ..procs import messages as msg
+from ..procs import socket_handoff
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The page's WebRTC component, its calls carried by the media workers (procs/media_workers.py).
+"""The page's WebRTC component, its calls carried by the media workers (orchestration/media_workers.py).
 
 `PageRelay` takes over the component's `offer` server function (and the trickled ICE candidates
 that come through it) and its `set_input` (the page's `tick` event), and forwards each to the
@@ -16,9 +16,9 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from fastrtc import AdditionalOutputs
 
+from ..procs import messages as msg
 from ..rtc import candidates
 from ..rtc.patches import route_offers
-from . import messages as msg
 
 log = logging.getLogger(__name__)
 

@@ -20,15 +20,15 @@ import traceback
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..procs.channel import Channel
+from ..procs.launcher import Child, Inbox, stop_children
+from ..procs.links import Address
+from ..procs.messages import EndCalls, EngineFailed, EngineReady
+from ..procs.pool_server import FIGURES_SECONDS, PoolServer
 from ..runtime.build import Runtime, RuntimeOptions
 from ..runtime.facts import EngineFacts
 from ..serving.config import PoolConfig
 from ..serving.pool import SlotPool
-from .channel import Channel
-from .launcher import Child, Inbox, stop_children
-from .links import Address
-from .messages import EndCalls, EngineFailed, EngineReady
-from .pool_server import FIGURES_SECONDS, PoolServer
 
 log = logging.getLogger(__name__)
 

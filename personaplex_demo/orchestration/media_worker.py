@@ -48,20 +48,20 @@ from starlette.applications import Starlette
 from ..api.config import ApiConfig
 from ..api.doors import KINDS, ApiDoors
 from ..api.stats import DoorStats
+from ..procs import messages as msg
+from ..procs.channel import Channel
+from ..procs.desk_room import DeskRoom
+from ..procs.engine_link import EngineLink
+from ..procs.links import Address, between_machines
+from ..procs.pool_router import UnreachableEngine
+from ..procs.socket_handoff import WorkerSockets
+from ..procs.watchdog import SilenceWatchdog
 from ..rtc.ice import server_configuration
 from ..rtc.patches import accept_candidates, answer_in_packets
 from ..rtc.settings import apply_media_settings
 from ..runtime.facts import EngineFacts
 from ..web.handler import CallHandler
 from ..web.recording import RecordingStore
-from . import messages as msg
-from .channel import Channel
-from .desk_room import DeskRoom
-from .engine_link import EngineLink
-from .links import Address, between_machines
-from .pool_router import UnreachableEngine
-from .socket_handoff import WorkerSockets
-from .watchdog import SilenceWatchdog
 
 log = logging.getLogger(__name__)
 
