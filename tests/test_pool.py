@@ -59,6 +59,10 @@ class FakeEngine:
         self.threads: set[int] = set()
         self.cached: set[tuple[str, str]] | None = None  # None: every prompt is in the prefix cache
 
+    def bucket(self, rows: int) -> int:
+        """The batch a tick of `rows` steps: the rows themselves (this engine has no buckets)."""
+        return rows
+
     @property
     def voice_names(self) -> list[str]:
         return ["NATF0", "NATM1"]

@@ -144,13 +144,8 @@ class ChatSocket(ApiSocket):
         except RealtimeError as err:  # the room refused the request itself (checked before, so rare)
             await self.refuse(POLICY, err.message)
 
-    async def refuse(self, code: int, reason: str) -> None:
-        """Bad input: the reason as a kind-5 message, then the close with it."""
-        self.stats.error(str(code))
-        log.info("chat %s: closing (%d): %s", self.session_id, code, reason)
-        self.send(bytes([ERROR]) + reason.encode())
-        self.door_call.hang_up()
-        await self.close(code, reason)
+    def refusal(self, reason: str) -> bytes:
+        return bytes([ERROR]) + reason.encode()  # kind 5, then the close says it again
 
     def parse(self, data: str | bytes | None) -> ClientEvent:
         if not isinstance(data, bytes):

@@ -189,6 +189,20 @@ class ApiSocket:
         for ev in events:
             self.send(ev)
 
+    async def refuse(self, code: int, reason: str) -> None:
+        """Bad input that ends the call: counted, said in the protocol's words (`refusal`), the call
+        hung up and the socket closed with `code` and the reason, never disturbing another call."""
+        self.stats.error(str(code))
+        log.info("%s %s: closing (%d): %s", self.protocol, self.session_id, code, reason)
+        if (message := self.refusal(reason)) is not None:
+            self.send(message)
+        self.door_call.hang_up()
+        await self.close(code, reason)
+
+    def refusal(self, reason: str) -> bytes | None:
+        """The protocol's message for a refusal before the close, if it has one."""
+        return None
+
     def error(self, err: RealtimeError) -> None:
         self.stats.error(err.code)
         log.info("%s %s: %s", self.protocol, self.session_id, err)

@@ -334,13 +334,6 @@ class TwilioSocket(ApiSocket):
         if self.feeder.append_pcm(self.audio.heard(mulaw), self.call):
             self.feeder.feed(self.call)
 
-    async def refuse(self, code: int, reason: str) -> None:
-        """Bad input: the reason in the close (Twilio's debugger shows it), the call hung up."""
-        self.stats.error(str(code))
-        log.info("phone %s: closing (%d): %s", self.session_id, code, reason)
-        self.door_call.hang_up()
-        await self.close(code, reason)
-
     def error(self, err: RealtimeError) -> None:
         """Twilio's protocol has no error message: counted and logged only."""
         self.stats.error(err.code)

@@ -74,9 +74,9 @@ def preflight(cfg: AppConfig) -> tuple[list | None, dict | None] | int:
         log.error("cannot start: %s", exc)
         return EXIT_PREFLIGHT
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    from ..rtc.settings import apply_media_settings, loopback_requested
+    from ..rtc.settings import apply_media_settings
 
-    apply_media_settings(loopback_requested())  # the media workers apply the same settings
+    apply_media_settings()  # the media workers apply the same settings
     return rtc, server_rtc
 
 
@@ -84,7 +84,6 @@ def start_room(cfg: AppConfig, server_rtc: dict | None) -> Topology | int:
     """The engines, their slot pools and the media workers, or an exit status."""
     from ..errors import CheckpointError
     from ..orchestration.topology import TopologyOptions, default_media_workers, resolve_devices, start_topology
-    from ..rtc.settings import loopback_requested
     from ..runtime.build import RuntimeOptions, check_placement
     from ..serving.config import PoolConfig
     from .preflight import EXIT_PREFLIGHT, START_ERRORS, check_model_files
@@ -110,7 +109,7 @@ def start_room(cfg: AppConfig, server_rtc: dict | None) -> Topology | int:
             devices=tuple(devices),
             media_workers=(cfg.media_workers if cfg.media_workers is not None
                            else default_media_workers(devices, slots_total)),
-            server_rtc_configuration=server_rtc, loopback_ice=loopback_requested(),
+            server_rtc_configuration=server_rtc,
             engines=cfg.engines, ray_address=cfg.ray_address, api=api_config(cfg)), progress)
     except START_ERRORS as exc:  # before any model is loaded, or no room for one slot
         log.error("%s", exc)

@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from ..errors import CheckpointError
 from .config import WEIGHTS, LMConfig, MimiConfig, quantized_key
+from .files import atomic_file
 from .hashinit import tensor_chunks
 from .int8 import attach_scales, quantize_rows
 
@@ -163,13 +164,11 @@ def write_hash_checkpoint(module: nn.Module, path: Path | str, kind: str, seed: 
     header["__metadata__"] = {"format": "pt", "recipe": "hash-v1", "seed": str(seed)}  # type: ignore[assignment]
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_file(path) as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for key, shape in shapes.items():
             for piece in tensor_chunks(kind, key, shape, seed, chunk):
                 f.write(torch.from_numpy(piece).to(dtype).view(torch.uint8).numpy().tobytes())
-    tmp.replace(path)
     return path
 
 

@@ -77,7 +77,6 @@ class WorkerSpec:
     recordings_dir: str
     model_name: str | None = None
     server_rtc_configuration: dict[str, Any] | None = None
-    loopback_ice: bool = False
     connect_timeout: float = 600.0  # the engines may still be loading their model
     log_level: int = logging.INFO
     api: ApiConfig | None = None  # the API door's settings, when this worker serves its sockets
@@ -325,7 +324,7 @@ async def serve(spec: WorkerSpec, control: Connection) -> None:
 
 def run_worker(spec: WorkerSpec, control: Connection) -> None:
     """The worker process's entry point (after `launcher`'s preamble)."""
-    apply_media_settings(spec.loopback_ice)
+    apply_media_settings()
     try:
         asyncio.run(serve(spec, control))
     except KeyboardInterrupt:

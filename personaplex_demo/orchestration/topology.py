@@ -104,7 +104,6 @@ class TopologyOptions:
     devices: tuple[str, ...] = ("auto",)
     media_workers: int = 0
     server_rtc_configuration: dict[str, Any] | None = None
-    loopback_ice: bool = False
     engines: str = "local"  # local: on this machine (`devices`); ray: actors on a Ray cluster (orchestration/ray/)
     ray_address: str | None = None  # None: start a Ray on this machine
     api: ApiConfig | None = None  # the API sockets' door, served by the media workers when there are any
@@ -223,7 +222,7 @@ def _pool_status(name: str, device: str, pool: SlotPool) -> list[dict[str, Any]]
 def _media_workers(options: TopologyOptions, engines: tuple, authkey: bytes) -> MediaWorkers:
     return MediaWorkers(options.media_workers, WorkerSpec(
         index=0, engines=engines, authkey=authkey, recordings_dir="",
-        server_rtc_configuration=options.server_rtc_configuration, loopback_ice=options.loopback_ice,
+        server_rtc_configuration=options.server_rtc_configuration,
         log_level=logging.getLogger().getEffectiveLevel(), api=options.api)).start()
 
 

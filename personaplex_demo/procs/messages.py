@@ -312,7 +312,5 @@ class SocketClosed:
 
 ClientMessage = Start | Push | Release | MediaLag
 ServerMessage = Started | Refused | StateChange | Out | PoolFigures
-EngineCommand = EndCalls | Stop
-EngineReport = EngineReady | EngineFailed
 WorkerCommand = Offer | Input | RecordingQuery | Relink | Stop | Grant | QueueNews | Dropped | Refused | QueueLength
 WorkerReport = WorkerReady | Reply | Outputs | Closed | Admit | Placed | Leave | SocketError | SocketClosed

@@ -13,8 +13,9 @@ def loopback_requested() -> bool:
     return os.environ.get(LOOPBACK_VAR) == "1"
 
 
-def apply_media_settings(loopback: bool) -> None:
-    """The app's WebRTC settings, in every process that holds peers (rtc/patches.py)."""
+def apply_media_settings() -> None:
+    """The app's WebRTC settings, in every process that holds peers (rtc/patches.py); a media
+    worker reads PERSONAPLEX_LOOPBACK_ICE from the environment it inherits."""
     from .patches import (
         install_audio_level,
         install_ice_settings,
@@ -24,7 +25,7 @@ def apply_media_settings(loopback: bool) -> None:
         install_packet_encoder,
     )
 
-    install_ice_settings(loopback)
+    install_ice_settings(loopback_requested())
     install_packet_encoder()  # agent audio in 40 ms Opus packets, each encoded as soon as its audio is there
     install_loop_codecs()  # Opus encoded and decoded on the event loop: no thread hop per packet
     install_audio_level()  # each packet's RTP audio level, the same value without a Python loop

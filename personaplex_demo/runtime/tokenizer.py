@@ -13,13 +13,13 @@ import io
 import itertools
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 import sentencepiece as spm
 
 from ..engine.tokens import HIDDEN_TEXT_IDS, TEXT_EPAD, TEXT_PAD
 from ..frame import TEXT_CARD
+from ..model.files import atomic_file
 
 logger = logging.getLogger(__name__)
 
@@ -239,16 +239,8 @@ def build_tiny_tokenizer(path: Path) -> Path:
 
         path = path / ModelFiles().tokenizer
     data = _fill_with_synthetic_words(_train_tiny_bpe())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Atomic replace: several processes (tests, app) may build the same file at once.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as f:
+        f.write(data)
     logger.debug("wrote the tiny tokenizer (%d pieces) to %s", TINY_VOCAB_SIZE, path)
     return path
 

@@ -17,7 +17,6 @@ import pickle
 import re
 import shutil
 import tarfile
-import tempfile
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import torch
 
 from ..errors import UnknownVoiceError, VoiceArchiveError, VoiceFileError
 from ..frame import AUDIO_CARD, TEXT_CARD
+from ..model.files import atomic_file
 from .voice_names import DEFAULT_VOICE, VOICE_NAME_RE, VOICE_NAMES
 
 logger = logging.getLogger(__name__)
@@ -100,21 +100,13 @@ def _voice_member_name(member: tarfile.TarInfo) -> str | None:
 
 
 def _copy_bounded(src: IO[bytes], dst_path: Path, limit: int) -> None:
-    dst_path.parent.mkdir(parents=True, exist_ok=True)
-    # Write beside the target and rename: a concurrent reader never sees half a file.
-    fd, tmp = tempfile.mkstemp(dir=dst_path.parent, prefix=dst_path.name, suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            copied = 0
-            while chunk := src.read(1 << 20):
-                copied += len(chunk)
-                if copied > limit:
-                    raise VoiceArchiveError(f"{dst_path.name}: member grew past {limit} bytes")
-                out.write(chunk)
-        os.replace(tmp, dst_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(dst_path) as out:
+        copied = 0
+        while chunk := src.read(1 << 20):
+            copied += len(chunk)
+            if copied > limit:
+                raise VoiceArchiveError(f"{dst_path.name}: member grew past {limit} bytes")
+            out.write(chunk)
 
 
 class VoiceCatalog:
@@ -362,15 +354,9 @@ def write_voices_archive(
             torch.save({"embeddings": prompt["embeddings"], "cache": prompt["cache"]}, payload)
             data = payload.getvalue()
             tf.addfile(info(f"{VOICES_FOLDER}/{name}.pt", len(data)), io.BytesIO(data))
-    fd, tmp = tempfile.mkstemp(dir=tgz_path.parent, prefix=tgz_path.name, suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as out, gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0) as gz:
-            raw.seek(0)
-            shutil.copyfileobj(raw, gz)
-        os.replace(tmp, tgz_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(tgz_path) as out, gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0) as gz:
+        raw.seek(0)
+        shutil.copyfileobj(raw, gz)
     return tgz_path
 
 

@@ -74,7 +74,7 @@ class SlotPool:
         self._thread: threading.Thread | None = None
         self._tick = 0
         self._windows = PoolWindows()
-        self._admission = Admission(config, self._clock, self._table, self._counters, getattr(engine, "bucket", None))
+        self._admission = Admission(config, self._clock, self._table, self._counters, engine.bucket)
         self._pacer = TickPacer(self._clock, config.tick_seconds, config.catch_up_gap_seconds,
                                 config.resync_after_seconds, config.idle_sleep_seconds)
         self._last_summary = self._clock.monotonic()

@@ -136,11 +136,6 @@ class CallRecording:
     def files(self) -> RecordingFiles | None:
         return self._files
 
-    @property
-    def duration_seconds(self) -> float:
-        with self._lock:
-            return max(self._caller_samples, self._agent_samples) / self.sample_rate
-
     def add_caller(self, samples: np.ndarray) -> None:
         data = _to_int16(samples)
         with self._lock:
