@@ -258,3 +258,20 @@ async def test_a_phone_stream_that_stops_reading_is_ended_and_its_slot_freed(app
             talking.cancel()
             sock.close()
     await until(app.room_empty, 3, "its slot")
+
+
+async def test_the_rooms_wait_limit_releases_a_waiting_phone_call_with_its_reason(tiny_cache_dir, tmp_path):
+    with launched_app(tmp_path, tiny_cache_dir, args=["--slots", "1", "--admission", "slots", "--max-wait", "2"],
+                      env={"TWILIO_AUTH_TOKEN": TOKEN}) as small:
+        async with httpx.AsyncClient(timeout=10) as http:
+            seated = await call(http, small)
+            await until(lambda: "live" in seated.mark_names(), 60, "the first call live")
+            waiting = await call(http, small, "VARM2")
+            await until(lambda: "queue-1" in waiting.mark_names(), 10, "the second call waiting")
+            code, reason = await waiting.wait_closed(15)
+            assert code == 1013 and reason.startswith("Still no place in the room"), (code, reason)
+            assert len(waiting.heard) > 0  # it heard the hold tone until then
+            await seated.hang_up()
+        await until(small.room_empty, 3, "an empty room")
+        ended = small.status()["calls_ended"]
+        assert ended.get("queue_timeout") == 1, ended
