@@ -1,4 +1,4 @@
-"""What the Realtime door counts of itself, for /api/status and /metrics: open sockets, sockets
+"""What an API door counts of itself, for /api/status and /metrics: open sockets, sockets
 refused at the door, and error events by code. The room counts the calls (by door)."""
 
 from __future__ import annotations

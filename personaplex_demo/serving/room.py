@@ -49,7 +49,7 @@ class EndReason(enum.StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"
     OVERLOADED = "overloaded"  # shed so that the calls before it keep real time (serving/headroom.py)
     SHUTDOWN = "shutdown"
-    NOT_READING = "not_reading"  # the client stopped reading its audio (the Realtime door, api/)
+    NOT_READING = "not_reading"  # the client stopped reading its audio (an API door, api/)
     ERROR = "error"
 
     @staticmethod
@@ -63,7 +63,7 @@ class EndReason(enum.StrEnum):
 
 
 # What a call's end means to its caller, in words any door can show (the page adds what to press,
-# the Realtime door a close code). A failure ("error: <details>") says what failed.
+# an API door a close code). A failure ("error: <details>") says what failed.
 END_MESSAGES = {
     EndReason.TIME_LIMIT: "Time is up for this call. Thanks for talking!",
     EndReason.IDLE: "No audio arrived from the caller for a few seconds, so the call was ended.",
