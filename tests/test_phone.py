@@ -190,6 +190,8 @@ BAD_INPUT = [
     ("an oversize payload", lambda s: s.media(b"\xff" * 40000), True, 1008),
     ("another media format", lambda s: s.start({"encoding": "audio/l16", "sampleRate": 16000, "channels": 1}),
      False, 1008),
+    ("a media format that is not one", lambda s: s.start({"encoding": "audio/x-mulaw", "sampleRate": "fast"}),
+     False, 1008),
 ]
 
 

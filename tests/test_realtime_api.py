@@ -32,7 +32,7 @@ SILENCE = np.zeros(24000, np.int16)
 def app(tiny_cache_dir, tmp_path_factory) -> LaunchedApp:
     # Admission by slot count: these tests follow calls and sockets, on any host; admission by
     # headroom has tests of its own (test_headroom.py).
-    args = ["--slots", "4", "--admission", "slots", "--api-key", KEY, "--realtime-max-sockets", "3"]
+    args = ["--slots", "4", "--admission", "slots", "--api-key", KEY, "--api-max-sockets", "3"]
     with launched_app(tmp_path_factory.mktemp("app"), tiny_cache_dir, args=args) as launched:
         yield launched
 

@@ -46,7 +46,7 @@ from ..frame import SAMPLE_RATE
 from ..runtime.personas import load_presets
 from ..runtime.voice_names import DEFAULT_VOICE
 from ..sampling_params import SamplingParams
-from ..serving.room import Room, SlotOutput
+from ..serving.room import CallState, Room, SlotOutput
 from . import errors as e
 from .client_events import ClientEvent
 from .config import ApiConfig
@@ -305,9 +305,9 @@ class TwilioSocket(ApiSocket):
         if not isinstance(start, dict) or not isinstance(start.get("streamSid"), str):
             await self.refuse(POLICY, "a start event without its streamSid")
             return
-        fmt = start.get("mediaFormat") or {}
-        if (fmt.get("encoding"), int(fmt.get("sampleRate") or 0), int(fmt.get("channels") or 0)) != (
-                "audio/x-mulaw", PHONE_RATE, 1):
+        fmt = start.get("mediaFormat")
+        if not isinstance(fmt, dict) or (fmt.get("encoding"), str(fmt.get("sampleRate")), str(fmt.get("channels"))) != (
+                "audio/x-mulaw", str(PHONE_RATE), "1"):
             await self.refuse(POLICY, f"media format {fmt!r}: this door takes audio/x-mulaw, 8000 Hz, one channel")
             return
         self.stream_sid, self.call_sid = start["streamSid"], str(start.get("callSid") or "?")
@@ -330,6 +330,9 @@ class TwilioSocket(ApiSocket):
             await self.refuse(INVALID_DATA, "a media payload that is not base64")
             return
         if not mulaw or media.get("track", "inbound") != "inbound":
+            return
+        if self.call is None or self.call.state != CallState.LIVE:
+            self.feeder.dropped_before_live += len(mulaw)  # not heard yet: a waiting caller costs no decoding
             return
         if self.feeder.append_pcm(self.audio.heard(mulaw), self.call):
             self.feeder.feed(self.call)

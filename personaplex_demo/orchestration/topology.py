@@ -1,22 +1,8 @@
-"""Which process runs what: the engine(s), their slot pools and the media path.
-
-    one device, no media workers (--media-workers 0; the default on a single core)
-        main process: page + WebRTC peers + handlers + SlotPool + engine
-    media workers (--media-workers N, the default wherever there are two cores), or several devices
-    (--devices cuda:0,cuda:1 / cpu,cpu)
-        main process: page (+ peers and handlers when there are no media workers); the room's
-                      one queue (PoolRouter, with several engines)
-        one engine process per device: SlotPool + engine + PoolServer
-        N media workers: WebRTC peers + handlers (DeskRoom -> EngineLink -> PoolServer)
-
-With media workers, even one engine gets a process of its own: the ticker is the one thread that
-must never wait, and in the main process it would share the GIL with the page's HTTP server and
-the engine's socket threads, each of whose wake-ups can hold it off for a switch interval.
-
-`start_topology` builds the right one; `build_ui` then gets `.runtime` and `.room` (a SlotPool
-or a PoolRouter: either is a `Room`), and `.attach(demo)` hands the page's WebRTC component to
-the media workers when there are any. Whatever the shape, the app has one room and one queue, in
-the main process: a media worker's callers wait in it too (queue_desk.py).
+"""Which process runs what: the engine(s), their slot pools and the media path, in one of the
+shapes of docs/processes.md § Shapes. `start_topology` builds the right one; the page then gets
+`.runtime` and `.room` (a SlotPool or a PoolRouter: either is a `Room`), and `.attach(demo)` hands
+the page's WebRTC component to the media workers when there are any. Whatever the shape, the app
+has one room and one queue, in the main process.
 """
 
 from __future__ import annotations

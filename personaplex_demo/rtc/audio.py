@@ -1,43 +1,12 @@
-"""Audio on the wire in 40 ms Opus packets instead of WebRTC's usual 20 ms, both ways, and
-nothing held on the way that need not be.
-
-Every outgoing packet costs the one event loop that all callers share a fixed amount of work
-besides the codec itself: fastrtc's real-time pacing wakes up once per frame, aiortc computes its
-audio level, encrypts the packet (SRTP) and sends a datagram. At 20 ms that is 50 round trips a
-second per caller. The engine produces audio in 80 ms frames anyway, so 40 ms packets halve that
-work and add no delay: the whole 80 ms frame is there at once, and a 40 ms packet leaves as soon
-as its 40 ms are paced out. Browsers decode any Opus frame length (RFC 6716); the codec is still
-libopus through PyAV, as in aiortc, with aiortc's own settings but for the frame length and the
-one channel. The caller's side costs the same per packet; `a=ptime:40` in the SDP answer asks the
-browser for 40 ms packets, and Chromium honours it.
-
-Three holds of aiortc 1.16 and fastrtc 0.0.34 are gone (docs/serving.md § Latency budget):
-
-- **The receiver's jitter buffer** (aiortc's `JitterBuffer`: 4 packets held back, released one
-  per arriving packet, and after a loss stuck ~14 packets behind for the rest of the call).
-  `ArrivalJitterBuffer` releases each audio packet the moment it arrives, in order, and drops one
-  that comes after a later one was released. Jitter is absorbed once, where the frames are cut
-  (serving/inbox.py: a margin that follows the call's measured jitter and shrinks back), and a
-  lost packet's hole is filled with silence of its length (rtc/input_audio.py).
-- **The encoder's resampler** (aiortc's `OpusEncoder` converts to 48 kHz with a fixed frame size,
-  and libswresample's filter then keeps one whole packet waiting). `PacketOpusEncoder` hands
-  libopus the frames at their own rate (24 kHz is one of Opus's input rates; the packets and the
-  RTP clock are 48 kHz whatever the input), so each 40 ms of audio is a packet at once.
-- **fastrtc's output pacing** (`AudioCallback.recv` releases each frame against the wall-clock
-  time of the call's first one, forever: a first frame that came late delays every later one).
-  `PacedAudioCallback` spaces the two packets of an engine frame 40 ms apart and otherwise
-  releases a packet as soon as it is there; a backlog (after a stall) goes out at once and the
-  browser's own jitter buffer, which adapts, takes it up.
-
-aiortc also passes every packet through a thread: each outgoing frame to a thread-pool executor
-to encode and back, each incoming packet to a decoder thread and its frames back as a coroutine.
-The hops cost more than the codec's work on a 40 ms packet; `make_inline_encoding` and
-`make_loop_decoder_worker` encode and decode on the event loop instead, in mono both ways (the
-caller's microphone and the agent's voice are one channel each).
-
-aiortc also measures every outgoing frame's audio level (the RTP header extension browsers use
-to show who speaks) in a Python loop over the samples: about a tenth of the event loop's busy
-time with 4 callers. `audio_level_dbov` computes the same value with numpy.
+"""Audio on the wire in 40 ms Opus packets instead of WebRTC's usual 20 ms, both ways, in mono,
+encoded and decoded on the event loop, with nothing held on the way that need not be: the
+answer's `a=ptime:40` (`with_packet_time`), `PacketOpusEncoder` (libopus at the frames' own
+rate), `ArrivalJitterBuffer` (each packet released as it arrives), `PacedAudioCallback` (packets
+40 ms apart, no anchor that a late first frame sets), `make_inline_encoding` and
+`make_loop_decoder_worker` (no thread hop per packet) and `audio_level_dbov` (aiortc's RTP audio
+level, by numpy). Why each, and what it measured: docs/design-notes.md § 40 ms audio packets,
+§ Opus on the event loop, mono both ways and § Nothing held on the media path; rtc/patches.py
+puts them in place.
 """
 
 from __future__ import annotations
