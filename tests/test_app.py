@@ -100,7 +100,7 @@ def test_help_shows_each_default_and_each_env_var() -> None:
     helps: dict[str, str] = {}  # flag -> its help, which argparse may start on the next line
     for line in lines:
         if line.startswith("  -"):
-            flag = line.split()[0]
+            flag = line.split()[0].rstrip(",")  # "--new-name, --old-name": a renamed flag's former name
             helps[flag] = line
         elif line.startswith("    ") and helps:
             helps[flag] += line

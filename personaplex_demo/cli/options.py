@@ -158,8 +158,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type, environ: Mapping[str
                 parser.exit(2, f"{parser.prog}: error: {variable}: {exc}\n")
             source = f"from {variable}"
         shown = ("set" if spec.option.secret and default else spec.shown(default)) + (f", {source}" if source else "")
-        formerly = f"; formerly {', '.join(spec.option.formerly)}, still taken" if spec.option.formerly else ""
-        help_text = f"{spec.option.help} (default: {shown}{formerly})".replace("%", "%%")
+        formerly = f" (formerly {' and '.join(spec.option.formerly)}, still taken)" if spec.option.formerly else ""
+        help_text = f"{spec.option.help} (default: {shown}){formerly}".replace("%", "%%")
         if spec.kind is bool:
             parser.add_argument(spec.flag, *old_flags, dest=spec.name, action="store_true", default=default,
                                 help=help_text)
