@@ -80,6 +80,22 @@ def test_an_80_gb_card_fills_with_slots_and_a_large_one_is_capped_by_max_slots()
     assert a100.as_dict()["bound"] == "memory"
 
 
+def test_a_room_of_several_engines_is_bound_by_memory_only_when_every_engine_is(tmp_path):
+    from personaplex_demo.orchestration.engine_process import RemoteRuntime
+    from personaplex_demo.runtime.tokenizer import build_tiny_tokenizer
+
+    def facts(bound: str, tmp) -> dict:
+        return {"voice_names": ["NATF2"], "tokenizer_path": str(tmp), "max_persona_tokens": 64,
+                "model_name": "personaplex-7b-v1", "is_tiny": False, "banner": None, "capacity": {"bound": bound}}
+
+    tokenizer = build_tiny_tokenizer(tmp_path / "tokenizer.model")
+    memory, setting = facts("memory", tokenizer), facts("--slots", tokenizer)
+    assert RemoteRuntime.from_facts(memory, [memory]).capacity_facts()["bound"] == "memory"
+    assert RemoteRuntime.from_facts(memory, [setting]).capacity_facts()["bound"] == "slots"
+    assert RemoteRuntime.from_facts(setting, [memory]).capacity_facts()["bound"] == "slots"
+    assert RemoteRuntime.from_facts(memory).capacity_facts()["bound"] == "memory"
+
+
 def test_no_room_for_one_slot_names_context_and_the_context_that_fits():
     with pytest.raises(NoSlotFitsError) as err:
         full_size_plan(20 * 10**9)  # 2.4 GB left after the weights; the reserve takes most of it

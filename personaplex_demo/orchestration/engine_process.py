@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import socket
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -176,6 +177,13 @@ class RemoteRuntime:
         return self.capacity
 
     @classmethod
-    def from_facts(cls, facts: dict[str, Any]) -> RemoteRuntime:
+    def from_facts(cls, facts: dict[str, Any], others: Sequence[dict[str, Any]] = ()) -> RemoteRuntime:
+        """From the first engine's facts; `others`: the other engines'. The room's slots were set by
+        the devices' memory (`capacity["bound"]`, for /api/status's limited_by) only if every
+        engine's were."""
+        capacity = facts.get("capacity")
+        if capacity is not None and any((f.get("capacity") or {}).get("bound") != capacity.get("bound")
+                                        for f in others):
+            capacity = {**capacity, "bound": "slots"}
         return cls(EngineFacts(facts), facts["model_name"], bool(facts["is_tiny"]), facts["banner"],
-                   facts.get("weights", "dense"), str(facts.get("device", "cpu")), facts.get("capacity"))
+                   facts.get("weights", "dense"), str(facts.get("device", "cpu")), capacity)

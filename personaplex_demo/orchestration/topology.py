@@ -180,7 +180,7 @@ def start_topology(options: TopologyOptions, progress: Callable[[str, float], No
             if progress is not None:
                 progress(f"loading {len(devices)} engine(s)", 0.1)
             facts = engines.wait_ready()
-            runtime = RemoteRuntime.from_facts(facts[0])
+            runtime = RemoteRuntime.from_facts(facts[0], facts[1:])
             room = router = PoolRouter([EngineLink(a, authkey) for a in addresses], rules=runtime.engine)
             closers.insert(0, router.close)
             engine_status = router.engine_status
@@ -225,7 +225,7 @@ def start_ray_topology(options: TopologyOptions, progress: Callable[[str, float]
         if progress is not None:
             progress("loading the engines on the Ray cluster", 0.1)
         router = engines.wait_ready()
-        runtime = RemoteRuntime.from_facts(engines.facts())
+        runtime = RemoteRuntime.from_facts(engines.facts(), engines.other_facts())
         router.rules = runtime.engine
         media = None
         if options.media_workers:

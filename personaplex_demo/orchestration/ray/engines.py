@@ -138,6 +138,10 @@ class RayEngines:
         facts["tokenizer_path"] = str(path)
         return facts
 
+    def other_facts(self) -> list[dict[str, Any]]:
+        """The page facts of every engine but the first."""
+        return [engine.link.facts for engine in self._engines[1:]]
+
     def status(self) -> list[dict[str, Any]]:
         """Per engine, for /api/status: the router's figures plus the actor's name and namespace."""
         if self.router is None:
