@@ -175,7 +175,7 @@ class ChatSocket(ApiSocket):
             await self.refuse(POLICY, "audio came faster than real time, past what this server holds")
             return
         if held:
-            self.feeder.feed(self.call)
+            self.feeder.feed(self.door_call)
 
     def error_event(self, err: RealtimeError) -> bytes:
         return bytes([ERROR]) + err.message.encode()

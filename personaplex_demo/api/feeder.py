@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..frame import FRAME_SAMPLES
+from ..serving.door import DoorCall
 from ..serving.room import CallHandle, CallState
 from .audio_in import InputAudio, decode_pcm16, pcm16_samples
 from .config import ApiConfig
@@ -62,7 +63,10 @@ class Feeder:
         """One agent frame was read back: the room took one frame (or stepped silence)."""
         self.in_flight = max(0, self.in_flight - 1)
 
-    def feed(self, call: CallHandle | None) -> None:
+    def feed(self, door_call: DoorCall) -> None:
+        """Hand the room what it may take now, through the call's door (`DoorCall.push`), the one
+        way every door's audio enters a call."""
+        call = door_call.call
         if call is None or call.state != CallState.LIVE:
             return
         while self.in_flight < self.config.feed_lead_frames:
@@ -75,7 +79,7 @@ class Feeder:
                 frame = SILENCE
             elif self.muted:
                 frame = SILENCE
-            call.push_audio(frame)
+            door_call.push(frame)
             if self.heard is not None:
                 self.heard(frame)
             self.in_flight += 1

@@ -94,7 +94,7 @@ class LiveSocket(ApiSocket):
         match ev.type:
             case "session.input_audio.append":
                 if self.feeder.append(field(ev, "audio", str), self.call, ev.event_id):
-                    self.feeder.feed(self.call)
+                    self.feeder.feed(self.door_call)
             case "session.input_audio.mute" | "session.input_audio.unmute":
                 self.feeder.muted = ev.type.endswith(".mute")
                 self.send(answer("session.input_audio.muted" if self.feeder.muted else "session.input_audio.unmuted",

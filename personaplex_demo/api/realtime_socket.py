@@ -106,7 +106,7 @@ class RealtimeSocket(ApiSocket):
                     decode_pcm16(audio, ev.event_id)  # a chunk that is not PCM16 is refused before a call starts
                     self._start_soon()
                 if self.feeder.append(audio, self.call, ev.event_id):
-                    self.feeder.feed(self.call)
+                    self.feeder.feed(self.door_call)
             case "input_audio_buffer.clear":
                 self.feeder.audio.clear()
                 self.send(event("input_audio_buffer.cleared"))

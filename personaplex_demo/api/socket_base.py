@@ -259,7 +259,7 @@ class ApiSocket:
             self.room_event("live", call_id=call.id, time_left=call.time_left())
             self.on_live(call)
             self.feeder.live()
-            self.feeder.feed(call)
+            self.feeder.feed(self.door_call)
             while True:
                 match event if isinstance(event, Frame) else await self.door_call.next_event(0.25):
                     case Frame(out=out):
@@ -270,7 +270,7 @@ class ApiSocket:
                         await self.on_ended(reason)
                         return
                 event = None
-                self.feeder.feed(call)
+                self.feeder.feed(self.door_call)
                 if self.outbox.client_stopped_reading(self.ws.scope, self.config.send_backlog_seconds):
                     log.warning("%s %s: the client stopped reading; closing", self.protocol, self.session_id)
                     self.door_call.hang_up(EndReason.NOT_READING)

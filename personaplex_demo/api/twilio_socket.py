@@ -335,7 +335,7 @@ class TwilioSocket(ApiSocket):
             self.feeder.dropped_before_live += len(mulaw)  # not heard yet: a waiting caller costs no decoding
             return
         if self.feeder.append_pcm(self.audio.heard(mulaw), self.call):
-            self.feeder.feed(self.call)
+            self.feeder.feed(self.door_call)
 
     def error(self, err: RealtimeError) -> None:
         """Twilio's protocol has no error message: counted and logged only."""
