@@ -277,3 +277,22 @@ async def test_the_rooms_wait_limit_releases_a_waiting_phone_call_with_its_reaso
         await until(small.room_empty, 3, "an empty room")
         ended = small.status()["calls_ended"]
         assert ended.get("queue_timeout") == 1, ended
+
+
+async def test_a_phone_call_without_media_workers_is_served_by_the_main_process(tiny_cache_dir, tmp_path):
+    with launched_app(tmp_path, tiny_cache_dir, args=["--slots", "1", "--admission", "slots", "--media-workers", "0"],
+                      env={"TWILIO_AUTH_TOKEN": TOKEN}) as embedded:
+        assert embedded.status()["media_workers"] == []
+        async with httpx.AsyncClient(timeout=10) as http:
+            stream = await call(http, embedded, "VARF3")
+            talking = asyncio.create_task(stream.talk(caller_voice(2.0), 30))
+            try:
+                await until(lambda: "live" in stream.mark_names(), 60, "the call live")
+                at = time.monotonic()
+                await until(lambda: stream.heard_since(at) >= 8000, 10, "a second of the agent's voice")
+                assert embedded.status()["calls_by_door"] == {"twilio": 1}
+            finally:
+                talking.cancel()
+                await stream.hang_up()
+        await until(embedded.room_empty, 3, "an empty room")
+        assert "phone (voice VARF3) socket" in embedded.log_text()
