@@ -4,9 +4,9 @@ answer's `a=ptime:40` (`with_packet_time`), `PacketOpusEncoder` (libopus at the 
 rate), `ArrivalJitterBuffer` (each packet released as it arrives), `PacedAudioCallback` (packets
 40 ms apart, no anchor that a late first frame sets), `make_inline_encoding` and
 `make_loop_decoder_worker` (no thread hop per packet) and `audio_level_dbov` (aiortc's RTP audio
-level, by numpy). Why each, and what it measured: docs/design-notes.md § 40 ms audio packets,
-§ Opus on the event loop, mono both ways and § Nothing held on the media path; rtc/patches.py
-puts them in place.
+level, by numpy); rtc/patches.py puts them in place. Why each, and what it measured:
+docs/design-notes.md § 40 ms audio packets (and the section after it, on Opus on the event
+loop), and docs/design-notes.md § Nothing held on the media path.
 """
 
 from __future__ import annotations
