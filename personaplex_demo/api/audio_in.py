@@ -14,6 +14,11 @@ from . import errors as e
 from .errors import RealtimeError
 
 
+def to_pcm16(pcm: np.ndarray) -> np.ndarray:
+    """Float samples in [-1, 1] as 16-bit PCM (NaN as silence, past full scale clipped)."""
+    return np.clip(np.round(np.nan_to_num(pcm) * 32767.0), -32768, 32767).astype(np.int16)
+
+
 def decode_pcm16(audio: str, event_id: str | None = None) -> np.ndarray:
     """Base64 little-endian 16-bit mono PCM as int16 samples; RealtimeError when it is not that."""
     try:

@@ -28,6 +28,7 @@ from ..frame import SAMPLE_RATE
 from ..sampling_params import SamplingParams
 from ..serving.room import CallHandle, Room, SlotOutput
 from . import errors as e
+from .audio_in import to_pcm16
 from .client_events import ClientEvent
 from .config import ApiConfig
 from .errors import RealtimeError
@@ -168,7 +169,7 @@ class ChatSocket(ApiSocket):
             return
         if pcm.size == 0:
             return
-        samples = np.clip(np.round(np.nan_to_num(pcm) * 32767.0), -32768, 32767).astype(np.int16)
+        samples = to_pcm16(pcm)
         try:
             held = self.feeder.append_pcm(samples, self.call)
         except RealtimeError:

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .audio_in import to_pcm16
 from .errors import RealtimeError
 from .session import Dialect
 
@@ -40,7 +41,7 @@ def error_event(err: RealtimeError) -> dict[str, Any]:
 
 def pcm16_base64(pcm: np.ndarray) -> str:
     """Float samples in [-1, 1] as base64 little-endian 16-bit PCM."""
-    ints = np.clip(np.round(np.nan_to_num(pcm) * 32767.0), -32768, 32767).astype("<i2")
+    ints = to_pcm16(pcm).astype("<i2", copy=False)
     return base64.b64encode(ints.tobytes()).decode("ascii")
 
 

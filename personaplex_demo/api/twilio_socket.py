@@ -26,6 +26,7 @@ import asyncio
 import base64
 import binascii
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -48,6 +49,7 @@ from ..runtime.voice_names import DEFAULT_VOICE
 from ..sampling_params import SamplingParams
 from ..serving.room import CallState, Room, SlotOutput
 from . import errors as e
+from .audio_in import to_pcm16
 from .client_events import ClientEvent
 from .config import ApiConfig
 from .errors import RealtimeError
@@ -210,14 +212,15 @@ class TwilioDoor(SocketDoor):
         return PhoneCall(voice, persona)
 
 
-def hold_tone(seconds: float = 2.0) -> np.ndarray:
-    """A waiting caller's sound: a soft 440 Hz note of half a second, faded in and out, then quiet,
-    every `seconds`; int16 at the phone's rate."""
+@functools.cache
+def hold_tone(seconds: float = 2.0) -> bytes:
+    """A waiting caller's sound, made once for every caller: a soft 440 Hz note of half a second,
+    faded in and out, then quiet, every `seconds`; mu-law at the phone's rate."""
     t = np.arange(int(PHONE_RATE * 0.5)) / PHONE_RATE
     note = np.sin(2 * np.pi * 440 * t) * np.sin(np.pi * t / 0.5) * 0.1
     cycle = np.zeros(int(PHONE_RATE * seconds))
     cycle[:note.size] = note
-    return np.round(cycle * 32767).astype(np.int16)
+    return PhoneAudio().said(to_pcm16(cycle), PHONE_RATE)
 
 
 class PhoneAudio:
@@ -239,7 +242,7 @@ class PhoneAudio:
     def said(self, pcm: np.ndarray, rate: int = SAMPLE_RATE) -> bytes:
         """int16 or float (-1..1) samples at `rate` as mu-law at the phone's rate."""
         if pcm.dtype != np.int16:
-            pcm = np.clip(np.round(np.nan_to_num(pcm) * 32767.0), -32768, 32767).astype(np.int16)
+            pcm = to_pcm16(pcm)
         frame = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
         frame.sample_rate = rate
         frames = self._down.resample(frame) if rate != PHONE_RATE else [frame]
@@ -332,8 +335,7 @@ class TwilioSocket(ApiSocket):
         if not mulaw or media.get("track", "inbound") != "inbound":
             return
         if self.call is None or self.call.state != CallState.LIVE:
-            self.feeder.dropped_before_live += len(mulaw)  # not heard yet: a waiting caller costs no decoding
-            return
+            return  # not heard yet: a waiting caller costs no decoding
         if self.feeder.append_pcm(self.audio.heard(mulaw), self.call):
             self.feeder.feed(self.door_call)
 
@@ -364,9 +366,9 @@ class TwilioSocket(ApiSocket):
     async def _play_hold_tone(self) -> None:
         """The tone, paced against the clock (Twilio plays what it gets at once: sent faster it
         would pile up ahead of the agent's first words)."""
-        tone = self.audio.said(hold_tone(), PHONE_RATE)
-        step = int(PHONE_RATE * HOLD_STEP_SECONDS)
-        loop, start, sent = asyncio.get_running_loop(), asyncio.get_running_loop().time(), 0
+        tone, step = hold_tone(), int(PHONE_RATE * HOLD_STEP_SECONDS)
+        loop = asyncio.get_running_loop()
+        start, sent = loop.time(), 0
         while True:
             offset = (sent * step) % len(tone)
             self._send_audio(tone[offset:offset + step])
