@@ -1,17 +1,10 @@
 """Message channels between this app's processes, from the standard library only.
 
-A `Channel` wraps one `multiprocessing.connection.Connection` (a socket pair made for a child
-process, or an AF_UNIX or TCP connection opened with an authkey, procs/links.py) so that event loops and real-time
-threads can use it without ever blocking on it:
-
-- `send` only queues; a sender thread writes whatever has queued up as ONE pickled batch, so a
-  burst of frames (every call's output of one engine tick) costs one write and one wake-up on
-  the other side, not one per frame;
-- a reader thread receives the batches and hands each to `on_batch` (in that thread);
-- when the other side goes away (EOF, a reset, a killed process) `on_close` runs once.
-
-Messages are the typed records of `messages.py` (plain values and numpy arrays); nothing here
-knows what they mean.
+A `Channel` wraps one `multiprocessing.connection.Connection` (a socket pair to a child, or a link from
+links.py) so that event loops and real-time threads never block on it: `send` only queues, and a writer
+thread sends what has queued up as ONE pickled batch (every call's output of one engine tick costs one
+write and one wake-up on the other side, not one per frame); a reader thread hands each batch to
+`on_batch`; `on_close` runs once when the other side goes away.
 """
 
 from __future__ import annotations
@@ -30,6 +23,8 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 MAX_BATCH = 256  # messages per write; a longer backlog goes out in several writes
+
+
 def daemon_threads(*targets: tuple[Callable[[], None], str]) -> list[threading.Thread]:
     """One daemon thread (not started) per (target, name)."""
     return [threading.Thread(target=target, name=name, daemon=True) for target, name in targets]
@@ -62,9 +57,8 @@ class Channel:
             self._outbox.put(message)
 
     def close(self, flush_timeout: float | None = None) -> None:
-        """Close both directions (idempotent); `on_close` runs if it has not yet. With
-        `flush_timeout`, first give the writer up to that long to send what is queued: a process
-        about to exit says its last word (its thread is a daemon and would die with it)."""
+        """Close both directions (idempotent). With `flush_timeout`, first give the writer that long to send
+        what is queued: a process about to exit says its last word (the writer is a daemon and dies with it)."""
         if flush_timeout is not None and not self._closed.is_set():
             self._outbox.put(_STOP)  # the writer sends everything before it, then returns
             self._writer.join(flush_timeout)
@@ -87,10 +81,8 @@ class Channel:
         self._finish()
         # Only now, with both threads done with it, may the descriptor be closed (and reused).
         self._writer.join(5.0)
-        try:
+        with contextlib.suppress(OSError):
             self.conn.close()
-        except OSError:
-            pass
 
     def _write(self) -> None:
         while True:
@@ -134,11 +126,8 @@ class Channel:
 
 def _shutdown(conn: Connection) -> None:
     """Shut a socket-backed connection down in both directions: a blocked recv or send returns."""
-    try:
-        with socket_of(conn) as sock:
-            sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already closed, or never connected
+    with contextlib.suppress(OSError), socket_of(conn) as sock:  # OSError: already closed, or never connected
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 @contextlib.contextmanager

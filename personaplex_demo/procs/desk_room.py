@@ -1,12 +1,6 @@
-"""A media worker's `Room`: its own links to the engines for the frames, and the main process's
-one queue for every decision of who is seated where (queue_desk.py has the other side).
-
-With one engine the engine's own queue is already everybody's, and a call is started there.
-With several, `acquire` sends `Admit` to the main process and waits for its first answer: a
-`Grant` (the worker starts the call on that engine at once, `queue=False`, and says `Placed`),
-`QueueNews` (the caller waits, a `RoutedCall` here that shows the place the main process gives
-it), or `Refused`. A waiting caller's later `Grant` seats it the same way; `Dropped` ends it.
-Everything happens on the worker's event loop; the channel's messages arrive through `receive`.
+"""A media worker's `Room`: its own links to the engines for the frames, and the main process's one
+queue (queue_desk.py) for every decision of who is seated where; the exchange of messages is in
+docs/processes.md, "One room, one queue". Everything runs on the worker's event loop.
 """
 
 from __future__ import annotations
@@ -45,7 +39,6 @@ class DeskRoom(EngineSet):
         self.queued_in_room = 0  # the main process's queue, every worker's and door's callers (QueueLength)
 
     def snapshot(self) -> PoolMetrics:
-        """The engines' figures, with the room's queue as the main process last told it."""
         metrics = self.engines_figures()
         return dataclasses.replace(metrics, queue_length=metrics.queue_length + self.queued_in_room)
 
@@ -75,7 +68,6 @@ class DeskRoom(EngineSet):
         return call.inner if call.inner is not None else call
 
     def _leave(self, rid: int, reason: str) -> None:
-        """The caller gave up its place (or never got one): the main process lets it go."""
         if self._calls.pop(rid, None) is not None:
             self._send(msg.Leave(rid, reason))
 

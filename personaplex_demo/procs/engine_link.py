@@ -1,29 +1,14 @@
-"""The link to an engine in another process, as a `Room` (serving/room.py): start a call, push
-frames, pull outputs.
-
-A door (`web.handler.CallHandler`) holds a `Room` and its calls are `CallHandle`s. In one
-process that room is the `SlotPool` itself; here are the same surfaces for the pools of engines
-in other processes (`pool_server.PoolServer` serves each):
-
-- `EngineLink`: one engine's SlotPool, over one `channel.Channel` (an AF_UNIX socket, or TCP
-  to an engine on another machine, with an authkey);
-- `RemoteCall`: a call on it, a `CallHandle` (state, queue_position, slot, end_reason,
-  time_left, push_audio, next_output, wait_live, release);
-- (`pool_router.PoolRouter` makes several EngineLinks one room; to try one engine without
-  queueing, it calls that EngineLink's `acquire(..., queue=False)`, as `SlotPool.admit(...,
-  queue=False)` does in process.)
-
-What crosses is the typed records of `messages.py`: Start, Push, Release one way; Hello (once,
-first), Started, Refused, StateChange, Out and PoolFigures (twice a second, or four times for a
-Ray engine: the pool's figures, and every tick since the last ones, for /metrics) the other.
-`rid` is chosen by the client and names the call from then on. Everything an EngineLink and its
-calls do after the first `acquire` happens on that call's event loop: use one loop per client.
+"""The link to an engine in another process, as a `Room` (serving/room.py): `EngineLink` is one engine's
+SlotPool over one `channel.Channel` (served by `pool_server.PoolServer`, on this machine or another),
+`RemoteCall` a call on it, a `CallHandle`. Everything an EngineLink and its calls do after the first
+`acquire` happens on that call's event loop: use one loop per client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -39,15 +24,7 @@ from ..serving.call import checked_audio
 from ..serving.config import PoolConfig
 from ..serving.headroom import WaitReason
 from ..serving.metrics import PoolMetrics, tell_listeners
-from ..serving.room import (
-    DOOR_PAGE,
-    CallState,
-    EndReason,
-    PoolClosedError,
-    PoolFullError,
-    SlotOutput,
-    TickListener,
-)
+from ..serving.room import DOOR_PAGE, CallState, EndReason, PoolClosedError, PoolFullError, SlotOutput, TickListener
 from ..serving.waiting import CallView, WaitingCall
 from . import messages as msg
 from .channel import Channel
@@ -62,20 +39,17 @@ DEFAULT_SAMPLING = SamplingParams()
 
 
 class RemoteCall(CallView, WaitingCall):
-    """One call on a `EngineLink` (a `CallHandle`), driven by the engine's messages on the call's
-    event loop; see `serving.call.Call`."""
+    """One call on an `EngineLink` (a `CallHandle`), driven by the engine's messages on the call's event loop."""
 
     def __init__(self, engine: EngineLink, started: msg.Started) -> None:
         CallView.__init__(self, started.call_id)
         WaitingCall.__init__(self)
         self.engine = engine
         self.rid = started.rid
-        self.frames_pushed = 0
         self.on_change: Callable[[], None] | None = None  # a `RoutedCall` that holds it listens
         self._deadline: float | None = None
         self._outbox: collections.deque[SlotOutput] = collections.deque(maxlen=engine.config.output_queue_frames)
-        self.update(started.state, started.queue_position, started.slot, started.time_left, None,
-                    started.wait_reason)
+        self.update(started.state, started.queue_position, started.slot, started.time_left, None, started.wait_reason)
 
     def __repr__(self) -> str:
         return f"RemoteCall({self.id}@{self.engine.name}, {self.state}, slot={self.slot}, queue={self.queue_position})"
@@ -90,7 +64,6 @@ class RemoteCall(CallView, WaitingCall):
         arr = checked_audio(samples)  # sent as it is: int16 is half the bytes of float32
         if self.state != CallState.LIVE:
             return
-        self.frames_pushed += 1
         self.engine.send(msg.Push(self.rid, arr.copy()))
 
     def release(self, reason: str = EndReason.HANGUP) -> None:
@@ -105,7 +78,7 @@ class RemoteCall(CallView, WaitingCall):
 
     _next_output = take_output
 
-    # ---- the engine's side (on the call's event loop) ----------------------------------------
+    # ---- the engine's side -------------------------------------------------------------------
 
     def update(self, state: str, queue_position: int | None, slot: int | None, time_left: float | None,
                end_reason: str | None, wait_reason: str | None = None) -> None:
@@ -145,9 +118,7 @@ class EngineLink:
     """One SlotPool in another process (on this machine or another), as a `Room`."""
 
     def __init__(self, address: Address, authkey: bytes, name: str | None = None) -> None:
-        # AF_UNIX for a path, TCP for (host, port). The Hello comes before the server's channel
-        # starts: one message, not a batch.
-        conn, hello = open_link(address, authkey)
+        conn, hello = open_link(address, authkey)  # the Hello comes before the server's channel: not a batch
         if not isinstance(hello, msg.Hello):
             conn.close()
             raise RuntimeError(f"engine at {address} answered {type(hello).__name__} instead of Hello")
@@ -167,6 +138,7 @@ class EngineLink:
         self._pending: dict[int, asyncio.Future] = {}
         self._calls: dict[int, RemoteCall] = {}
         self._channel = Channel(conn, f"engine-client:{self.name}", self._on_batch, self._on_close).start()
+        self.send: Callable[[msg.ClientMessage], None] = self._channel.send
 
     def __repr__(self) -> str:
         return f"EngineLink({self.name}, {'alive' if self.alive else 'gone'})"
@@ -175,12 +147,8 @@ class EngineLink:
         return self.figures
 
     def add_tick_listener(self, listener: TickListener) -> None:
-        """As `SlotPool.add_tick_listener`, but called on this client's reader thread, twice a
-        second for the ticks in between."""
+        """As `SlotPool.add_tick_listener`, but called on the reader thread for the ticks since the last figures."""
         self._tick_listeners.append(listener)
-
-    def send(self, message: msg.ClientMessage) -> None:
-        self._channel.send(message)
 
     def report_media_lag(self, seconds: float, source: str = "local") -> None:
         """Tell the engine how late this process's event loop ran (it names the source itself)."""
@@ -189,9 +157,8 @@ class EngineLink:
 
     async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING,
                       door: str = DOOR_PAGE, *, queue: bool = True) -> RemoteCall:
-        """Start a call: a free slot (state PREFILL) or a place in the queue (state QUEUED).
-        Raises what `SlotPool.acquire` raises; with `queue=False`, PoolFullError unless a slot is
-        free (the engine decides at once, so two clients cannot both count on one free slot)."""
+        """Start a call, as `SlotPool.admit`: with `queue=False`, PoolFullError unless a slot is free (the
+        engine decides at once, so two clients cannot both count on one free slot)."""
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
@@ -235,12 +202,8 @@ class EngineLink:
                 tell_listeners(self._tick_listeners, message.ticks)
             else:
                 rest.append(message)
-        loop = self._loop
-        if rest and loop is not None:
-            try:
-                loop.call_soon_threadsafe(self._dispatch, rest)
-            except RuntimeError:
-                pass  # that loop has closed: nobody is left to tell
+        if rest:
+            self._on_loop(self._dispatch, rest)
 
     def _dispatch(self, messages: list[msg.ServerMessage]) -> None:
         """The loop: a call's news, or the answer to a start."""
@@ -279,12 +242,13 @@ class EngineLink:
         if self.alive:
             self.alive = False
             log.error("engine %s: connection lost; ending its calls", self.name)
-        loop = self._loop
-        if loop is not None:
-            try:
-                loop.call_soon_threadsafe(self._end_everything)
-            except RuntimeError:
-                pass
+        self._on_loop(self._end_everything)
+
+    def _on_loop(self, callback: Callable[..., None], *args: Any) -> None:
+        """From the reader thread: `callback` on the calls' loop, once there is one."""
+        if (loop := self._loop) is not None:
+            with contextlib.suppress(RuntimeError):  # that loop has closed: nobody is left to tell
+                loop.call_soon_threadsafe(callback, *args)
 
     def _end_everything(self) -> None:
         for call in list(self._calls.values()):

@@ -1,23 +1,9 @@
 """The app's child processes (engine processes, media workers): spawn one, talk to it, stop it.
 
-Every child is started the same way:
-
-- with multiprocessing's "spawn" context: a fresh interpreter, which inherits neither the main
-  process's CUDA state nor its threads, and imports only what its entry point needs (no torch in
-  a media worker);
-- with a socket pair to it, wrapped on the main side in a `Channel` (batched typed messages from
-  `messages.py`); the child wraps its end in one too. The child holds the only other end, so its
-  death is an EOF here, and the main process's death an EOF there;
-- with one preamble (`_child_main`): `logs.configure_logging` with the child's name in each line
-  and the secret filter, and stop signals (SIGTERM, SIGINT) left to the main process, before its
-  entry point runs. A terminal's Ctrl-C, a container's stop or a service manager signals the
-  whole process group at once: a child that died of it first would look to the main process like
-  a crash (an ERROR, a replacement started during the shutdown, its calls cut before they are
-  told why). The main process stops its children itself, in order;
-- as a daemon: it cannot outlive the main process.
-
-`stop_children` is the one way to stop some: each is told `Stop` at once (so they wind down in
-parallel), then each is joined in turn and killed if it outlives its time.
+Each is spawned (a fresh interpreter: no CUDA state, no threads, no torch in a media worker) as a daemon,
+with a socket pair wrapped in a `Channel` on both sides, so that either side's death is an EOF to the
+other. A child ignores SIGTERM and SIGINT: a signal to the whole process group would otherwise kill it
+first and look like a crash; the main process stops its children itself, in order (docs/processes.md § How they stop).
 """
 
 from __future__ import annotations
@@ -43,7 +29,7 @@ ChildMain = Callable[[Any, Connection], None]  # a module-level function: spawn 
 
 
 def _child_main(target: ChildMain, spec: Any, conn: Connection, name: str, log_level: int) -> None:
-    """Every child's first code: the app's logging and signals, then its entry point."""
+    """Every child's first code: the app's logging (its name in each line) and signals, then its entry point."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)  # the main process stops its children (the module docstring)
     configure_logging(log_level, prefix=name)
@@ -61,12 +47,8 @@ class Child:
                                    name=name, daemon=True)
         self.channel: Channel | None = None
 
-    def __repr__(self) -> str:
-        return f"Child({self.name}, pid={self.pid}, {'alive' if self.alive else 'gone'})"
-
     def start(self, on_batch: Callable[[list[Any]], None], on_close: Callable[[], None] | None = None) -> Child:
-        """Spawn it; its messages go to `on_batch`, and `on_close` runs once the channel closes
-        (the child exited or died, or `close`). Both run on the channel's reader thread."""
+        """Spawn it; `on_batch` and `on_close` (the child exited or died, or `close`) run on the channel's reader."""
         try:
             self.process.start()
         except BaseException:
@@ -78,7 +60,7 @@ class Child:
         return self
 
     def send(self, message: Any) -> None:
-        """Queue one message for the child; never blocks; dropped once the channel has closed."""
+        """Queue one message for the child (`Channel.send`)."""
         if self.channel is None:
             raise RuntimeError(f"{self.name} has not been started")
         self.channel.send(message)
@@ -110,8 +92,7 @@ class Child:
 
 
 def stop_children(children: Sequence[Child], join_timeout: float) -> None:
-    """Tell every child to `Stop`, then give them `join_timeout` s (together) to exit before
-    killing those still there, and close their channels."""
+    """Tell every child to `Stop` (they wind down in parallel), then kill those still there after `join_timeout` s."""
     for child in children:
         child.send(Stop())
     deadline = time.monotonic() + join_timeout
@@ -124,10 +105,8 @@ def stop_children(children: Sequence[Child], join_timeout: float) -> None:
 
 
 def kill_children() -> None:
-    """SIGKILL every child process still running: the last resort of an exit that cannot wait
-    (a watchdog's, or the interpreter's own). Children ignore SIGTERM (`_child_main`), so
-    multiprocessing's exit hook, which terminates daemon children and then waits for them
-    without a limit, would wait forever on one that was never told `Stop`."""
+    """SIGKILL every child still running: the last resort of an exit that cannot wait. Children ignore
+    SIGTERM, so multiprocessing's exit hook (terminate, then wait without a limit) would wait forever."""
     for process in multiprocessing.active_children():
         process.kill()
 
@@ -137,8 +116,8 @@ atexit.register(kill_children)
 
 
 class Inbox:
-    """A channel's messages for a thread that waits for them (not an event loop): pass `on_batch`
-    and `on_close` to the Channel (or `Child.start`); `get` returns None once it has closed."""
+    """A channel's messages for a thread (not an event loop) that waits for them: pass `on_batch` and
+    `on_close` to the Channel (or `Child.start`)."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()

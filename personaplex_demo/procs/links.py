@@ -1,12 +1,9 @@
 """Opening a link to an engine's `PoolServer`, and accepting one there, with a time limit.
 
-`multiprocessing.connection.Client` and `Listener.accept` authenticate with a challenge and
-response over the new connection, but wait for the other side without a limit: on TCP between
-machines, a peer lost in the middle (a network flap, a half-open connection, a port scan) would
-hold the server's only accept thread, or the client's caller, for good. Here the same handshake
-(the standard library's `deliver_challenge` and `answer_challenge`) runs with a socket time
-limit on every read and write, which is lifted once the link is up; the server runs each
-handshake in a thread of its own. AF_UNIX paths and TCP (host, port) addresses alike.
+`multiprocessing.connection.Client` and `Listener.accept` run the authkey handshake without a limit: on
+TCP, a peer lost in the middle (a network flap, a half-open connection, a port scan) would hold the
+server's accept thread, or the client, for good. Here the same handshake (`deliver_challenge`,
+`answer_challenge`) runs with a socket time limit on every read and write, lifted once the link is up.
 """
 
 from __future__ import annotations
@@ -20,21 +17,17 @@ from typing import Any
 from .channel import socket_of
 
 HANDSHAKE_SECONDS = 5.0  # to connect, authenticate and get the first message
-
-
 Address = str | tuple[str, int]  # an AF_UNIX socket's path, or a TCP (host, port) between machines
 
 
 def between_machines(address: Address) -> bool:
-    """A TCP link: the engine may be on another machine, which may go silent or away (and come
-    back at a new address), where an AF_UNIX one's engine is a child of this app."""
+    """A TCP link: its engine's machine may go silent or away (and come back at a new address)."""
     return not isinstance(address, str)
 
 
 def no_delay(conn: Connection) -> None:
-    """TCP_NODELAY on a TCP connection (a no-op for AF_UNIX): a batch bigger than 16 KiB goes out as
-    two writes (header, then body), and Nagle's algorithm would hold the body back until the
-    other side's delayed ACK, up to 40 ms."""
+    """TCP_NODELAY on a TCP connection (a no-op for AF_UNIX): a batch over 16 KiB goes out as two writes, and
+    Nagle's algorithm would hold the body back until the other side's delayed ACK, up to 40 ms."""
     with socket_of(conn) as sock:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -61,9 +54,8 @@ def listen(address: Address) -> socket.socket:
 
 
 def open_link(address: Address, authkey: bytes, timeout: float = HANDSHAKE_SECONDS) -> tuple[Connection, Any]:
-    """Connect, authenticate both ways, and read the server's first message, within `timeout`
-    seconds each step. Raises OSError (FileNotFoundError, ConnectionRefusedError, TimeoutError),
-    EOFError or multiprocessing's AuthenticationError."""
+    """Connect, authenticate both ways, and read the server's first message, within `timeout` s each step.
+    Raises OSError (TimeoutError, ConnectionRefusedError...), EOFError or multiprocessing's AuthenticationError."""
     if isinstance(address, str):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)

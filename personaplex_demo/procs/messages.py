@@ -1,27 +1,11 @@
 """Every message that crosses a process boundary of this app, as a small typed record.
 
-Three conversations, each over a `channel.Channel` (one pickled batch per write):
-
-    a pool's clients <-> its PoolServer          (engine_link.py <-> pool_server.py)
-        client -> server   Start, Push, Release, MediaLag (about once a second)
-        server -> client   Hello (once, first, before the channel starts), Started, Refused,
-                           StateChange, Out, PoolFigures (twice a second)
-    the main process <-> an engine process       (engine_process.py)
-        main -> engine     EndCalls, Stop
-        engine -> main     EngineReady, EngineFailed
-    the main process <-> a media worker          (media_workers.py <-> media_worker.py)
-        main -> worker     Offer, Input, RecordingQuery, Relink, Stop;
-                           Grant, QueueNews, Dropped, Refused, QueueLength (the room's queue: queue_desk.py)
-        worker -> main     WorkerReady, Reply, Outputs, Closed; Admit, Placed, Leave;
-                           SocketError, SocketClosed (the API sockets it serves)
-
-A receiver matches on the type (`match message: case Push(rid=rid, samples=samples): ...`), never on a
-position. The records hold plain values and numpy arrays only, so that either side can be another
-version of this code, or later another machine, without sharing any class but these. `rid`
-names a call (or a request) and is chosen by the side that starts it.
-
-Frozen dataclasses with slots: cheap to build and to pickle (a `Push` and an `Out` go by for every
-caller 12.5 times a second), and a typo in a field name fails at once.
+Who sends which, over which `channel.Channel`: docs/processes.md § How they talk. A receiver matches on the
+type, never on a position. The records hold plain values and numpy arrays only, so that either side can be
+another version of this code, or another machine, without sharing any class but these. `rid` names a call
+(or a request) and is chosen by the side that starts it. Frozen dataclasses with slots: cheap to build and
+to pickle (a `Push` and an `Out` go by for every caller 12.5 times a second), and a typo in a field name
+fails at once.
 """
 
 from __future__ import annotations
@@ -71,9 +55,7 @@ class Release:
 
 @dataclass(frozen=True, slots=True)
 class MediaLag:
-    """The client's event loop ran up to `seconds` late lately: its media falls behind."""
-
-    seconds: float
+    seconds: float  # the client's event loop ran up to this late lately: its media falls behind
 
 
 RefusalKind = Literal["caller", "busy", "full", "closed"]  # a bad request | no free slot | queue full | shut
@@ -137,8 +119,7 @@ class Stop:
 
 @dataclass(frozen=True, slots=True)
 class EndCalls:
-    """An engine ends every call (reason "shutdown") and stops ticking; its server stays up, so
-    that the news reaches the callers."""
+    """End every call (reason "shutdown") and stop ticking; the server stays up, so the callers hear why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,10 +166,8 @@ class Relink:
 
 @dataclass(frozen=True, slots=True)
 class WorkerReady:
-    """A worker is up; it reports whether torch got imported in it (it should not be)."""
-
     pid: int
-    torch_imported: bool
+    torch_imported: bool  # it should not be
 
 
 # ---- the room's one queue, kept by the main process for the media workers' callers ----------------
@@ -234,9 +213,7 @@ class QueueNews:
 
 @dataclass(frozen=True, slots=True)
 class QueueLength:
-    """How many callers wait in the room's queue, sent to every worker when it changes (their pages' room line)."""
-
-    count: int
+    count: int  # callers in the room's queue, sent to every worker when it changes (their pages' room line)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,19 +226,16 @@ class Dropped:
 
 @dataclass(frozen=True, slots=True)
 class Leave:
-    """A queued caller gave up its place (hung up)."""
-
-    rid: int
+    rid: int  # a queued caller gave up its place (hung up)
     reason: str
 
 
 @dataclass(frozen=True, slots=True)
 class OfferAnswer:
-    """fastrtc's answer to an offer (or its refusal), as JSON, and its status code when fastrtc
-    answered with a JSONResponse."""
+    """fastrtc's answer to an offer (or its refusal), as JSON."""
 
     json: Any
-    status_code: int | None
+    status_code: int | None  # when fastrtc answered with a JSONResponse
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,10 +278,7 @@ class SocketError:
 
 @dataclass(frozen=True, slots=True)
 class SocketClosed:
-    """An API socket handed to the worker (socket_handoff.py) has closed: its place in its
-    client's socket count is free."""
-
-    handoff: int
+    handoff: int  # a socket handed to the worker (socket_handoff.py) closed: its client's socket count has room
 
 
 ClientMessage = Start | Push | Release | MediaLag

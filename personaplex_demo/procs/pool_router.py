@@ -1,16 +1,7 @@
-"""Several engines' slot pools as one `Room`: placement across them, and the room's one queue
-(`PoolRouter`).
-
-The engines may be processes on this machine (`--devices`, `--media-workers`) or Ray actors on
-other machines (`--engines ray`, orchestration/ray/); either way each is a `EngineLink` here. An engine
-that stopped is skipped, and one that came back (a restarted Ray actor) takes its place
-(`replace`). Callers who find every engine full wait in the router's one queue
-(routed_call.py), not at one engine: the first slot freed anywhere goes to the head of it.
-
-There is one router per app, in the main process: the callers of every door there, and those of
-every media worker (queue_desk.py brings them in), wait in its queue, first come, first served,
-under one `--max-queue` and one wait limit on one clock. Only control passes through it: once
-seated, a caller's frames go straight between its process and its engine.
+"""Several engines' slot pools as one `Room` (`PoolRouter`): placement across them, and the room's one
+queue. There is one router per app, in the main process: the callers of every door and every media worker
+(queue_desk.py) wait in its queue, first come, first served; only control passes through it (once seated,
+a caller's frames go straight between its process and its engine). docs/processes.md, "One room, one queue".
 """
 
 from __future__ import annotations
@@ -18,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -56,8 +48,8 @@ def combine_metrics(metrics: list[PoolMetrics]) -> PoolMetrics:
 
 
 class UnreachableEngine:
-    """An engine on another machine that did not answer when this process started (its machine
-    may be gone): placement skips it until a link to it is made (`EngineSet.replace`)."""
+    """An engine on another machine that did not answer at start (its machine may be gone): placement
+    skips it until a link to it is made (`EngineSet.replace`)."""
 
     alive = False
     slots_total = 0
@@ -92,9 +84,8 @@ class RequestRules(Protocol):
 
 
 class EngineSet:
-    """The engine links a room reaches, for both rooms built on them (`PoolRouter` in the main
-    process, `desk_room.DeskRoom` in a media worker): the app's settings, their slots and figures,
-    and the tick listeners, kept across a link made again (`replace`)."""
+    """The engine links of both rooms built on them (`PoolRouter`, `desk_room.DeskRoom`): the app's
+    settings, their slots and figures, and the tick listeners, kept across a link made again (`replace`)."""
 
     def __init__(self, engines: list[EngineLink | UnreachableEngine]) -> None:
         if not engines:
@@ -109,7 +100,6 @@ class EngineSet:
         return sum(e.slots_total for e in self.engines if e.alive)
 
     def engines_figures(self) -> PoolMetrics:
-        """The running engines' figures as one."""
         return combine_metrics([e.snapshot() for e in self.engines if e.alive])
 
     def add_tick_listener(self, listener: TickListener) -> None:
@@ -118,8 +108,7 @@ class EngineSet:
             engine.add_tick_listener(listener)
 
     def replace(self, old: EngineLink | UnreachableEngine, new: EngineLink) -> None:
-        """An engine linked to again (a restarted Ray actor, or one that answers at last) in place
-        of its lost link: new calls may go to it; the old one's calls have ended."""
+        """An engine linked to again (a restarted Ray actor, or one that answers at last) in place of its lost link."""
         for listener in self._tick_listeners:
             new.add_tick_listener(listener)
         # A new list, not an edit: the doors' loops iterate the old one meanwhile.
@@ -135,10 +124,9 @@ class EngineSet:
 
 
 class PoolRouter(EngineSet):
-    """Several engines' pools as one `Room`. A call goes to an engine that takes it now (a free
-    slot with headroom in its tick, serving/headroom.py), the one with the most headroom first.
-    When none does, it waits in the router's one queue (`RoutedCall`), and the head of that queue
-    takes the first seat that any engine frees. Engines that stopped are skipped."""
+    """Several engines' pools as one `Room`. A call goes to an engine that takes it now (a free slot with
+    headroom, serving/headroom.py), the most headroom first; else it waits in the one queue (`RoutedCall`),
+    whose head takes the first seat any engine frees. Engines that stopped are skipped."""
 
     def __init__(self, engines: list[EngineLink | UnreachableEngine], rules: RequestRules | None = None) -> None:
         super().__init__(engines)
@@ -161,7 +149,7 @@ class PoolRouter(EngineSet):
 
     @property
     def queued(self) -> int:
-        """Callers in the router's queue (not those who just hung up)."""
+        """Callers in the queue (not those who just hung up)."""
         return sum(c.state == CallState.QUEUED for c in self._waiting)
 
     def engine_status(self) -> list[dict[str, Any]]:
@@ -181,9 +169,8 @@ class PoolRouter(EngineSet):
         return call.inner if call.inner is not None else call
 
     async def enter(self, call: RoutedCall) -> None:
-        """Seat `call` on an engine now, or give it its place in the queue, first come, first
-        served, whatever door or process it came from. Raises CallerError for a bad request,
-        PoolFullError (with its cause) when the queue is full, PoolClosedError with no engine."""
+        """Seat `call` on an engine now, or give it its place in the queue, whatever door or process it came
+        from. CallerError for a bad request, PoolFullError when the queue is full, PoolClosedError with no engine."""
         alive = [e for e in self.engines if e.alive]
         if not alive:
             raise PoolClosedError("no engine is running")
@@ -205,8 +192,7 @@ class PoolRouter(EngineSet):
             self._placer = asyncio.get_running_loop().create_task(self._place_waiting())
 
     async def _seat(self, call: RoutedCall, engines: list[EngineLink]) -> bool:
-        """A seat now for `call` on one of `engines` (the most room first): True once it needs no
-        more seating. Each engine decides atomically: two doors cannot both count on one free slot."""
+        """A seat now for `call` on one of `engines` (the most room first): True once it needs no more seating."""
         numbered = [(i, e) for i, e in enumerate(self.engines) if e in engines]  # before any await: `replace`
         numbered.sort(key=lambda ie: (-ie[1].figures.admitting, -ie[1].figures.headroom_ms, -ie[1].figures.slots_free))
         for index, engine in numbered:
@@ -215,8 +201,7 @@ class PoolRouter(EngineSet):
         return False
 
     async def _place_waiting(self) -> None:
-        """The queue's rules (wait limit, silence) on the router's clock, and the queue's head
-        taking the first seat an engine frees (their figures say where to ask)."""
+        """The queue's rules (wait limit, silence) on the router's clock, and seats for its head, until it is empty."""
         while self._waiting:
             try:
                 await self._place_head()
@@ -226,7 +211,7 @@ class PoolRouter(EngineSet):
         self._renumber()
 
     async def _place_head(self) -> None:
-        """One look at the queue: its rules, then a seat for its head if an engine shows one."""
+        """One look at the queue: its rules, then a seat for its head if an engine's figures show one."""
         now = time.monotonic()
         for call in self._waiting:
             if call.state == CallState.QUEUED and (why := queue_expiry(self.config, now, call.queued_at)):
@@ -258,8 +243,7 @@ class PoolRouter(EngineSet):
             self._waiting.remove(head)
 
     def _renumber(self) -> None:
-        """Places from 1 for those still waiting, and why they wait; a call held back for headroom
-        (a slot free somewhere) counts once. `on_queued` hears the queue's length when it changes."""
+        """Places from 1 for those still waiting, and why; `on_queued` hears the queue's length when it changes."""
         waiting = [c for c in self._waiting if c.state == CallState.QUEUED]
         for position, call in enumerate(waiting, 1):
             if self._reason == WaitReason.CAPACITY and not call.held_back:
@@ -279,8 +263,6 @@ class PoolRouter(EngineSet):
                 for call in self._waiting:
                     call.end(NO_ENGINE)
 
-            try:
+            with contextlib.suppress(RuntimeError):  # that loop has closed
                 placer.get_loop().call_soon_threadsafe(end_waiting)
-            except RuntimeError:
-                pass  # that loop has closed
         self.close_links()

@@ -1,15 +1,8 @@
 """Serves one SlotPool to other processes: the engine side of `engine_link.EngineLink`.
 
-A `PoolServer` listens on an AF_UNIX socket, or on TCP for clients on other machines (with an
-authkey either way). Each client process (a media
-worker, or the main process when the engines run elsewhere) gets one `channel.Channel`; the
-messages are `messages.py`'s (Start, Push, Release in; Hello, Started, Refused, StateChange, Out,
-PoolFigures out). Frames from a client go straight into the pool from the
-channel's reader thread (`Call.push_audio` is thread-safe and never blocks); one event loop in a
-thread of its own awaits each call's outputs and state changes and sends them back.
-
-A client that goes away (its process died) has all its calls released: their slots are freed at
-the next tick, and the other clients' calls never notice.
+Each client process gets one `channel.Channel`. Its frames go straight into the pool from the reader
+thread (`Call.push_audio` is thread-safe and never blocks); one event loop in a thread of its own sends
+each call's outputs and state changes back. A client that goes away has all its calls released.
 """
 
 from __future__ import annotations
@@ -21,6 +14,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import asdict
 from multiprocessing.connection import AuthenticationError, Connection
 from typing import Any
@@ -54,9 +48,7 @@ class _Client:
         self.calls: dict[int, Call] = {}
         self.lock = threading.Lock()
         self.channel = Channel(conn, self.name, self.on_batch, self.on_close)
-
-    def send(self, message: msg.ServerMessage) -> None:
-        self.channel.send(message)
+        self.send: Callable[[msg.ServerMessage], None] = self.channel.send
 
     def on_batch(self, batch: list[msg.ClientMessage]) -> None:
         """The channel's reader thread: frames and releases at once, starts through the pool."""
@@ -88,16 +80,16 @@ class _Client:
             call = self.server.pool.admit(start.voice, start.persona, SamplingParams(**start.sampling),
                                           queue=start.may_queue, door=start.door)
         except CallerError as exc:
-            self.refuse(rid, "caller", str(exc))
+            self.send(msg.Refused(rid, "caller", str(exc)))
             return
         except TypeError as exc:  # not a SamplingParams dict: a client of another version
-            self.refuse(rid, "caller", f"bad sampling settings: {exc}")
+            self.send(msg.Refused(rid, "caller", f"bad sampling settings: {exc}"))
             return
         except PoolFullError as exc:
-            self.refuse(rid, "full" if start.may_queue else "busy", str(exc), str(exc.cause))
+            self.send(msg.Refused(rid, "full" if start.may_queue else "busy", str(exc), str(exc.cause)))
             return
         except PoolClosedError as exc:
-            self.refuse(rid, "closed", str(exc))
+            self.send(msg.Refused(rid, "closed", str(exc)))
             return
         with self.lock:
             self.calls[rid] = call
@@ -110,9 +102,6 @@ class _Client:
             call.release(CLIENT_GONE)
             return
         asyncio.run_coroutine_threadsafe(self.pump(rid, call, told), self.server.loop)
-
-    def refuse(self, rid: int, kind: msg.RefusalKind, message: str, cause: str | None = None) -> None:
-        self.send(msg.Refused(rid, kind, message, cause))
 
     async def pump(self, rid: int, call: Call, sent: tuple) -> None:
         """Send the call's state changes (since `sent`, what the client was told) and outputs until it ends."""
@@ -131,20 +120,19 @@ class _Client:
                 if now != sent and call.state != CallState.ENDED:
                     sent = now
                     self.send(msg.StateChange(rid=rid, state=call.state.value, queue_position=call.queue_position,
-                                          slot=call.slot, time_left=call.time_left(), end_reason=None,
-                                          wait_reason=call.wait_reason))
+                                              slot=call.slot, time_left=call.time_left(), end_reason=None,
+                                              wait_reason=call.wait_reason))
         except CallEnded as ended:
-            # A plain string on the wire: the receiver needs no class of ours to read it.
-            self.send(msg.StateChange(rid=rid, state=CallState.ENDED.value, queue_position=None, slot=call.slot,
-                                  time_left=None, end_reason=str(ended.reason)))
+            end_reason = str(ended.reason)  # a plain string on the wire: the receiver needs no class of ours
         except Exception:
             log.exception("%s: relaying call %s failed; ending it", self.name, call.id)
             call.release(RELAY_FAILED)
-            self.send(msg.StateChange(rid=rid, state=CallState.ENDED.value, queue_position=None, slot=call.slot,
-                                  time_left=None, end_reason=RELAY_FAILED))
+            end_reason = RELAY_FAILED
         finally:
             with self.lock:
                 self.calls.pop(rid, None)
+        self.send(msg.StateChange(rid=rid, state=CallState.ENDED.value, queue_position=None, slot=call.slot,
+                                  time_left=None, end_reason=end_reason))
 
     def on_close(self) -> None:
         with self.lock:
@@ -164,7 +152,7 @@ class PoolServer:
                  facts: dict[str, Any] | None = None, figures_seconds: float = FIGURES_SECONDS) -> None:
         self.pool = pool
         self.name = name
-        self.facts = dict(facts or {})  # the engine's facts for the Hello (model name, voices, ...)
+        self.facts = dict(facts or {})  # for the Hello (model name, voices, ...)
         self.closing = False
         self._authkey = authkey
         self._listener = listen(address)  # AF_UNIX for a path, TCP for (host, port)
@@ -206,10 +194,8 @@ class PoolServer:
         if self.closing:
             return
         self.closing = True
-        try:  # wakes the accept thread: its accept fails
+        with contextlib.suppress(OSError):  # wakes the accept thread: its accept fails
             self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._accept_thread.join(5.0)
         self._listener.close()
         if isinstance(self.address, str):

@@ -1,15 +1,6 @@
-"""The main process's desk for the media workers' callers: they wait in the room's one queue.
-
-A media worker's door asks its `DeskRoom` (desk_room.py) for a call; with several engines the
-worker sends `Admit`, and here the caller enters the main process's `PoolRouter` as a
-`DeskEntry`, in order of arrival among every other caller of every door and worker. When the
-router offers it a seat on an engine, the desk sends `Grant`; the worker starts the call on
-that engine itself (its frames go straight there) and answers `Placed`. While it waits the
-worker hears `QueueNews` (its place, and why) and, if the room gives up on it, `Dropped`; the
-worker says `Leave` when its caller hangs up.
-
-Every method runs on the router's event loop (the page's); `MediaWorkers` hands the messages
-over from its reader threads.
+"""The main process's desk for the media workers' callers: each waits in the router's one queue as a
+`DeskEntry`, in order of arrival among every other caller; the messages (Admit, Grant, Placed, QueueNews,
+Dropped, Leave) are in docs/processes.md, "One room, one queue". Every method runs on the router's loop.
 """
 
 from __future__ import annotations
@@ -78,20 +69,16 @@ class QueueDesk:
 
     def __init__(self, router: PoolRouter, send: Callable[[int, msg.WorkerCommand], None]) -> None:
         self.router = router
-        self._send = send
+        self.send = send
         self._entries: dict[tuple[int, int], DeskEntry] = {}  # (worker, rid) -> its caller, until seated or ended
         self._grants: dict[tuple[int, int], asyncio.Future[msg.Placed]] = {}
         self._tasks: set[asyncio.Task] = set()
         self._gone: set[int] = set()  # workers that stopped: nobody answers for their callers
 
-    def send(self, worker: int, message: msg.WorkerCommand) -> None:
-        self._send(worker, message)
-
     def from_thread(self, loop: asyncio.AbstractEventLoop | None, worker: int, messages: list[DeskMessage]) -> None:
         """A worker's messages from its channel's reader thread, handed to the router's `loop`."""
         if loop is None:  # a worker's caller always comes after its offer went through the page's loop
-            log.error("media worker %d: the room's queue is not serving yet; %d message(s) dropped", worker,
-                      len(messages))
+            log.error("media worker %d: the room's queue is not serving yet; %d message(s) dropped", worker, len(messages))
             return
 
         def hand_over() -> None:
@@ -101,7 +88,6 @@ class QueueDesk:
         loop.call_soon_threadsafe(hand_over)
 
     def receive(self, worker: int, message: DeskMessage) -> None:
-        """A worker's message, on the router's loop."""
         key = (worker, message.rid)
         match message:
             case msg.Admit() if worker not in self._gone:
@@ -159,8 +145,7 @@ class QueueDesk:
         return placed
 
     def ended(self, entry: DeskEntry) -> None:
-        """The room ended a waiting caller (its wait, its silence, no engine): the worker is told
-        unless the caller itself left."""
+        """The room ended a waiting caller: the worker is told unless the caller itself left."""
         if self._entries.pop((entry.worker, entry.rid), None) is not None and entry.end_reason != EndReason.HANGUP:
             self.send(entry.worker, msg.Dropped(entry.rid, entry.end_reason or "ended"))
 

@@ -1,14 +1,8 @@
 """A call waiting in the room's one queue, in front of every engine (`pool_router.PoolRouter`).
 
-When no engine can seat a caller now, the room keeps the call itself rather than queueing it at
-one engine: a slot that frees on any engine then goes to the head of this one queue, and the
-caller sees one position, the same wherever the slot will be. Until an engine seats it the call
-is a `RoutedCall` in state QUEUED; from then on every question goes to the engine's own call
-(`RemoteCall`). Either way it is the `CallHandle` the door holds. Everything happens on the
-door's event loop.
-
-A media worker's callers wait in the same queue, kept by the main process (queue_desk.py): there
-the worker's `RoutedCall` mirrors its place, and the main process holds a `DeskEntry` for it.
+A slot that frees on any engine goes to the head of this queue, and the caller sees one position, the same
+wherever the slot will be. Until an engine seats it the call is a `RoutedCall` in state QUEUED; from then
+on every question goes to the engine's own call (`RemoteCall`). Everything happens on the door's loop.
 """
 
 from __future__ import annotations
@@ -75,9 +69,8 @@ class RoutedCall(WaitingCall):
     # ---- the room's side -----------------------------------------------------------------------
 
     async def take(self, engine: EngineLink, index: int) -> bool:
-        """Take a seat on `engine` (number `index` of the room's) if it has one now: True when
-        this caller needs no more seating (seated, or gone meanwhile). CallerError for a request
-        the engine refuses."""
+        """Take a seat on `engine` (number `index` of the room's) if it has one now: True when this caller
+        needs no more seating (seated, or gone meanwhile). CallerError for a request the engine refuses."""
         if self.state == CallState.ENDED:
             return True  # it left meanwhile: nothing to seat
         try:

@@ -1,18 +1,9 @@
 """Hand an accepted WebSocket's connection from the main process to a media worker.
 
-An API socket costs its process the protocol work of every message (JSON, base64, Opus, the
-speech detector, the engine link). The main process keeps only the control path: it reads the
-upgrade request, checks the key and the client's socket count, then passes the TCP connection
-itself (its descriptor, over an AF_UNIX socket pair with SCM_RIGHTS) and the request to a media
-worker, and forgets it without writing a byte. The worker answers the handshake and serves the
-socket to its end, on the same port, so that the client never knows. Relaying each message
-through the main process instead would still cost it a WebSocket frame parse, a pickle and two
-thread wake-ups per message (docs/design-notes.md, "API sockets in the media workers").
-
-Both sides use uvicorn's own WebSocket protocol (`websockets-sansio`, what the page's server
-runs): the main process's instance is told to let go of the connection (`hand_over`), and the
-worker runs a fresh one on the descriptor, fed the request the client sent (`WorkerSockets`),
-with the same settings (per-message deflate, message size, pings) as the public server.
+The main process reads the upgrade request, then passes the TCP connection itself (its descriptor, over an
+AF_UNIX socket pair with SCM_RIGHTS) and the request to a worker, without writing a byte; the worker runs
+uvicorn's own WebSocket protocol on it, so the client never knows. docs/processes.md § API sockets handed over;
+why: docs/design-notes.md § API sockets in the media workers.
 """
 
 from __future__ import annotations
@@ -45,9 +36,8 @@ def handoff_pair() -> tuple[socket.socket, socket.socket]:
 
 
 def connection_of(server: Any, scope: dict[str, Any]) -> WebSocketsSansIOProtocol | None:
-    """The public server's protocol instance serving the WebSocket of `scope`: the one whose scope
-    it is (uvicorn's middleware rewrites a proxied client's address in place), else the only one
-    from the same client, still in its handshake."""
+    """The public server's protocol instance serving the WebSocket of `scope`: the one whose scope it is (uvicorn's
+    middleware rewrites a proxied client's address in place), else the only one from that client in its handshake."""
     state: ServerState | None = getattr(server, "server_state", None)
     if state is None:
         return None
@@ -60,15 +50,11 @@ def connection_of(server: Any, scope: dict[str, Any]) -> WebSocketsSansIOProtoco
     return same[0] if len(same) == 1 else None
 
 
-def hand_over(protocol: WebSocketsSansIOProtocol, channel: socket.socket, request: bytes,
-              meta: dict[str, Any]) -> None:
-    """Pass the connection `protocol` serves, with its `request` and `meta` (plain JSON values),
-    over `channel`; `protocol` never reads or writes it again. Raises OSError (and keeps the
-    connection here) when the other side cannot take it now.
-
-    The client sends nothing before the handshake's answer, so nothing of it has been read here;
-    the answer comes from the other side. Closing this process's descriptor (not shutting the
-    connection down) leaves the connection to the one passed."""
+def hand_over(protocol: WebSocketsSansIOProtocol, channel: socket.socket, request: bytes, meta: dict[str, Any]) -> None:
+    """Pass the connection `protocol` serves, with its `request` and `meta` (plain JSON values), over
+    `channel`; `protocol` never touches it again. OSError (the connection stays here) when the other side
+    cannot take it now. The client sends nothing before the handshake's answer, so nothing of it was read
+    here; closing this process's descriptor (not shutting the connection down) leaves it to the one passed."""
     payload = json.dumps(meta).encode() + b"\n" + request
     if len(payload) > MAX_REQUEST_BYTES:
         raise OSError("the request's headers are too large to hand over")
@@ -116,16 +102,14 @@ class _HandedProtocol(WebSocketsSansIOProtocol):
 
 
 class WorkerSockets:
-    """The worker's side: receives handed connections and serves each with `app` (an ASGI app
-    that finds the hand-over's `meta` in `scope["state"]["handoff"]`), as the public server would
-    have; `on_closed(meta)` once each connection is gone (or never arrived whole)."""
+    """The worker's side: serves each handed connection with `app`, which finds the hand-over's `meta` in
+    `scope["state"]["handoff"]`; `on_closed(meta)` once each connection is gone (or never arrived whole)."""
 
     def __init__(self, channel: socket.socket, app: Callable, on_closed: Callable[[dict[str, Any]], None]) -> None:
         self.channel = channel
         self.on_closed = on_closed
         # The public server's settings (Gradio's uvicorn.Config), less its logging set-up.
-        self.config = uvicorn.Config(app, ws="websockets-sansio", lifespan="off", log_config=None,
-                                     proxy_headers=False)
+        self.config = uvicorn.Config(app, ws="websockets-sansio", lifespan="off", log_config=None, proxy_headers=False)
         self.config.load()
         self.state = ServerState()
         self.loop = asyncio.get_running_loop()
@@ -139,8 +123,7 @@ class WorkerSockets:
             except BlockingIOError:
                 return
             except OSError:  # the main process is gone: the worker stops through its channel
-                self.loop.remove_reader(self.channel.fileno())
-                return
+                payload, fds = b"", []
             if not payload and not fds:
                 self.loop.remove_reader(self.channel.fileno())
                 return
@@ -170,10 +153,6 @@ class WorkerSockets:
             self.on_closed(protocol.meta)
             return
         protocol.data_received(request)  # the handshake goes on as if it had just been read here
-
-    @property
-    def open(self) -> int:
-        return len(self.state.connections)
 
     async def close(self, timeout: float) -> None:
         """End what is still open (as uvicorn does at shutdown: close 1012) and stop receiving."""

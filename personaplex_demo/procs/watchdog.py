@@ -1,11 +1,9 @@
 """Notices an engine that went silent: a machine that vanished says no goodbye.
 
-An engine process on this machine that dies closes its socket, and the kernel tells us at once
-(EOF). An engine on another machine whose host loses power or network sends nothing at all, and
-TCP (or Ray's own health checks, 15-55 s) would take long to notice. Every engine sends its pool's
-figures several times a second (`PoolServer.figures_seconds`), even with no call, so silence itself
-is the signal: after `limit` seconds of it the link is given up (`EngineLink.lose`) and the
-engine's calls end with a message, while the others go on.
+An engine on another machine whose host loses power or network sends nothing, and TCP (or Ray's health
+checks, 15-55 s) would notice late. Every engine sends its figures several times a second, even with no
+call (`PoolServer.figures_seconds`), so silence itself is the signal: the link is given up
+(`EngineLink.lose`) and that engine's calls end with a message.
 """
 
 from __future__ import annotations
