@@ -50,7 +50,7 @@ def caller_room(arrivals: list[float], samples: np.ndarray | None = None, second
     engine = FakeEngine(1, clock)
     pool = SlotPool(engine, PoolConfig(), clock)
     call = pool.admit("NATF0", "p")
-    pool.tick_once()  # prefilled: live
+    pool.ticker.tick_once()  # prefilled: live
     if samples is None:
         samples = np.arange(1, len(arrivals) * PACKET + 1, dtype=np.float32)
     for k, when in enumerate(arrivals):
@@ -58,7 +58,7 @@ def caller_room(arrivals: list[float], samples: np.ndarray | None = None, second
     end = seconds if seconds is not None else max(arrivals)
     outputs = []
     while clock.monotonic() < end:
-        pool.iterate()
+        pool.ticker.iterate()
         outputs += drain(call)
     return outputs, np.concatenate([x[0] for x in engine.inputs]), pool
 
@@ -174,13 +174,13 @@ def test_with_two_callers_the_tick_moves_only_as_far_as_the_later_ones_packets_a
     engine = FakeEngine(2, clock)
     pool = SlotPool(engine, PoolConfig(), clock)
     calls = [pool.admit("NATF0", "p") for _ in range(2)]
-    pool.tick_once()
+    pool.ticker.tick_once()
     for call, phase in zip(calls, (0.003, 0.021), strict=True):  # 37 and 19 ms before the next tick
         for k in range(250):
             clock.at(phase + 0.04 * k, lambda call=call, k=k: call.push_audio(np.full(PACKET, k + 1.0, np.float32)))
     outs: list[list] = [[], []]
     while clock.monotonic() < 9.9:
-        pool.iterate()
+        pool.ticker.iterate()
         for got, call in zip(outs, calls, strict=True):
             got += drain(call)
     later = [np.array([o.latency for o in got if o.tick * 0.08 > 3.0 and o.latency is not None]) for got in outs]
@@ -197,12 +197,12 @@ def test_a_caller_paced_by_the_room_does_not_pull_the_tick_forward_for_ever():
     engine = FakeEngine(1, clock, step_seconds=0.03)
     pool = SlotPool(engine, PoolConfig(), clock)
     call = pool.admit("NATF0", "p")
-    pool.tick_once()
+    pool.ticker.tick_once()
     engine.on_step = lambda _: clock.at(clock.monotonic() + 0.031, lambda: call.push_audio(np.ones(FRAME, np.float32)))
     call.push_audio(np.ones(FRAME, np.float32))
     while clock.monotonic() < 30.0:
-        pool.iterate()
+        pool.ticker.iterate()
         drain(call)
-    assert pool._pacer.aligner.followers == {call.id}
-    assert pool._pacer.aligner.moved <= 0.04 + 1e-9  # the one move that showed it
+    assert pool.ticker.pacer.aligner.followers == {call.id}
+    assert pool.ticker.pacer.aligner.moved <= 0.04 + 1e-9  # the one move that showed it
     assert abs(engine.steps - 30.0 / 0.08) <= 2  # no faster than real time

@@ -122,7 +122,7 @@ def frame(value: float) -> np.ndarray:
 def run_for(pool: SlotPool, iterations: int) -> None:
     """The ticker loop, for a given number of turns (on this thread, with the pool's clock)."""
     for _ in range(iterations):
-        pool.iterate()
+        pool.ticker.iterate()
 
 
 def make(batch: int = 2, step_seconds: float = 0.0, **config) -> tuple[SlotPool, FakeEngine, FakeClock]:
@@ -148,7 +148,7 @@ def drain(call: Call) -> list[SlotOutput]:
 
 def live_call(pool: SlotPool, voice: str = "NATF0") -> Call:
     call = pool.admit(voice, "You are a helpful caller.")
-    pool.tick_once()
+    pool.ticker.tick_once()
     assert call.state == "live"
     return call
 
@@ -164,13 +164,13 @@ def test_admission_order_prefill_then_live_and_queue_takes_freed_slot():
     m = pool.snapshot()
     assert (m.slots_prefill, m.slots_live, m.queue_length) == (2, 0, 1)
 
-    pool.tick_once()  # no live slot yet: no step, but both prefills run
+    pool.ticker.tick_once()  # no live slot yet: no step, but both prefills run
     assert engine.steps == 0 and engine.started == [0, 1]
     assert (a.state, b.state, c.state) == ("live", "live", "queued")
 
     a.release()
     assert a.state == "ended" and a.end_reason == "hangup" and c.state == "queued"
-    pool.tick_once()  # frees slot 0 (end_session), hands it to c, prefills c
+    pool.ticker.tick_once()  # frees slot 0 (end_session), hands it to c, prefills c
     assert engine.ended == [0]
     assert (c.state, c.slot, c.queue_position) == ("live", 0, None)
     assert engine.started == [0, 1, 0]
@@ -182,13 +182,13 @@ def test_at_most_one_prompt_is_computed_per_gap_between_ticks_and_cached_ones_ri
     cold = [pool.admit("NATF0", f"new {i}") for i in range(2)]
     cold.append(pool.admit("NATM1", "known"))  # the same persona with another voice: cold too
     cached = pool.admit("NATF0", "known")
-    pool.tick_once()
+    pool.ticker.tick_once()
     # The first cold prompt runs; the others wait for the next gaps, the cached one goes at once.
     assert [c.state for c in (*cold, cached)] == ["live", "prefill", "prefill", "live"]
     assert engine.started == [0, 3]
-    pool.tick_once()
+    pool.ticker.tick_once()
     assert [c.state for c in cold] == ["live", "live", "prefill"] and engine.started == [0, 3, 1]
-    pool.tick_once()
+    pool.ticker.tick_once()
     assert all(c.state == "live" for c in cold) and engine.started == [0, 3, 1, 2]
 
 
@@ -204,7 +204,7 @@ def test_queue_positions_follow_callers_ahead_leaving():
     assert pool.snapshot().queue_length == 2
 
     head.release()
-    pool.tick_once()
+    pool.ticker.tick_once()
     assert (q1.state, q1.slot) == ("live", 0)
     assert q3.queue_position == 1 and pool.snapshot().queue_length == 1
 
@@ -250,12 +250,12 @@ def test_caller_error_from_validation_takes_nothing():
 def test_routing_latency_and_underruns():
     pool, engine, clock = make(batch=3, step_seconds=0.005)
     a, b, c = (pool.admit("NATF0", "p") for _ in range(3))
-    pool.tick_once()  # all three prefilled and live
+    pool.ticker.tick_once()  # all three prefilled and live
     clock.advance(0.010)
     a.push_audio(frame(7))
     c.push_audio(frame(9))
     clock.advance(0.020)
-    pool.tick_once()
+    pool.ticker.tick_once()
 
     (oa,), (ob,), (oc,) = drain(a), drain(b), drain(c)
     assert (oa.pcm[0], oa.pcm[1], oa.text, oa.tick) == (0, 7, "0:1", 1)
@@ -267,7 +267,7 @@ def test_routing_latency_and_underruns():
     assert m.added_latency_p50_ms == pytest.approx(20.0)
     assert m.underruns == 0 and m.ticks == 1
 
-    pool.tick_once()  # a and c have started sending and have no frame now: underruns
+    pool.ticker.tick_once()  # a and c have started sending and have no frame now: underruns
     assert pool.snapshot().underruns == 2
     assert [x.counters.underruns for x in (a, b, c)] == [1, 0, 1]
     assert [len(drain(x)) for x in (a, b, c)] == [1, 1, 1]  # silence in, still audio out
@@ -279,8 +279,8 @@ def test_input_backlog_drops_the_oldest_frames():
     for k in range(30):
         a.push_audio(frame(k))
     assert pool.snapshot().input_drops == 5 and a.counters.input_drops == 5
-    pool.tick_once()
-    pool.tick_once()
+    pool.ticker.tick_once()
+    pool.ticker.tick_once()
     assert [o.pcm[1] for o in drain(a)] == [5, 6]
 
 
@@ -289,10 +289,10 @@ def test_push_audio_formats_and_states():
     early = pool.admit("NATF0", "p")
     early.push_audio(frame(1))  # not live yet: dropped, not an error
     assert early.counters.frames_pushed == 0
-    pool.tick_once()
+    pool.ticker.tick_once()
 
     early.push_audio(np.full(FRAME, 16384, dtype=np.int16))
-    pool.tick_once()
+    pool.ticker.tick_once()
     (out,) = drain(early)
     assert out.pcm[1] == pytest.approx(0.5)
     with pytest.raises(AudioFormatError, match="1 to 24000 samples"):
@@ -313,7 +313,7 @@ def test_slow_consumer_loses_oldest_outputs_and_never_blocks_the_ticker():
     a = live_call(pool)
     for k in range(60):
         a.push_audio(frame(k))
-        pool.tick_once()
+        pool.ticker.tick_once()
         clock.advance(0.08)
     assert engine.steps == 60
     outs = drain(a)
@@ -328,7 +328,7 @@ def test_cadence_idle_sleep_and_summary_log(caplog):
 
     t0 = clock.monotonic()
     a = pool.admit("NATF0", "p")
-    with caplog.at_level(logging.INFO, logger="personaplex_demo.serving.pool"):
+    with caplog.at_level(logging.INFO, logger="personaplex_demo.serving.ticker"):
         run_for(pool, 6)  # prefill at t0, then one step every 80 ms
     assert a.state == "live"
     # The tick of the prefill stepped nobody, so it kept no schedule: the first step comes one idle
@@ -393,13 +393,13 @@ def test_idle_release_after_two_seconds_without_input():
     pool, engine, clock = make(batch=1, idle_release_seconds=2.0)
     a = live_call(pool)
     clock.advance(1.9)
-    pool.tick_once()
+    pool.ticker.tick_once()
     a.push_audio(frame(1))  # t = 1.9
     clock.advance(1.99)
-    pool.tick_once()
+    pool.ticker.tick_once()
     assert a.state == "live"
     clock.advance(0.02)  # 2.01 s since the last frame
-    pool.tick_once()
+    pool.ticker.tick_once()
     assert (a.state, a.end_reason) == ("ended", "idle")
     assert engine.ended == [0] and pool.snapshot().slots_live == 0
 
@@ -409,13 +409,13 @@ def test_time_limit_counts_from_going_live():
     queued_for = pool.admit("NATF0", "p")
     clock.advance(3.0)  # prefill waits: does not count against the limit
     assert queued_for.time_left() is None
-    pool.tick_once()
+    pool.ticker.tick_once()
     clock.advance(4.99)
     assert queued_for.time_left() == pytest.approx(0.01)
-    pool.tick_once()
+    pool.ticker.tick_once()
     assert queued_for.state == "live"
     clock.advance(0.02)
-    pool.tick_once()
+    pool.ticker.tick_once()
     assert (queued_for.state, queued_for.end_reason) == ("ended", "time_limit")
     assert queued_for.time_left() is None and engine.ended == [0]
 
@@ -431,16 +431,16 @@ def test_exception_in_one_tick_ends_those_calls_and_the_pool_keeps_serving(caplo
     a, b = live_call(pool), live_call(pool)
     waiting = pool.admit("NATF0", "p")
     engine.fail_step = RuntimeError("boom")
-    with caplog.at_level(logging.ERROR, logger="personaplex_demo.serving.pool"):
-        pool.tick_once()
+    with caplog.at_level(logging.ERROR, logger="personaplex_demo.serving.ticker"):
+        pool.ticker.tick_once()
     assert a.end_reason == b.end_reason == "error: RuntimeError: boom"
     assert sorted(engine.ended) == [0, 1]
-    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.name == "personaplex_demo.serving.pool"]
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.name == "personaplex_demo.serving.ticker"]
     assert len(errors) == 1 and errors[0].exc_info is not None
     assert (waiting.state, waiting.slot) == ("live", 0)  # the freed slot went to the queue's head
 
     waiting.push_audio(frame(3))
-    pool.tick_once()
+    pool.ticker.tick_once()
     (out,) = drain(waiting)
     assert out.pcm[1] == 3
     assert pool.snapshot().engine_errors == 1
@@ -450,12 +450,12 @@ def test_exception_in_start_session_ends_only_that_call():
     pool, engine, _ = make(batch=2)
     engine.fail_start = ValueError("bad voice file")
     a, b = pool.admit("NATF0", "p"), pool.admit("NATF0", "p")
-    pool.tick_once()
+    pool.ticker.tick_once()
     assert (a.state, a.end_reason) == ("ended", "error: ValueError: bad voice file")
     assert b.state == "live" and engine.ended == [0]
     c = pool.admit("NATF0", "p")
     assert c.slot == 0  # the failed call's slot is free again
-    pool.tick_once()
+    pool.ticker.tick_once()
     assert c.state == "live" and sorted(engine.active) == [0, 1]
 
 
@@ -487,7 +487,7 @@ def test_release_before_prefill_started_needs_no_engine_call():
     pool, engine, _ = make(batch=1)
     a = pool.admit("NATF0", "p")
     a.release()
-    pool.tick_once()
+    pool.ticker.tick_once()
     assert engine.started == [] and engine.ended == []
     assert pool.admit("NATF0", "p").slot == 0
 
@@ -498,8 +498,8 @@ def test_double_release_frees_once():
     a.release()
     a.release("cancelled")
     assert a.end_reason == "hangup"
-    pool.tick_once()
-    pool.tick_once()
+    pool.ticker.tick_once()
+    pool.ticker.tick_once()
     assert engine.ended == [0]
     assert [pool.admit("NATF0", "p").slot for _ in range(2)] == [0, 1]
 
@@ -508,7 +508,7 @@ def test_shutdown_ends_everything_and_refuses_new_calls():
     pool, engine, _ = make(batch=1)
     a = live_call(pool)
     a.push_audio(frame(1))
-    pool.tick_once()
+    pool.ticker.tick_once()
     q = pool.admit("NATF0", "p")
     pool.shutdown()
     pool.shutdown()  # idempotent
@@ -552,7 +552,7 @@ def test_awaiting_never_blocks_the_loop_and_wakes_across_threads():
         def ticker_side() -> None:  # another thread produces the output the loop is awaiting
             time.sleep(0.05)
             a.push_audio(frame(4))
-            pool.tick_once()
+            pool.ticker.tick_once()
 
         threading.Thread(target=ticker_side).start()
         started = time.monotonic()
@@ -575,7 +575,7 @@ def test_outputs_drain_before_call_ended():
     pool, _, _ = make(batch=1)
     a = live_call(pool)
     for _ in range(3):
-        pool.tick_once()
+        pool.ticker.tick_once()
     a.release()
 
     async def read_all() -> tuple[int, str]:

@@ -1,8 +1,6 @@
-"""The slot pool's door: who is seated, who waits and why, and whom to shed, by the rules of
-`HeadroomPolicy` (serving/headroom.py) applied to the pool's `SlotTable`.
-
-Not thread-safe: the pool holds its lock around every use, so a decision and the seating it
-leads to happen together.
+"""Who is seated, who waits and why, and whom to shed: `HeadroomPolicy` (serving/headroom.py)
+applied to the pool's `SlotTable`. Not thread-safe: the pool holds its lock around every use, so a
+decision and the seating it leads to happen together.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ class Admission:
         return not self.config.by_headroom or self.policy.admits(self._clock.monotonic(), rows)
 
     def place(self, call: Call, may_queue: bool) -> None:
-        """Seat `call` or queue it (`SlotTable.admit` under these rules); PoolFullError when the
-        queue is full, or with `may_queue=False` when it would have to wait."""
+        """Seat `call` or queue it; PoolFullError when the queue is full (`may_queue=False`: when it would wait)."""
         if self._table.admit(call, may_queue, self.config.max_queue, self.fits):
             self._count_held_back()
             return
@@ -49,16 +46,12 @@ class Admission:
         raise PoolFullError(f"{why} and the queue of {self.config.max_queue} is full; try again in a minute", cause)
 
     def seat_waiting(self) -> list[Call]:
-        """Seat the queue's head on free slots while one more row fits (a call ended, or the tick
-        recovered)."""
+        """Seat the queue's head on free slots while one more row fits."""
         if not self._table.queue:
             return []
         seated = self._table.seat_waiting(self.fits)
         self._count_held_back()
         return seated
-
-    def record_tick(self, now: float, calls: int, seconds: float) -> None:
-        self.policy.record_tick(now, calls, seconds)
 
     def record_media_lag(self, source: str, seconds: float) -> None:
         self.policy.record_media_lag(self._clock.monotonic(), source, seconds)

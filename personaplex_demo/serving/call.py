@@ -1,12 +1,9 @@
 """One caller in the slot pool: its state, its frames in and out, and its counters.
 
-A `Call` is made by `SlotPool.acquire` and shared by two threads: the caller's event loop pushes
-frames and awaits outputs, and the pool's ticker moves it through its states and feeds it. Both
-sides hold one lock, the pool's (`CallContext.lock`), so a state change and the wake-up of its
-awaiters happen together: an awaiter checks and registers under that lock and cannot miss a
-wake-up. The methods under "the pool's side" expect the caller to hold that lock already.
-
-States (docs/serving.md § Slot lifecycle): QUEUED -> PREFILL -> LIVE -> ENDED, and ENDED from any.
+Shared by the caller's event loop (pushes, awaits) and the pool's ticker (states, outputs). Both
+hold the pool's lock (`CallContext.lock`), so a state change and the wake-up of its awaiters happen
+together and no wake-up is missed; the methods under "the pool's side" expect it held already.
+States: docs/serving.md § Slot lifecycle.
 """
 
 from __future__ import annotations
@@ -66,8 +63,7 @@ def input_audio(samples: np.ndarray) -> np.ndarray:
 
 
 class Call(CallView, WaitingCall):
-    """One caller; see the module docstring. Every public method outside "the pool's side" is
-    thread-safe."""
+    """One caller; every public method outside "the pool's side" is thread-safe."""
 
     def __init__(self, ctx: CallContext, voice: str, persona: str, sampling: SamplingParams,
                  door: str = DOOR_PAGE) -> None:
@@ -82,7 +78,7 @@ class Call(CallView, WaitingCall):
                                         margin_seconds=ctx.config.input_margin_seconds))
         self._outbox: collections.deque[SlotOutput] = collections.deque()
         self.queued_at = ctx.clock.monotonic()
-        self._live_since: float | None = None
+        self.live_since: float | None = None
         self._last_input: float | None = None
         self._prefill_started = False
         self.held_back = False  # counted once as waiting for headroom (the pool's lock)
@@ -90,16 +86,14 @@ class Call(CallView, WaitingCall):
     # ---- the caller's side -------------------------------------------------------------------
 
     def time_left(self) -> float | None:
-        """Seconds until the time limit; None if there is no limit or the call is not live."""
         limit = self._ctx.config.time_limit_seconds
         with self._ctx.lock:
-            if limit is None or self.state != CallState.LIVE or self._live_since is None:
+            if limit is None or self.state != CallState.LIVE or self.live_since is None:
                 return None
-            return max(0.0, limit - (self._ctx.clock.monotonic() - self._live_since))
+            return max(0.0, limit - (self._ctx.clock.monotonic() - self.live_since))
 
     def push_audio(self, samples: np.ndarray) -> None:
-        """Queue the caller's audio as it arrived (any length up to `MAX_PUSH_SAMPLES`, int16 or
-        float, 24 kHz mono); the tick cuts frames from it (serving/inbox.py). Dropped unless live."""
+        """`CallHandle.push_audio`: up to `MAX_PUSH_SAMPLES`; the tick cuts frames from it (serving/inbox.py)."""
         audio = input_audio(samples)
         with self._ctx.lock:
             now = self._ctx.clock.monotonic()
@@ -112,7 +106,6 @@ class Call(CallView, WaitingCall):
                 self._count_input_drops()
 
     def release(self, reason: str = EndReason.HANGUP) -> None:
-        """End the call. Idempotent; works while queued, in prefill or live. The ticker frees the slot."""
         self._ctx.release(self, reason)
 
     def _next_output(self) -> SlotOutput | None:
@@ -131,17 +124,13 @@ class Call(CallView, WaitingCall):
             self._wake()  # a waiter looks again (a door shows the new place: serving/door.py)
 
     @property
-    def live_since(self) -> float | None:
-        return self._live_since
-
-    @property
     def prefill_waiting(self) -> bool:
         """Seated, and nobody plays its prompt yet."""
         return self.state == CallState.PREFILL and not self._prefill_started
 
     def claim_prefill(self) -> bool:
         """True once for a call in PREFILL: the ticker that gets True plays its prompt."""
-        if self.state != CallState.PREFILL or self._prefill_started:
+        if not self.prefill_waiting:
             return False
         self._prefill_started = True
         return True
@@ -151,7 +140,7 @@ class Call(CallView, WaitingCall):
         if self.state != CallState.PREFILL:
             return False
         self.state = CallState.LIVE
-        self._live_since = self._last_input = now
+        self.live_since = self._last_input = now
         self._ctx.counters.calls_started += 1
         self._ctx.counters.calls_started_by_door[self.door] += 1
         self._wake()
@@ -163,9 +152,8 @@ class Call(CallView, WaitingCall):
         return now - inbox.newest if inbox.filled and inbox.newest is not None else None
 
     def take_frame(self) -> tuple[float | None, np.ndarray | None]:
-        """(arrival of its newest sample, frame) for this tick, or (None, None): silence stands
-        in. A frame that came short (the caller's audio came late) counts as an underrun, once
-        the caller has filled one whole frame; before that, it is start-up."""
+        """(arrival of its newest sample, frame) for this tick, or (None, None): silence stands in. A
+        short frame (late audio) counts as an underrun once the caller has filled one whole frame."""
         took = self._inbox.take(self._ctx.clock.monotonic())
         self._count_input_drops()  # the inbox may have cut a standing backlog
         if took.short:
@@ -174,8 +162,8 @@ class Call(CallView, WaitingCall):
         return took.stamp, took.frame
 
     def deliver(self, out: SlotOutput) -> bool:
-        """Queue one output for the caller; False (nothing queued) unless live. A full outbox
-        loses its oldest output: a slow reader loses audio, never the ticker's time."""
+        """Queue one output; False (nothing queued) unless live. A full outbox loses its oldest:
+        a slow reader loses audio, never the ticker's time."""
         if self.state != CallState.LIVE:
             return False  # released during the step: its output has no reader
         if len(self._outbox) >= self._ctx.config.output_queue_frames:
@@ -196,14 +184,13 @@ class Call(CallView, WaitingCall):
         return self.counters.input_drops - before
 
     def expiry(self, now: float) -> str | None:
-        """The reason a queued or live call must end now (the queue's rules, the time limit, no
-        input for a while), or None."""
+        """The reason a queued or live call must end now (queue wait, time limit, idle), or None."""
         cfg = self._ctx.config
         if self.state == CallState.QUEUED:
             return queue_expiry(cfg, now, self.queued_at)
-        if self.state != CallState.LIVE or self._live_since is None:
+        if self.state != CallState.LIVE or self.live_since is None:
             return None
-        if cfg.time_limit_seconds is not None and now - self._live_since >= cfg.time_limit_seconds:
+        if cfg.time_limit_seconds is not None and now - self.live_since >= cfg.time_limit_seconds:
             return EndReason.TIME_LIMIT
         if self._last_input is not None and now - self._last_input >= cfg.idle_release_seconds:
             return EndReason.IDLE

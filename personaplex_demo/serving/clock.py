@@ -1,5 +1,4 @@
-"""The clock the SlotPool ticker reads and sleeps on: a seam, so that tests can drive the ticker
-with a clock of their own (tests/support/fake_clock.py)."""
+"""The clock the SlotPool ticker reads and sleeps on: a seam for tests (tests/support/fake_clock.py)."""
 
 from __future__ import annotations
 

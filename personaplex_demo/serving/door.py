@@ -121,9 +121,8 @@ class DoorCall:
         return Frame(out) if out is not None else self._news()
 
     async def _wait(self, call: CallHandle, timeout: float) -> DoorEvent | None:
-        """While the call waits: the first news (a new place, the prefill, live), looked at every
-        WAIT_LOOK_SECONDS (a place changes without waking `wait_live`). A call that ended while
-        waiting may have had frames first: the next call drains them before its end is news."""
+        """While the call waits: the first news, looked at every WAIT_LOOK_SECONDS (a place changes
+        without waking `wait_live`). An end is left for the next call, which drains frames first."""
         deadline = asyncio.get_running_loop().time() + timeout
         while (left := deadline - asyncio.get_running_loop().time()) > 0:
             try:

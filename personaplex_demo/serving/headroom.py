@@ -1,29 +1,10 @@
-"""Admission by measured headroom: whether one more call fits in the 80 ms tick, and when to shed one.
+"""Admission by measured headroom: whether one more call fits in the 80 ms tick, and when to shed one
+(docs/serving.md § Admission by headroom).
 
-A slot count is a promise the machine may not keep (a slower host, a busy one, contexts that grow).
-So the pool asks this policy before it seats a caller, and again every tick:
-
-- `CostCurve` learns what a tick costs with each number of calls on this machine: the mean of
-  the recent tick times at each number, and for one call more than measured, the rows it would
-  add at a slope per row. The engine steps its calls in batch buckets (engine/rows.py: 3 calls
-  step a batch of 4), so a call within a bucket adds no rows (only its own media and
-  bookkeeping), and the call that opens the next bucket adds a bucket's worth (`bucket`). The
-  mean, not a high percentile, because that is what decides whether the ticker keeps up: the
-  pacer catches up after a long tick (serving/pacing.py), so a caller misses audio only when the
-  ticks take longer than 80 ms on average.
-- `HeadroomPolicy.admits` says whether the rows held now plus one more stay inside the budget:
-  measured lately at that size (with a 5 % margin), or predicted (with a 15 % one), while the
-  callers' media keeps up (the doors report their event loops' lag). Until a tick time is trusted it follows
-  `--slots auto`'s arithmetic (`prior_rows`).
-- `HeadroomPolicy.shed_due` says when the ticks have been over budget for long enough that one call
-  (the newest, by the pool's rule) must end so that the others keep real time: only when that
-  call is what pushes the tick over, that is when the room one call smaller was measured lately
-  within the budget, and not again while the last shed did not make the ticks any shorter.
-  Overload from outside the room's calls (a busy host) holds admission instead: ending healthy
-  calls would not help it.
-
-Everything is plain numbers: times are passed in (`now`), so tests drive it without a clock.
-docs/serving.md § Admission by headroom explains the rules and the defaults.
+`CostCurve` learns the mean tick time at each number of calls and prices one call more by the batch
+rows it adds (engine/rows.py's buckets). The mean, not a high percentile: the pacer catches up after
+a long tick (serving/pacing.py), so callers miss audio only when ticks average over 80 ms.
+`HeadroomPolicy` admits and sheds by it. Times are passed in (`now`): tests need no clock.
 """
 
 from __future__ import annotations
@@ -80,16 +61,10 @@ class CostCurve:
         return out
 
     def predict(self, now: float, calls: int, figures: dict[int, float] | None = None) -> float | None:
-        """Seconds a tick of `calls` calls is expected to take; None when it is not known well
-        enough: nothing measured yet, or more than one call beyond the nearest measured number
-        below (the room grows by one measured step at a time). `figures`: `measured(now)`, when
-        the caller has it already.
-
-        A number measured recently answers for itself. One more call costs the rows it adds to
-        the batch (none within a bucket, a whole bucket's worth at its edge) at a slope per row:
-        fitted through the measured figures against their rows when they span two batch sizes or
-        more, else the nearest figure shared out per row (a fixed part counted as if it grew with
-        the rows, so the guess errs on the safe side until the next size is measured)."""
+        """Seconds a tick of `calls` calls is expected to take; None with nothing measured, or more
+        than one call beyond the nearest measured number below. One more call costs the rows it adds
+        at a slope per row: fitted when the figures span two batch sizes, else the nearest figure
+        shared out per row (errs on the safe side). `figures`: `measured(now)`, if already at hand."""
         figures = self.measured(now) if figures is None else figures
         if calls in figures:
             return figures[calls]
@@ -106,8 +81,7 @@ class CostCurve:
 
 
 class HeadroomPolicy:
-    """The admission and shedding rules; see the module docstring. Not thread-safe: the pool holds
-    its lock around every call."""
+    """The admission and shedding rules. Not thread-safe: the pool holds its lock around every call."""
 
     def __init__(self, config: HeadroomConfig, bucket: Callable[[int], int] | None = None) -> None:
         self.config = config
@@ -117,11 +91,6 @@ class HeadroomPolicy:
         self._lags: dict[str, tuple[float, float]] = {}  # door -> (when, lag seconds)
         self._over_since: float | None = None
         self._shed_at: float | None = None  # the recent tick time when the last call was shed
-
-    @property
-    def limit(self) -> float:
-        """The tick time admission keeps under."""
-        return self.config.budget_seconds * (1.0 - self.config.margin)
 
     # ---- measurements ----------------------------------------------------------------------------
 
@@ -154,9 +123,6 @@ class HeadroomPolicy:
 
     # ---- decisions -----------------------------------------------------------------------------
 
-    def predicted(self, now: float, rows: int) -> float | None:
-        return self.curve.predict(now, rows)
-
     def admits(self, now: float, rows: int) -> bool:
         """May one more call join the `rows` rows held now (live, or being prepared)?"""
         if rows == 0:
@@ -176,21 +142,18 @@ class HeadroomPolicy:
         if known is not None:
             return known <= budget * (1.0 - self.config.measured_margin)
         predicted = self.curve.predict(now, rows + 1, figures)
-        return predicted is not None and predicted <= self.limit
+        return predicted is not None and predicted <= budget * (1.0 - self.config.margin)
 
     def headroom(self, now: float, rows: int) -> float:
-        """Seconds of the budget left if one more call joined `rows` (negative: over), for the
-        gauge: the budget less the predicted tick, or less the recent tick while none is predicted."""
+        """Seconds of the budget left if one more call joined `rows` (negative: over), for the gauge."""
         recent = self.recent()
         predicted = self.curve.predict(now, rows + 1) if rows else None
         return self.config.budget_seconds - max(recent if predicted is None else predicted, recent)
 
     def shed_due(self, now: float, live: int) -> bool:
-        """True when the ticks have been over budget for `shed_after_seconds` with more than one
-        call live, and the room one call smaller was measured lately within the budget; the
-        clock restarts, so the next shed waits as long at the smaller room. Not again while the
-        last shed left the ticks as long as they were (less than 5 % shorter): then the host,
-        not the calls, is the cost, and more calls ended would not help."""
+        """True when the ticks have been over budget for `shed_after_seconds` with more than one call
+        live and the room one call smaller fits; the clock then restarts. Not again while the last
+        shed left the ticks as long as they were (less than 5 % shorter): then the host is the cost."""
         cfg = self.config
         if not cfg.shed or live <= 1 or self._over_since is None:
             return False
@@ -204,8 +167,6 @@ class HeadroomPolicy:
         return True
 
     def one_fewer_fits(self, now: float, live: int) -> bool:
-        """Whether ending one of `live` calls would bring the tick within the budget, as
-        measured: the room one call smaller ticked lately within the budget (with the margin a
-        measured size keeps, so that the room does not churn)."""
+        """The room one call smaller ticked lately within the budget, with a measured size's margin."""
         cost = self.curve.measured(now).get(live - 1)
         return cost is not None and cost <= self.config.budget_seconds * (1.0 - self.config.measured_margin)

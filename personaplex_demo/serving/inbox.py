@@ -1,24 +1,12 @@
-"""A live call's input audio between its door and the tick: samples in, one frame per tick out,
-at a depth that follows the caller's measured jitter and never grows for good.
+"""A live call's input audio between its door and the tick: samples in, one frame per tick out, at
+a depth that follows the caller's measured jitter and never grows for good (docs/serving.md §
+Latency budget).
 
-A door pushes the caller's audio as it arrives, in chunks of any length (the page's 40 ms
-packets, a socket's appends). Each tick cuts the oldest `frame` samples off, so a frame is
-complete the moment the tick takes it: the tick no longer waits for frame boundaries that were
-drawn once, at whatever phase the call happened to start with (docs/serving.md § Latency budget).
-
-The depth kept at a tick (the "slack": samples beyond the frame the tick takes) is the whole
-delay this stage adds, so it is held near a target:
-
-- **Shrink.** When the smallest slack seen over `window` seconds stays above the target by at
-  least `tolerance`, the excess is dropped at once, from the quietest stretch of what is held.
-  A burst (a second of audio released at once after a stall), a caller's clock running fast
-  (0.1 % is 300 ms over five minutes) or a resync's leftovers all end up here: none of them stays.
-- **Grow.** A tick that finds less than a frame (the caller's audio came late) takes what there
-  is, keeps the target's worth, and fills the frame's end with silence; the target then covers
-  the shortfall for `memory` seconds. A late packet thus costs a moment of silence once, and the
-  margin follows the jitter the call actually has, then comes back down.
-
-Nothing here reads a clock: the caller passes `now` (the pool's clock, fake in tests).
+Each tick cuts the oldest `frame` samples off, so a frame is complete when the tick takes it. The
+slack (samples beyond that frame) is the delay this stage adds, held near a target: slack that stays
+above it for `window` seconds is cut from the quietest stretch (a burst, a fast caller clock, a
+resync's leftovers), and a tick that finds less than a frame fills the rest with silence and raises
+the target by the shortfall for `memory` seconds. The caller passes `now`: nothing reads a clock.
 """
 
 from __future__ import annotations
@@ -37,9 +25,8 @@ _QUIET_BLOCK = SAMPLE_RATE // 200  # 5 ms: the grain at which the quietest stret
 class InboxConfig:
     frame: int = FRAME_SAMPLES
     bound_seconds: float = 2.0  # beyond it the OLDEST samples are dropped (a stalled room)
-    # The least slack aimed for on a clean link. None is needed: the tick's phase follows the
-    # packets (serving/pacing.py `PhaseAligner`), and a margin shorter than a packet would not
-    # save a packet that comes late anyway.
+    # The least slack aimed for on a clean link. None is needed: the tick's phase follows the packets
+    # (serving/pacing.py `PhaseAligner`), and a margin shorter than a packet saves no late packet.
     margin_seconds: float = 0.0
     most_margin_seconds: float = 0.05  # the target never grows past this: the margin and a 40 ms packet and more
     window_seconds: float = 1.0  # slack must stay above the target this long before it is cut
@@ -52,10 +39,8 @@ class InboxConfig:
 
 @dataclass
 class Take:
-    """What a tick took: `frame` (float32, `InboxConfig.frame` samples) or None when nothing was
-    held; `stamp`, when the frame's newest sample arrived (None without one); `short`, samples
-    of silence that stood in at the frame's end because the caller's audio came late (0 during
-    start-up, before the first whole frame)."""
+    """What a tick took: `frame` (float32) or None when nothing was held; `stamp`, when its newest
+    sample arrived; `short`, samples of silence at its end for late audio (0 before the first whole frame)."""
 
     frame: np.ndarray | None
     stamp: float | None
@@ -63,7 +48,7 @@ class Take:
 
 
 class Inbox:
-    """One call's input samples; see the module docstring. Not thread-safe: the pool's lock guards it."""
+    """One call's input samples. Not thread-safe: the pool's lock guards it."""
 
     def __init__(self, config: InboxConfig | None = None) -> None:
         self.config = config = config if config is not None else InboxConfig()
@@ -102,7 +87,7 @@ class Inbox:
         return min(self._most_margin, self._margin + recent)
 
     def take(self, now: float) -> Take:
-        """The next frame for the tick at `now` (see the module docstring)."""
+        """The next frame for the tick at `now`."""
         n = self.config.frame
         if not self.size:
             if self.filled:

@@ -1,10 +1,8 @@
 """How late a door's event loop wakes up: the media side's share of admission by headroom.
 
-The callers' Opus, RTP and page updates all run on the door's event loop. When that loop falls
-behind, agent audio reaches the callers late however fast the engine ticks, so the room should
-seat nobody new (serving/headroom.py). One probe per event loop sleeps `INTERVAL` at a time, keeps
-the worst oversleep, and reports it to the room every `PERIOD`; `ensure_probe` starts it the first
-time a call handler runs on that loop, so it costs nothing while nobody calls.
+The callers' Opus, RTP and page updates run on the door's event loop; when it falls behind, agent
+audio reaches them late however fast the engine ticks, so the room seats nobody new. One probe per
+loop reports its worst oversleep every `PERIOD`; it starts with the first call on that loop.
 """
 
 from __future__ import annotations

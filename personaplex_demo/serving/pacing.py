@@ -1,17 +1,6 @@
-"""When the slot pool's ticker steps: one step per tick, on a schedule of deadlines.
-
-Each step is due one tick after the previous deadline. After an overrun the ticker catches up
-with steps at least `catch_up_gap` apart (no back-to-back burst), which also drains the input
-that piled up meanwhile. Further behind than `resync_after`, the schedule restarts from now and
-the pool cuts every caller's backlog, so that nobody stays seconds behind. A tick that stepped
-nobody (no call was live yet) keeps no schedule: the next one comes `idle_gap` later, so a call
-that has just gone live takes its first step at once rather than a whole tick later.
-
-The schedule's phase follows the callers (`PhaseAligner`): a caller's audio comes in packets (40 ms
-from a browser), and a tick that comes 30 ms after the newest packet keeps that caller's frame
-waiting 30 ms for nothing. Whenever every live caller's newest packet has been in the room at
-least `guard` longer than needed over a window of ticks, the next tick comes that much earlier
-(`TickPacer.advance`), never so early that anybody's packet would miss it.
+"""When the slot pool's ticker steps: one step per tick, on a schedule of deadlines, with catch-up
+steps after an overrun and a resync when far behind (docs/serving.md § Pacing). The schedule's phase
+follows the callers' packets (`PhaseAligner`; docs/serving.md § Latency budget).
 """
 
 from __future__ import annotations
@@ -36,7 +25,7 @@ class TickPacer:
         self.idle_gap = idle_gap
         self._deadline: float | None = None
         self._last_start: float | None = None
-        self._advance = 0.0  # seconds to bring the next step forward (`advance`)
+        self._advance = 0.0  # seconds to bring the next step forward (`follow`)
         self.aligner = PhaseAligner()
 
     def stop(self) -> None:
@@ -55,13 +44,9 @@ class TickPacer:
         self._last_start = self.clock.monotonic()
 
     def follow(self, ages: dict[str, float]) -> None:
-        """This tick's packet ages (`PhaseAligner.observe`): the next tick may come earlier."""
-        self.advance(self.aligner.observe(ages))
-
-    def advance(self, seconds: float) -> None:
-        """Bring the next step forward by `seconds` (the phase of the schedule, not its rate),
-        but never to before the current step has finished: moving the phase is no overrun."""
-        self._advance = max(0.0, seconds)
+        """This tick's packet ages (`PhaseAligner.observe`): the next step may come earlier (its phase
+        moves, not its rate), never before the current step has finished: moving the phase is no overrun."""
+        self._advance = max(0.0, self.aligner.observe(ages))
 
     def stepped(self, rows: int = 1) -> Lateness:
         """The step that `wait` let start has finished, having stepped `rows` calls: move the
@@ -82,14 +67,12 @@ class TickPacer:
 
 
 class PhaseAligner:
-    """How far to bring the next tick forward so that it comes right after the live callers'
-    packets (see the module docstring). Fed each tick's packet ages: for every live call (by id),
-    how long its newest audio had been in the room when the tick took its frame.
+    """How far to bring the next tick forward so that it comes right after the live callers' packets,
+    fed each tick's packet ages (call id -> how long its newest audio had been in the room).
 
-    A caller whose audio is paced by the room itself (a socket door that hands over a frame after
-    each output) shows the same age however the tick moves: after a move, a call whose youngest
-    age did not drop by about as much follows the room, and is left out from then on. Without
-    that, such a caller would pull the tick forward window after window: a room that runs fast."""
+    A caller whose audio the room itself paces shows the same age however the tick moves; after a
+    move, a call whose youngest age did not drop by about as much is left out (`followers`), or it
+    would pull the tick forward window after window: a room that runs fast."""
 
     def __init__(self, window_ticks: int = 25, guard: float = 0.005, least: float = 0.002,
                  most: float = 0.04) -> None:

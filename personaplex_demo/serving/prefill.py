@@ -1,9 +1,8 @@
 """Which waiting slot the ticker prefills next, between two ticks.
 
-A prompt not in the prefix cache costs a forward over all of it (on a GPU's full model about as
-much as several ticks), so the ticker computes at most one of those per gap: callers arriving
-together then go live on successive ticks instead of adding their prefills into one overrun.
-Cached prompts only copy and may share a gap (docs/engine.md § CUDA graphs, last paragraph).
+A prompt not in the prefix cache costs a forward over all of it (on a GPU about as much as several
+ticks), so at most one of those runs per gap: callers arriving together go live on successive ticks
+instead of one overrun. Cached prompts only copy and may share a gap (docs/engine.md § CUDA graphs).
 """
 
 from __future__ import annotations
@@ -39,9 +38,8 @@ def next_prefill(table: SlotTable, lock: threading.Lock, prefix_cached: Callable
 
 def gap_prefills(table: SlotTable, lock: threading.Lock, prefix_cached: Callable[[str, str], bool], clock: Clock,
                  config: PoolConfig) -> Iterator[tuple[int, Call, bool]]:
-    """The prefills of one gap between ticks, each claimed as it is due (`next_prefill`): until
-    the gap's budget is spent (the first runs whatever the budget), and at most
-    `cold_prefills_per_gap` whose prompt must be computed."""
+    """The prefills of one gap between ticks, each claimed as it is due: until the gap's budget is
+    spent (the first runs whatever the budget), at most `cold_prefills_per_gap` of them cold."""
     budget_end = clock.monotonic() + config.prefill_budget_seconds
     ran = cold_ran = 0
     limit = config.cold_prefills_per_gap

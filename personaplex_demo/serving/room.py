@@ -1,9 +1,6 @@
-"""The room contract: what every door (the WebRTC page, later other front ends) needs of a room of
-conversation slots, and what every back end (a `SlotPool` in this process, a `PoolRouter` over
-engine processes) provides. A door is typed against `Room` and `CallHandle` only, so it never
-knows which back end it has; docs/serving.md § The room contract draws both topologies.
-
-Everything here is torch-free: numpy frames in, numpy frames and text out.
+"""The room contract: what every door needs of a room of conversation slots, and what every back end
+(a `SlotPool`, a `PoolRouter` over engine processes) provides; a door is typed against `Room` and
+`CallHandle` only (docs/serving.md § The room contract). Torch-free: numpy frames in and out.
 """
 
 from __future__ import annotations
@@ -18,10 +15,6 @@ from ..sampling_params import SamplingParams
 from .config import PoolConfig
 from .headroom import WaitReason
 from .metrics import PoolMetrics, TickListener
-
-__all__ = ["DOOR_PAGE", "CallEnded", "CallHandle", "CallState",
-           "EndReason", "PoolClosedError", "PoolFullError", "Room", "SlotOutput", "TickListener", "WaitReason",
-           "end_message"]
 
 # The door a call came through, a label the room only counts by (/api/status, /metrics): the
 # WebRTC page's (web/handler.py), or an API door's kind (api/doors.py's table).

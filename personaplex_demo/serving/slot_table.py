@@ -1,9 +1,6 @@
 """Who holds which slot, and who waits for one: the slot pool's seating, without the ticking.
-
-Whether there is room for one more row is the caller's question (`fits`, from serving/headroom.py):
-a free slot is necessary, not enough.
-
-Not thread-safe: the pool holds its lock around every use.
+Whether one more row fits is the caller's question (`fits`, serving/headroom.py): a free slot is
+necessary, not enough. Not thread-safe: the pool holds its lock around every use.
 """
 
 from __future__ import annotations
@@ -43,9 +40,8 @@ class SlotTable:
         return next((i for i, occupant in enumerate(self.slots) if occupant is None), None)
 
     def admit(self, call: Call, may_queue: bool, max_queue: int | None, fits: Fits) -> bool:
-        """Seat `call` on a free slot if one more row fits, else put it at the end of the queue;
-        False if neither is allowed. Newcomers never jump the queue, even if a slot is free for an
-        instant."""
+        """Seat `call` on a free slot if one more row fits, else queue it; False if neither is allowed.
+        Newcomers never jump the queue, even if a slot is free for an instant."""
         free = self._free()
         if free is not None and not self.queue and fits(self.rows_held):
             self._seat(free, call)
@@ -73,9 +69,8 @@ class SlotTable:
         return ((slot, c) for slot, c in enumerate(self.slots) if c is not None and c.state == state)
 
     def take_frames(self, pcm: np.ndarray, now: float) -> tuple[list[tuple[int, Call, float | None]], dict[str, float]]:
-        """Each live call's oldest input frame into its row of `pcm` (silence stays where none
-        came): the rows to step, as (slot, call, push time of its frame), and how long each
-        call's newest audio had been here at `now` (`Call.arrival_age`)."""
+        """Each live call's input frame into its row of `pcm` (silence where none came): the rows to
+        step as (slot, call, push time of its frame), and each call's `Call.arrival_age` at `now`."""
         rows: list[tuple[int, Call, float | None]] = []
         ages: dict[str, float] = {}
         for slot, call in self.seated(CallState.LIVE):
@@ -95,8 +90,8 @@ class SlotTable:
         self.slots[slot] = None
 
     def seat_waiting(self, fits: Fits) -> list[Call]:
-        """Seat the head of the queue on free slots for as long as one more row fits; the rest
-        learn their new place and why they wait. The calls seated, in order."""
+        """Seat the queue's head on free slots while one more row fits; the rest learn their new place
+        and why they wait. The calls seated, in order."""
         seated = []
         while self.queue and (free := self._free()) is not None and fits(self.rows_held):
             head = self.queue.popleft()
@@ -114,8 +109,8 @@ class SlotTable:
         return [(s, c) for s, c in enumerate(self.slots) if c is not None and c.prefill_waiting]
 
     def wait_reason(self, fits: Fits) -> WaitReason:
-        """Why the queue waits: "the room is at capacity" only when a slot is free and one more
-        row does not fit. A slot freed a moment ago, before the ticker seats the head, is not that."""
+        """CAPACITY only when a slot is free and one more row does not fit (a slot freed a moment ago,
+        before the ticker seats the head, is not that)."""
         return WaitReason.CAPACITY if self._free() is not None and not fits(self.rows_held) else WaitReason.SLOTS
 
     def _renumber(self, reason: WaitReason | None = None) -> None:

@@ -1,11 +1,10 @@
 """What every back end's call does the same way: the handle's fields (`CallView`), and waiting for
 its news (`WaitingCall.wait_live`, `next_output`) with deadlines and wake-ups.
 
-A call's news may come from another thread (the pool's ticker, a link's reader thread) or from
-the loop that waits. A waiter looks and registers a future under the call's guard (the pool's
-lock for a `Call`; nothing for a call whose news arrives on its own loop), and `_wake`, called
-under that same guard, resolves every registered future: no wake-up is lost between a look and
-a wait, and nobody polls.
+A call's news may come from another thread (the pool's ticker, a link's reader) or from the loop
+that waits. A waiter looks and registers a future under the call's guard (the pool's lock for a
+`Call`; nothing for news on the waiter's own loop), and `_wake`, under that guard, resolves them all:
+no wake-up is lost between a look and a wait, and nobody polls.
 """
 
 from __future__ import annotations
@@ -50,9 +49,8 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 
 
 class WaitingCall:
-    """`wait_live` and `next_output` for every back end's call (its `state` and `end_reason` are
-    the subclass's). A subclass says where its outputs are (`_next_output`, under the guard) and
-    calls `_wake` (under the guard) on every change."""
+    """`wait_live` and `next_output` for every back end's call. A subclass keeps `state`, `end_reason`
+    and its outputs (`_next_output`), and calls `_wake` on every change, both under the guard."""
 
     state: CallState
     end_reason: str | None
