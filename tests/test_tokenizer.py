@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from personaplex_demo.model.config import ModelFiles
 from personaplex_demo.runtime.tokenizer import (
     TINY_VOCAB_SIZE,
     TextTokenizer,
@@ -63,7 +62,7 @@ def test_persona_is_wrapped_without_bos_or_eos(tok: TextTokenizer) -> None:
     ids = tok.encode_persona(persona)
     assert ids == list(tok.sp.encode("<system> You are a wise and friendly teacher. <system>"))
     assert ids[0] != 1 and ids[-1] != 2
-    assert tok.decode(ids) == "<system> You are a wise and friendly teacher. <system>"
+    assert tok.sp.decode(ids) == "<system> You are a wise and friendly teacher. <system>"
     # English text gets word pieces, not one token per letter.
     assert len(ids) < 16
 
@@ -78,7 +77,7 @@ def test_non_english_persona_uses_byte_fallback(tok: TextTokenizer) -> None:
     persona = "Tu es un guide très aimable. 你好 😀"
     ids = tok.encode_persona(persona)
     assert 0 not in ids  # never <unk>: bytes cover everything
-    assert tok.decode(ids) == wrap_with_system_tags(persona)
+    assert tok.sp.decode(ids) == wrap_with_system_tags(persona)
 
 
 # -- the tiny tokenizer -----------------------------------------------------------------------
@@ -100,12 +99,6 @@ def test_tiny_tokenizer_is_deterministic_and_fast(tmp_path: Path, tiny_path: Pat
     assert hashlib.sha256(again.read_bytes()).digest() == hashlib.sha256(tiny_path.read_bytes()).digest()
 
 
-def test_build_into_a_directory(tmp_path: Path) -> None:
-    path = build_tiny_tokenizer(tmp_path)
-    assert path == tmp_path / ModelFiles().tokenizer
-    assert TextTokenizer(path).vocab_size == 32000
-
-
 def test_every_tiny_id_decodes_to_readable_text(tok: TextTokenizer) -> None:
     sp = tok.sp
     for i in range(tok.vocab_size):
@@ -124,14 +117,13 @@ def test_hidden_ids_show_nothing(tok: TextTokenizer) -> None:
     dec = TranscriptDecoder(tok)
     for hidden in (0, 3, 32000, 32001, 40000, -1):
         assert dec.push(hidden) == ""
-    assert dec.text == ""
     hello = tok.encode("Hello")
     assert "".join(dec.push(i) for i in hello) == "Hello"  # the leading "▁" is not shown
 
 
 def test_ids_beyond_a_smaller_text_card_are_hidden(tok: TextTokenizer) -> None:
     dec = TranscriptDecoder(tok, text_card=1000)
-    word = next(i for i in range(1000, 32000) if tok.id_to_piece(i).startswith("\u2581"))
+    word = next(i for i in range(1000, 32000) if tok.sp.id_to_piece(i).startswith("\u2581"))
     assert dec.push(word) == ""
 
 
@@ -143,7 +135,6 @@ def test_multibyte_character_split_over_byte_pieces(tok: TextTokenizer, char: st
     assert outs == [""] * (len(ids) - 1)  # held back until the sequence is complete
     assert dec.push(3) == ""  # a PAD in between is hidden and does not break the sequence
     assert dec.push(ids[-1]) == char
-    assert dec.text == char
 
 
 def test_incremental_output_concatenates_to_the_full_decode(tok: TextTokenizer) -> None:
@@ -152,7 +143,7 @@ def test_incremental_output_concatenates_to_the_full_decode(tok: TextTokenizer) 
     stream = [i for t in ids for i in (t, 0, 3)] + [32000]
     dec = TranscriptDecoder(tok)
     outs = [dec.push(i) for i in stream]
-    assert "".join(outs) == dec.text == tok.decode(ids) == text
+    assert "".join(outs) == tok.sp.decode(ids) == text
 
 
 def test_matches_sentencepiece_on_random_streams(tok: TextTokenizer) -> None:
@@ -169,7 +160,7 @@ def test_matches_sentencepiece_on_random_streams(tok: TextTokenizer) -> None:
         dec = TranscriptDecoder(tok)
         out = "".join(dec.push(i) for i in stream) + dec.flush()
         shown = [i for i in stream if i not in (0, 3) and 0 <= i < 32000]
-        assert out == dec.text == tok.decode(shown), stream
+        assert out == tok.sp.decode(shown), stream
 
 
 def test_reset_starts_a_new_transcript(tok: TextTokenizer) -> None:
@@ -178,7 +169,6 @@ def test_reset_starts_a_new_transcript(tok: TextTokenizer) -> None:
         dec.push(i)
     dec.push(byte_id(tok, 0xC3))  # a pending half character must not leak into the next call
     dec.reset()
-    assert dec.text == ""
     assert "".join(dec.push(i) for i in tok.encode("Bye")) == "Bye"
 
 

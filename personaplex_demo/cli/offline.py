@@ -37,7 +37,8 @@ from ..errors import CallerError, CheckpointError
 from ..logs import configure_logging
 from ..runtime.build import RuntimeOptions, build_runtime, check_placement
 from ..runtime.tokenizer import TextTokenizer
-from ..runtime.voices import DEFAULT_VOICE, VoiceCatalog
+from ..runtime.voice_names import DEFAULT_VOICE
+from ..runtime.voices import VoiceCatalog
 from .config import AppConfig
 from .options import add_options
 

@@ -15,14 +15,13 @@ from ..model.checkpoint import load_lm, load_mimi
 from ..model.config import INT8_FLOAT16, LMConfig, MimiConfig, ModelFiles
 from ..serving.config import PoolConfig
 from .capacity import DEFAULT_MAX_SLOTS, DTYPE_NAMES, FRAME_RATE, SlotPlan
-from .hub import DEFAULT_HF_REPO, ModelSource, resolve_model
+from .hub import DEFAULT_HF_REPO, ModelSource, ProgressFn, resolve_model
 from .slot_memory import plan_for
 from .tokenizer import TextTokenizer
 from .voices import VoiceCatalog
 
 log = logging.getLogger(__name__)
 
-ProgressFn = Callable[[str, float], None]
 INT8_BANNER = ("The language model runs with int8 weights: half the memory of bfloat16; their effect on the "
                "conversation's quality has not been measured.")
 # Checks a request against the model's tokenizer and voices before the weights are fetched or loaded.

@@ -1,13 +1,9 @@
 """How many conversations fit on the device: the arithmetic behind `--slots auto` and `--context`.
 
-Everything here is plain numbers in and numbers out (no torch), so that it can be checked for any
-card size on any machine: the loader measures the device (free bytes after the weights, the bytes
-one slot holds) and `plan_slots` decides.
-
-One slot holds its temporal KV ring (2 x layers x heads x head_dim x context frames, in the model
-dtype), its Mimi streaming state, and its share of a tick's working memory, once per CUDA graph the
-engine keeps. Beside the slots the device must keep the prefix cache (the keys and values of the
-most recent system prompts) and a safety margin for the allocator's fragmentation.
+Plain numbers in and out (no torch), so it can be checked for any card on any machine; slot_memory.py
+measures the device. One slot holds its temporal KV ring, its Mimi streaming state and its share of a
+tick's working memory (once per CUDA graph pool); beside the slots the device keeps the prefix cache
+and a safety margin for the allocator's fragmentation.
 """
 
 from __future__ import annotations
@@ -111,8 +107,7 @@ class SlotPlan:
 
     @property
     def bound(self) -> str:
-        """What set the number of slots: the device's "memory" (auto), the "--max-slots" cap on
-        what would fit, a fixed "--slots", or "the CPU default"."""
+        """What set the number of slots: "memory", "--max-slots", "--slots" or "the CPU default"."""
         if self.mode == "fixed":
             return "--slots"
         if self.mode == "auto-cpu":
@@ -150,12 +145,9 @@ def fitting_slots(free_bytes: int, reserve_bytes: int, cost: SlotCost) -> int:
 def plan_slots(slots: int | str, *, device: str, free_bytes: int | None, reserve_bytes: int, cost: SlotCost,
                context_frames: int, max_slots: int = DEFAULT_MAX_SLOTS, kv_bytes_per_frame: int | None = None
                ) -> SlotPlan:
-    """Decide the number of slots.
-
-    `slots` is "auto" or a number; `free_bytes` is the device memory free after the weights
-    (None on a CPU, where "auto" means CPU_AUTO_SLOTS). Raises NoSlotFitsError when "auto" finds
-    no room for one slot; the message names `--context` and, given `kv_bytes_per_frame`, the
-    longest context that would fit one slot."""
+    """Decide the number of slots. `free_bytes` is the device memory free after the weights (None on a
+    CPU, where "auto" means CPU_AUTO_SLOTS). NoSlotFitsError when "auto" finds no room for one slot;
+    given `kv_bytes_per_frame`, its message names the longest --context that would fit one."""
     if max_slots < 1:
         raise ValueError(f"--max-slots must be at least 1, got {max_slots}")
     seconds = context_frames / FRAME_RATE
@@ -183,6 +175,3 @@ def _no_room(free: int, reserve: int, cost: SlotCost, seconds: float, device: st
             return text + f"; a shorter --context fits one slot (--context {longest} or less), or use a larger GPU"
     return text + "; this GPU is too small for the model: use a larger one (or --device cpu)"
 
-
-__all__ = ["CPU_AUTO_SLOTS", "DEFAULT_MAX_SLOTS", "FRAME_RATE", "NoSlotFitsError", "SlotCost", "SlotPlan",
-           "context_frames", "kv_ring_bytes", "parse_slots", "plan_slots", "safety_margin"]

@@ -1,9 +1,7 @@
 """Where the model files come from: the Hugging Face Hub, or the tiny offline model (docs/model.md § Files).
 
-`resolve_model("auto")` tries the gated `nvidia/personaplex-7b-v1` repository and falls back to the
-tiny hash-v1 model with a human-readable reason; `resolve_model("personaplex-7b-v1")` never falls
-back. Tokens are read by huggingface_hub itself (`HF_TOKEN`, or a stored login) and never appear
-in a message: `logs.redact_secrets` / `logs.SecretFilter` scrub them from anything that is logged.
+Tokens are read by huggingface_hub itself (`HF_TOKEN`, or a stored login) and never appear in a
+message: `logs.redact_secrets` / `logs.SecretFilter` scrub them from anything that is logged.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import hf_hub_download
+from huggingface_hub import get_token, hf_hub_download
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -75,15 +73,13 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
-def _have_token() -> bool:
-    if any(os.environ.get(v, "").strip() for v in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")):
-        return True
+def _token_state() -> str:
+    """Whether a token is there (a stored login counts), in the words of our messages."""
     try:
-        from huggingface_hub import get_token
-
-        return bool(get_token())
+        have = any(os.environ.get(v, "").strip() for v in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")) or bool(get_token())
     except Exception:  # a broken token file must not break start-up
-        return False
+        have = False
+    return "HF_TOKEN is set" if have else "HF_TOKEN is not set"
 
 
 def access_denied(exc: BaseException, repo: str) -> str | None:
@@ -93,9 +89,8 @@ def access_denied(exc: BaseException, repo: str) -> str | None:
         status = exc.response.status_code
     if not (isinstance(exc, (GatedRepoError, RepositoryNotFoundError)) or status in (401, 403)):
         return None
-    token = "HF_TOKEN is set" if _have_token() else "HF_TOKEN is not set"
     kind = "the gated repository" if isinstance(exc, GatedRepoError) else "the repository"
-    return (f"access denied to {kind} ({status or 'gated'}; {token}): accept the model licence at "
+    return (f"access denied to {kind} ({status or 'gated'}; {_token_state()}): accept the model licence at "
             f"https://huggingface.co/{repo} and set HF_TOKEN to a read token of that account")
 
 
@@ -103,12 +98,10 @@ def _describe_failure(exc: BaseException, repo: str, offline: bool) -> str:
     """A short, token-free reason for a failed download."""
     if offline and isinstance(exc, (LocalEntryNotFoundError, FileNotFoundError, ConnectionError)):
         return "HF_HUB_OFFLINE=1 is set and the files are not in the local cache"
-    denied = access_denied(exc, repo)
-    if denied:
+    if denied := access_denied(exc, repo):
         return denied
-    token = "HF_TOKEN is set" if _have_token() else "HF_TOKEN is not set"
     if isinstance(exc, LocalEntryNotFoundError):
-        return f"no network connection to the Hub and no cached copy ({token})"
+        return f"no network connection to the Hub and no cached copy ({_token_state()})"
     detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return redact_secrets(f"{type(exc).__name__}: {detail[:200]}")
 
@@ -153,37 +146,22 @@ def _download_real(repo: str, cache_dir: Path | None, progress: ProgressFn | Non
         filename = getattr(files, kind)
         report(f"fetching {filename} from {repo}", done_weight / total_weight, force=True)
 
-        def on_bytes(
-            done: int,
-            total: int | None,
-            filename: str = filename,
-            weight: float = weight,
-            base: float = done_weight,
-        ) -> None:
+        def on_bytes(done: int, total: int | None, filename: str = filename, weight: float = weight,
+                     base: float = done_weight) -> None:
             part = min(done / total, 1.0) if total else 0.0
             size = f" ({done / 1e9:.2f} / {total / 1e9:.2f} GB)" if total else ""
             report(f"downloading {filename}{size}", (base + part * weight) / total_weight)
 
-        path = Path(
-            hf_hub_download(
-                repo_id=repo,
-                filename=filename,
-                revision=revision,
-                cache_dir=cache_dir,
-                local_files_only=offline,
-                tqdm_class=_make_tqdm(on_bytes) if progress is not None else None,
-            )
-        )
+        path = Path(hf_hub_download(repo_id=repo, filename=filename, revision=revision, cache_dir=cache_dir,
+                                    local_files_only=offline,
+                                    tqdm_class=_make_tqdm(on_bytes) if progress is not None else None))
         # Pin the commit of the first file so that all four come from one snapshot, even if
         # the repository changes while the big file downloads.
         if revision is None and path.parent.parent.name == "snapshots":
             revision = path.parent.name
-        if directory is None:
-            directory = path.parent
-        elif path.parent != directory:
-            raise ModelDownloadError(
-                f"{filename} landed in {path.parent}, not beside the others in {directory}"
-            )
+        directory = directory or path.parent
+        if path.parent != directory:
+            raise ModelDownloadError(f"{filename} landed in {path.parent}, not beside the others in {directory}")
         done_weight += weight
         if check is not None and kind == _CHECK_AFTER:
             check(directory)
@@ -192,19 +170,12 @@ def _download_real(repo: str, cache_dir: Path | None, progress: ProgressFn | Non
     return directory
 
 
-def resolve_model(
-    name: str = "auto",
-    hf_repo: str = DEFAULT_HF_REPO,
-    cache_dir: Path | None = None,
-    progress: ProgressFn | None = None,
-    check: SmallFilesCheck | None = None,
-) -> ModelSource:
+def resolve_model(name: str = "auto", hf_repo: str = DEFAULT_HF_REPO, cache_dir: Path | None = None,
+                  progress: ProgressFn | None = None, check: SmallFilesCheck | None = None) -> ModelSource:
     """Find or fetch the files of model `name` ("auto", "personaplex-7b-v1" or "tiny").
 
-    "auto" falls back to the tiny model, with `fallback_reason` set, when the real files cannot
-    be had; an explicit "personaplex-7b-v1" raises `ModelDownloadError` instead.
-    `progress(message, fraction)` is called while the real files download; `check(folder)` once
-    the tokenizer and the voices are in `folder`, before the weights are fetched.
+    "auto" falls back to the tiny model, with `fallback_reason` set, when the real files cannot be
+    had; an explicit "personaplex-7b-v1" raises `ModelDownloadError` instead.
     """
     if name not in MODEL_CHOICES:
         raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODEL_CHOICES)}")
@@ -220,13 +191,10 @@ def resolve_model(
         reason = _describe_failure(exc, hf_repo, offline)
         if name == REAL_MODEL:
             raise ModelDownloadError(
-                f"could not fetch {hf_repo} ({reason}). Set HF_TOKEN to a token whose account has "
-                f"accepted the licence at https://huggingface.co/{hf_repo}, check the network "
-                f"(and HF_HUB_OFFLINE), or run the tiny offline model with --model tiny."
-            ) from exc
-        fallback = (
-            f"the gated repository {hf_repo} could not be fetched ({reason}): running the tiny offline model"
-        )
+                f"could not fetch {hf_repo} ({reason}). Set HF_TOKEN to a token whose account has accepted the licence "
+                f"at https://huggingface.co/{hf_repo}, check the network (and HF_HUB_OFFLINE), or run the tiny offline "
+                "model with --model tiny.") from exc
+        fallback = f"the gated repository {hf_repo} could not be fetched ({reason}): running the tiny offline model"
         logger.warning("%s", fallback)
         return _tiny_source(cache_dir, fallback, check)
     logger.info("model %s from %s", REAL_MODEL, directory)
@@ -241,16 +209,3 @@ def _tiny_source(cache_dir: Path | None, reason: str | None, check: SmallFilesCh
         check(directory)
     return ModelSource(name=TINY_MODEL, directory=directory, is_tiny=True, fallback_reason=reason)
 
-
-__all__ = [
-    "CACHE_DIR_DEFAULT",
-    "CACHE_DIR_HELP",
-    "DEFAULT_HF_REPO",
-    "MODEL_CHOICES",
-    "access_denied",
-    "ModelSource",
-    "REAL_MODEL",
-    "TINY_MODEL",
-    "hub_offline",
-    "resolve_model",
-]

@@ -1,9 +1,5 @@
-"""What one conversation slot holds on the device, measured from the loaded model.
-
-`capacity.plan_slots` does the arithmetic; this module feeds it: the KV ring and Mimi state bytes
-(from the model's own tensors, built on the meta device so nothing is allocated), the prefix cache,
-and on CUDA a short probe that runs a tick at two batch sizes and reads the allocator's peak.
-"""
+"""What one conversation slot holds on the device, measured from the loaded model for `capacity.plan_slots`:
+state sizes from meta tensors (nothing allocated), and on CUDA a probe of a tick's peak at two batch sizes."""
 
 from __future__ import annotations
 
@@ -135,7 +131,7 @@ def slot_cost(cfg: LMConfig, mimi_bytes: int, frames: int, itemsize: int, cuda_g
 
 def plan_for(lm, mimi, voices: VoiceCatalog, *, slots: int | str, max_slots: int, frames: int,
              device: torch.device, dtype: torch.dtype, prefix_cache_size: int, cuda_graphs: bool):
-    """The SlotPlan for a loaded model on `device` (see capacity.plan_slots)."""
+    """The SlotPlan for a loaded model on `device`."""
     cfg: LMConfig = lm.cfg
     itemsize = torch.finfo(dtype).bits // 8
     on_cuda = device.type == "cuda"

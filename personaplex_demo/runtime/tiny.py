@@ -1,8 +1,5 @@
-"""The tiny offline model: a hash-v1 checkpoint set in the official repository layout.
-
-It babbles, but it runs every path of the app (loader, voices, tokenizer, engine, pool, page)
-on a laptop CPU. Its LM and Mimi are the golden fixtures' tiny configurations and seeds.
-"""
+"""The tiny offline model: a hash-v1 checkpoint set in the official repository layout, with the golden
+fixtures' tiny configurations and seeds. It babbles, but it runs every path of the app on a laptop CPU."""
 
 from __future__ import annotations
 
@@ -82,12 +79,8 @@ def ensure_tiny_repo(cache_dir: Path | None = None) -> Path:
 
 
 def tiny_voice_prompts(dim: int, seed: int = VOICE_SEED) -> dict[str, dict[str, torch.Tensor]]:
-    """hash-v1 voice prompts for the tiny model: the 18 official names, T = 4 + index % 5.
-
-    Embeddings follow the golden fixtures' voice recipe (key `NAME.embeddings`, offset 0, scale
-    2, float32). The ring is `hash_ints` of `NAME.cache`: row 0 modulo the text card, rows 1-16
-    modulo the audio card, so every value is a valid token.
-    """
+    """hash-v1 voice prompts for the tiny model: the 18 official names, T = 4 + index % 5. Embeddings follow
+    the golden fixtures' voice recipe; the ring's rows are taken modulo their card, so every value is a valid token."""
     import torch
 
     from ..model.hashinit import hash_ints, hash_tensor

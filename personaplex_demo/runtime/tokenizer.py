@@ -1,9 +1,8 @@
 """Text side of PersonaPlex: persona prompts in, transcript text out (docs/engine.md § Frame layout).
 
-The real model ships Kyutai's 32000-piece SentencePiece tokenizer (`tokenizer_spm_32k_3.model`,
-byte fallback, 0 = EPAD/`<unk>`, 1 = BOS, 2 = EOS, 3 = PAD). The tiny offline model needs a
-tokenizer with the same id layout and the same size, because its text head emits any id below
-32000; `build_tiny_tokenizer` makes one deterministically, without network access.
+The real model ships Kyutai's 32000-piece SentencePiece tokenizer (byte fallback, 0 = EPAD/`<unk>`,
+1 = BOS, 2 = EOS, 3 = PAD). The tiny model's text head emits any id below 32000, so
+`build_tiny_tokenizer` makes one with the same layout and size, deterministically and offline.
 """
 
 from __future__ import annotations
@@ -17,15 +16,13 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from ..engine.tokens import HIDDEN_TEXT_IDS, TEXT_EPAD, TEXT_PAD
+from ..engine.tokens import HIDDEN_TEXT_IDS
 from ..frame import TEXT_CARD
 from ..model.files import atomic_file
 
 logger = logging.getLogger(__name__)
 
 SYSTEM_TAG = "<system>"
-# The text head's size (docs/model.md § The LM): ids at or above it are input-only and never shown.
-EPAD_ID, PAD_ID = TEXT_EPAD, TEXT_PAD  # carry no text, never shown
 
 
 def wrap_with_system_tags(text: str) -> str:
@@ -58,19 +55,11 @@ class TextTokenizer:
 
     def encode_persona(self, persona: str) -> list[int]:
         """Persona ids as the model is prompted with them: `<system> ... <system>`, no BOS/EOS.
-
-        An empty (or all-whitespace) persona gives no tokens at all: the reference server
-        crashes there, vLLM-Omni plays zero persona ticks, and so do we.
-        """
+        An all-whitespace persona gives no tokens (the reference server crashes there; vLLM-Omni
+        plays zero persona ticks, and so do we)."""
         if not persona.strip():
             return []
         return self.encode(wrap_with_system_tags(persona))
-
-    def decode(self, ids: list[int]) -> str:
-        return self.sp.decode([int(i) for i in ids])
-
-    def id_to_piece(self, token_id: int) -> str:
-        return self.sp.id_to_piece(int(token_id))
 
     def surface(self, token_id: int) -> tuple[int, bytes]:
         """(kind, bytes) of one id as SentencePiece's decoder renders it; see `_KIND_*`."""
@@ -114,14 +103,9 @@ codecs.register_error("personaplex_sp_replace", _replace_one_byte)
 class TranscriptDecoder:
     """Incremental transcript of one call: text ids in, newly final text out.
 
-    `push` shows exactly what `sp.decode` of all shown ids so far would show, but only once it
-    is final: a trailing incomplete UTF-8 sequence built from byte-fallback pieces is held back
-    until its last byte arrives (or `flush` is called at the end of the call). EPAD (0), PAD (3)
-    and ids at or above the text card or the vocabulary size are hidden (docs/engine.md § Frame layout).
-
-    Each push costs O(length of one piece): pieces are looked up once and fed through Python's
-    incremental UTF-8 decoder, which keeps at most 3 pending bytes, instead of re-decoding the
-    history with SentencePiece every tick.
+    The pushes add up to `sp.decode` of all shown ids, each part shown once final: an incomplete
+    UTF-8 sequence of byte pieces waits for its last byte (or `flush`). EPAD, PAD and ids at or
+    above the text card or vocabulary are hidden. A push costs O(one piece), not O(history).
     """
 
     def __init__(self, tokenizer: TextTokenizer, text_card: int = TEXT_CARD) -> None:
@@ -131,48 +115,29 @@ class TranscriptDecoder:
 
     def reset(self) -> None:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="personaplex_sp_replace")
-        self._parts: list[str] = []
-        self._text: str | None = ""
         # SentencePiece drops the leading "▁" of normal pieces until some text has appeared
         # (the dummy prefix); byte pieces end that phase even when they are spaces.
         self._at_start = True
 
-    def is_shown(self, token_id: int) -> bool:
-        return token_id not in HIDDEN_TEXT_IDS and 0 <= token_id < self.limit
-
     def push(self, token_id: int) -> str:
         token_id = int(token_id)
-        if not self.is_shown(token_id):
+        if token_id in HIDDEN_TEXT_IDS or not 0 <= token_id < self.limit:
             return ""
         kind, data = self.tokenizer.surface(token_id)
         if kind == _KIND_EMPTY:
             # SentencePiece decodes each run of byte pieces on its own, so a control piece
             # between two bytes keeps them apart: finish any pending sequence here.
-            return self._emit(self._utf8.decode(b"", final=True))
+            return self._utf8.decode(b"", final=True)
         if kind == _KIND_TEXT and self._at_start:
             data = data.lstrip(b" ")
             if not data:
                 return ""
         self._at_start = False
-        return self._emit(self._utf8.decode(data, final=False))
+        return self._utf8.decode(data, final=False)
 
     def flush(self) -> str:
         """Finalise the call: any pending incomplete byte sequence becomes U+FFFD characters."""
-        return self._emit(self._utf8.decode(b"", final=True))
-
-    def _emit(self, new: str) -> str:
-        if new:
-            self._parts.append(new)
-            self._text = None
-        return new
-
-    @property
-    def text(self) -> str:
-        """The whole final transcript so far."""
-        if self._text is None:
-            self._text = "".join(self._parts)
-            self._parts = [self._text]
-        return self._text
+        return self._utf8.decode(b"", final=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,28 +190,20 @@ def _tiny_training_sentences() -> list[str]:
 
 
 def build_tiny_tokenizer(path: Path) -> Path:
-    """Write the tiny offline SentencePiece model (32000 pieces, Kyutai's id layout) and return
-    its path. `path` is the model file, or a directory that receives `tokenizer_spm_32k_3.model`.
+    """Write the tiny offline SentencePiece model (32000 pieces, Kyutai's id layout) to `path`.
 
-    Ids 0..3 are `<unk>`, `<s>`, `</s>`, `<pad>`; 4..259 are the 256 byte-fallback pieces; then a
-    small BPE vocabulary trained on a fixed English corpus; then synthetic "▁word" pieces with
-    scores below every trained piece, so they only win where they spell a whole word. Training runs
-    on one thread over a fixed sentence list, so the same bytes come out every time.
+    Ids 0..3 are `<unk>`, `<s>`, `</s>`, `<pad>`; 4..259 the byte-fallback pieces; then a small BPE
+    vocabulary trained on a fixed corpus (one thread, fixed order: the same bytes every time); then
+    synthetic "▁word" pieces scored below every trained piece, so they only win for a whole word.
     """
     path = Path(path)
-    if path.is_dir():
-        from ..model.config import ModelFiles
-
-        path = path / ModelFiles().tokenizer
-    data = _fill_with_synthetic_words(_train_tiny_bpe())
     with atomic_file(path) as f:
-        f.write(data)
+        f.write(_fill_with_synthetic_words(_train_tiny_bpe()))
     logger.debug("wrote the tiny tokenizer (%d pieces) to %s", TINY_VOCAB_SIZE, path)
     return path
 
 
 def _train_tiny_bpe() -> bytes:
-    """The trained part of the tiny model: special pieces, byte fallback and a small BPE vocabulary."""
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(_tiny_training_sentences()),
@@ -291,16 +248,3 @@ def _fill_with_synthetic_words(trained: bytes) -> bytes:
     proto.trainer_spec.vocab_size = TINY_VOCAB_SIZE
     return proto.SerializeToString(deterministic=True)
 
-
-__all__ = [
-    "EPAD_ID",
-    "PAD_ID",
-    "HIDDEN_TEXT_IDS",
-    "SYSTEM_TAG",
-    "TEXT_CARD",
-    "TINY_VOCAB_SIZE",
-    "TextTokenizer",
-    "TranscriptDecoder",
-    "build_tiny_tokenizer",
-    "wrap_with_system_tags",
-]

@@ -1,10 +1,10 @@
 """Voice prompts: the catalogue of `voices/NAME.pt` files from `voices.tgz` (docs/model.md § Files).
 
 A voice prompt is `{"embeddings": Tensor[T, 1, 1, D], "cache": LongTensor[1, 17, 4]}`: the summed
-input embeddings that fed the temporal transformer while the voice was encoded, and the staging
-ring left after that run. The archive comes from a model repository, so it is extracted member by
-member with every member checked first, and voice names from callers only ever select an entry
-of the catalogue: they never become paths.
+input embeddings fed to the temporal transformer while the voice was encoded, and the staging ring
+left after that run. The archive comes from a model repository, so every member is checked before
+any is extracted (stricter than tarfile's "data" filter: no links, no devices, bounded sizes), and
+a caller's voice name only ever selects a catalogue entry: it never becomes a path.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import logging
 import os
 import pickle
 import re
-import shutil
 import tarfile
 import threading
 from collections.abc import Mapping
@@ -28,7 +27,7 @@ import torch
 from ..errors import UnknownVoiceError, VoiceArchiveError, VoiceFileError
 from ..frame import AUDIO_CARD, TEXT_CARD
 from ..model.files import atomic_file
-from .voice_names import DEFAULT_VOICE, VOICE_NAME_RE, VOICE_NAMES
+from .voice_names import VOICE_NAME_RE
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +63,8 @@ def _member_problem(member: tarfile.TarInfo, root: Path) -> str | None:
     name = member.name
     if "\x00" in name:
         return "has a NUL byte in its name"
-    if member.issym():
-        return f"is a symbolic link (to {member.linkname!r})"
-    if member.islnk():
-        return f"is a hard link (to {member.linkname!r})"
+    if member.issym() or member.islnk():
+        return f"is a {'symbolic' if member.issym() else 'hard'} link (to {member.linkname!r})"
     if member.ischr() or member.isblk():
         return "is a device file"
     if member.isfifo():
@@ -90,13 +87,34 @@ def _member_problem(member: tarfile.TarInfo, root: Path) -> str | None:
 
 def _voice_member_name(member: tarfile.TarInfo) -> str | None:
     """The voice name of a `voices/NAME.pt` regular file, else None."""
-    if not member.isfile():
-        return None
-    parts = [p for p in PurePosixPath(member.name).parts if p != "."]
-    if len(parts) != 2 or parts[0] != VOICES_FOLDER or not parts[1].endswith(".pt"):
-        return None
-    stem = parts[1][: -len(".pt")]
-    return stem if VOICE_NAME_RE.match(stem) else None
+    path = PurePosixPath(member.name)  # no "." parts: "./voices/A.pt" is ("voices", "A.pt")
+    if member.isfile() and path.parts[:-1] == (VOICES_FOLDER,) and path.suffix == ".pt" and VOICE_NAME_RE.match(path.stem):
+        return path.stem
+    return None
+
+
+def _checked_voice_members(tf: tarfile.TarFile, label: str, root: Path) -> dict[str, tarfile.TarInfo]:
+    """The archive's voice members by name, once every member has passed `_member_problem` and the bounds."""
+    voices: dict[str, tarfile.TarInfo] = {}
+    total = 0
+    try:
+        for count, member in enumerate(tf, start=1):
+            if count > MAX_MEMBERS:
+                raise VoiceArchiveError(f"{label}: more than {MAX_MEMBERS} members")
+            if (problem := _member_problem(member, root)) is not None:
+                raise VoiceArchiveError(f"{label}: refusing member {member.name!r}: it {problem}")
+            total += member.size
+            if total > MAX_ARCHIVE_BYTES:
+                raise VoiceArchiveError(f"{label}: members add up to more than {MAX_ARCHIVE_BYTES} bytes")
+            if (name := _voice_member_name(member)) is not None:
+                voices[name] = member
+            elif member.isfile():
+                logger.debug("%s: ignoring %s (not voices/NAME.pt)", label, member.name)
+    except (OSError, tarfile.TarError, EOFError) as exc:
+        raise VoiceArchiveError(f"{label}: corrupt archive ({exc})") from exc
+    if not voices:
+        raise VoiceArchiveError(f"{label}: no {VOICES_FOLDER}/NAME.pt files in the archive")
+    return voices
 
 
 def _copy_bounded(src: IO[bytes], dst_path: Path, limit: int) -> None:
@@ -121,97 +139,38 @@ class VoiceCatalog:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_archive(
-        cls, tgz_path: str | os.PathLike[str], extract_dir: str | os.PathLike[str]
-    ) -> VoiceCatalog:
-        """Safely unpack the `voices/*.pt` members of `voices.tgz` into `extract_dir`.
-
-        Every member is checked before anything is written; any link, device file, absolute
-        path, `..` component, path outside `extract_dir` or oversized member fails the whole
-        archive with a `VoiceArchiveError` that names it. Other files are ignored.
-        """
-        tgz_path = Path(tgz_path)
+    def from_archive(cls, tgz_path: str | os.PathLike[str], extract_dir: str | os.PathLike[str]) -> VoiceCatalog:
+        """Unpack the `voices/NAME.pt` members of `voices.tgz` into `extract_dir`; other files are ignored.
+        Every member is checked before anything is written: one unsafe member fails the whole archive."""
+        label = Path(tgz_path).name
         root = Path(extract_dir).resolve()
         try:
             tf = tarfile.open(tgz_path, mode="r:*")
         except (OSError, tarfile.TarError) as exc:
-            raise VoiceArchiveError(f"{tgz_path.name}: not a readable tar archive ({exc})") from exc
+            raise VoiceArchiveError(f"{label}: not a readable tar archive ({exc})") from exc
         with tf:
-            voices: dict[str, tarfile.TarInfo] = {}
-            total = 0
-            try:
-                for count, member in enumerate(tf, start=1):
-                    if count > MAX_MEMBERS:
-                        raise VoiceArchiveError(f"{tgz_path.name}: more than {MAX_MEMBERS} members")
-                    problem = _member_problem(member, root)
-                    if problem is not None:
-                        raise VoiceArchiveError(
-                            f"{tgz_path.name}: refusing member {member.name!r}: it {problem}"
-                        )
-                    total += member.size
-                    if total > MAX_ARCHIVE_BYTES:
-                        raise VoiceArchiveError(
-                            f"{tgz_path.name}: members add up to more than {MAX_ARCHIVE_BYTES} bytes"
-                        )
-                    name = _voice_member_name(member)
-                    if name is not None:
-                        voices[name] = member
-                    elif member.isfile():
-                        logger.debug("%s: ignoring %s (not voices/NAME.pt)", tgz_path.name, member.name)
-            except (OSError, tarfile.TarError, EOFError) as exc:
-                raise VoiceArchiveError(f"{tgz_path.name}: corrupt archive ({exc})") from exc
-            if not voices:
-                raise VoiceArchiveError(f"{tgz_path.name}: no {VOICES_FOLDER}/NAME.pt files in the archive")
             files: dict[str, Path] = {}
-            for name, member in voices.items():
-                src = tf.extractfile(member)
-                if src is None:  # pragma: no cover - isfile() members always have data
-                    raise VoiceArchiveError(f"{tgz_path.name}: cannot read member {member.name!r}")
-                target = root / VOICES_FOLDER / f"{name}.pt"
+            for name, member in _checked_voice_members(tf, label, root).items():
+                files[name] = root / VOICES_FOLDER / f"{name}.pt"
                 try:
-                    with src:
-                        _copy_bounded(src, target, MAX_MEMBER_BYTES)
+                    with tf.extractfile(member) as src:  # type: ignore[union-attr]  # a regular file has data
+                        _copy_bounded(src, files[name], MAX_MEMBER_BYTES)
                 except (OSError, tarfile.TarError, EOFError) as exc:
-                    raise VoiceArchiveError(
-                        f"{tgz_path.name}: cannot extract {member.name!r} ({exc})"
-                    ) from exc
-                files[name] = target
+                    raise VoiceArchiveError(f"{label}: cannot extract {member.name!r} ({exc})") from exc
         logger.info("voice catalogue: %d voices from %s", len(files), tgz_path)
-        return cls(files)
-
-    @classmethod
-    def from_directory(cls, directory: str | os.PathLike[str]) -> VoiceCatalog:
-        """Catalogue the `NAME.pt` files of an already unpacked voices folder."""
-        directory = Path(directory)
-        files = {
-            p.stem: p
-            for p in sorted(directory.glob("*.pt"))
-            if p.is_file() and not p.is_symlink() and VOICE_NAME_RE.match(p.stem)
-        }
-        if not files:
-            raise VoiceArchiveError(f"{directory}: no NAME.pt voice files")
         return cls(files)
 
     @property
     def names(self) -> list[str]:
         return list(self._files)
 
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in self._files
-
-    def __len__(self) -> int:
-        return len(self._files)
-
     def check_name(self, name: object) -> str:
         """Return `name` if it is a catalogued voice; otherwise raise `UnknownVoiceError`."""
         valid = ", ".join(self._files)
         if not isinstance(name, str) or not VOICE_NAME_RE.match(name):
-            # Never echo more than a short repr: the value comes from a caller.
-            shown = repr(name)[:80]
-            raise UnknownVoiceError(
-                f"invalid voice name {shown}: a voice is one of the listed names, not a path "
-                f"(letters, digits, '_' and '-' only). Valid voices: {valid}"
-            )
+            raise UnknownVoiceError(  # a short repr only: the value comes from a caller
+                f"invalid voice name {repr(name)[:80]}: a voice is one of the listed names, not a path "
+                f"(letters, digits, '_' and '-' only). Valid voices: {valid}")
         if name not in self._files:
             raise UnknownVoiceError(f"unknown voice {name!r}. Valid voices: {valid}")
         return name
@@ -219,15 +178,9 @@ class VoiceCatalog:
     def path_of(self, name: str) -> Path:
         return self._files[self.check_name(name)]
 
-    def load(
-        self,
-        name: str,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        dim: int | None = None,
-    ) -> VoicePrompt:
-        """The prompt `name` with its embeddings in `dtype` on `device` (the file's own dtype is
-        whatever the model had when it was saved). `dim`, if given, must match D."""
+    def load(self, name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+             dim: int | None = None) -> VoicePrompt:
+        """The prompt `name`, its embeddings cast to `dtype` on `device`; `dim`, if given, must match D."""
         name = self.check_name(name)
         dev = torch.device(device)
         key = (name, dtype, str(dev))
@@ -235,16 +188,10 @@ class VoiceCatalog:
             prompt = self._loaded.get(key)
             if prompt is None:
                 embeddings, cache = read_voice_file(self._files[name])
-                prompt = VoicePrompt(
-                    name=name,
-                    embeddings=embeddings.to(device=dev, dtype=dtype),
-                    cache=cache.to(device=dev, dtype=torch.long),
-                )
+                prompt = VoicePrompt(name, embeddings.to(device=dev, dtype=dtype), cache.to(device=dev, dtype=torch.long))
                 self._loaded[key] = prompt
         if dim is not None and prompt.dim != dim:
-            raise VoiceFileError(
-                f"{self._files[name].name}: embeddings have dimension {prompt.dim}, the model needs {dim}"
-            )
+            raise VoiceFileError(f"{self._files[name].name}: embeddings have dimension {prompt.dim}, the model needs {dim}")
         return prompt
 
 
@@ -277,11 +224,8 @@ def _load_tensors(path: Path) -> object:
         if isinstance(exc, pickle.UnpicklingError) or "weights_only" in text:
             # torch's own message suggests retrying with weights_only=False: never repeat that;
             # keep only the unpickler's reason (an unsupported global or opcode).
-            lines = [
-                line.strip()
-                for line in text.splitlines()[1:]
-                if line.strip() and not line.startswith(("Check the documentation", "Please file an issue"))
-            ]
+            lines = [line.strip() for line in text.splitlines()[1:]
+                     if line.strip() and not line.startswith(("Check the documentation", "Please file an issue"))]
             reason = lines[0][:160] if lines else "it holds more than tensors"
             detail = f"refused by the weights-only unpickler: {reason}"
         else:
@@ -292,22 +236,15 @@ def _load_tensors(path: Path) -> object:
 def _checked_embeddings(fname: str, emb: object) -> torch.Tensor:
     if not isinstance(emb, torch.Tensor) or not emb.is_floating_point():
         raise VoiceFileError(f"{fname}: 'embeddings' must be a floating-point tensor, got {_describe(emb)}")
-    if emb.dim() != 4 or emb.shape[0] < 1 or emb.shape[1] != 1 or emb.shape[2] != 1 or emb.shape[3] < 1:
-        raise VoiceFileError(
-            f"{fname}: 'embeddings' must have shape [T, 1, 1, D] with T >= 1, got {list(emb.shape)}"
-        )
+    if emb.dim() != 4 or emb.shape[0] < 1 or emb.shape[1:3] != (1, 1) or emb.shape[3] < 1:
+        raise VoiceFileError(f"{fname}: 'embeddings' must have shape [T, 1, 1, D] with T >= 1, got {list(emb.shape)}")
     if not bool(torch.isfinite(emb).all()):
         raise VoiceFileError(f"{fname}: 'embeddings' contains NaN or infinite values")
     return emb
 
 
 def _checked_cache(fname: str, cache: object) -> torch.Tensor:
-    if (
-        not isinstance(cache, torch.Tensor)
-        or cache.is_floating_point()
-        or cache.is_complex()
-        or cache.dtype == torch.bool
-    ):
+    if not isinstance(cache, torch.Tensor) or cache.is_floating_point() or cache.is_complex() or cache.dtype == torch.bool:
         raise VoiceFileError(f"{fname}: 'cache' must be an integer tensor, got {_describe(cache)}")
     if tuple(cache.shape) != CACHE_SHAPE:
         raise VoiceFileError(f"{fname}: 'cache' must have shape {list(CACHE_SHAPE)}, got {list(cache.shape)}")
@@ -315,57 +252,31 @@ def _checked_cache(fname: str, cache: object) -> torch.Tensor:
     # to the audio card, the audio-initial token). -1 and -2 are moshi's "no token" / "not generated".
     cache = cache.to(torch.long)
     if int(cache.min()) < -2 or int(cache[:, 0].max()) > TEXT_CARD or int(cache[:, 1:].max()) > AUDIO_CARD:
-        raise VoiceFileError(
-            f"{fname}: 'cache' values out of range (row 0 must be in [-2, {TEXT_CARD}], "
-            f"rows 1-16 in [-2, {AUDIO_CARD}])"
-        )
+        raise VoiceFileError(f"{fname}: 'cache' values out of range (row 0 must be in [-2, {TEXT_CARD}], "
+                             f"rows 1-16 in [-2, {AUDIO_CARD}])")
     return cache
 
 
 def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {list(value.shape)}"
-    return type(value).__name__
+    return f"a {value.dtype} tensor of shape {list(value.shape)}" if torch.is_tensor(value) else type(value).__name__
 
 
-def write_voices_archive(
-    tgz_path: str | os.PathLike[str], prompts: Mapping[str, Mapping[str, torch.Tensor]]
-) -> Path:
-    """Write `prompts` as an official-layout `voices.tgz` (`voices/NAME.pt`, each a `torch.save`
-    of {"embeddings", "cache"}). Member order, times and owners are fixed: same input, same bytes."""
+def write_voices_archive(tgz_path: str | os.PathLike[str], prompts: Mapping[str, Mapping[str, torch.Tensor]]) -> Path:
+    """Write `prompts` as an official-layout `voices.tgz` (`voices/NAME.pt`, each a `torch.save` of
+    {"embeddings", "cache"}). Fixed member order, and TarInfo's zero times and owners: same input, same bytes."""
     tgz_path = Path(tgz_path)
-    tgz_path.parent.mkdir(parents=True, exist_ok=True)
-
-    def info(name: str, size: int, is_dir: bool = False) -> tarfile.TarInfo:
-        ti = tarfile.TarInfo(name)
-        ti.size, ti.mtime, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0, 0, "", ""
-        ti.type = tarfile.DIRTYPE if is_dir else tarfile.REGTYPE
-        ti.mode = 0o755 if is_dir else 0o644
-        return ti
-
-    raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tf:
-        tf.addfile(info(VOICES_FOLDER, 0, is_dir=True))
+    with (atomic_file(tgz_path) as out, gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0) as gz,
+          tarfile.open(fileobj=gz, mode="w", format=tarfile.USTAR_FORMAT) as tf):
+        folder = tarfile.TarInfo(VOICES_FOLDER)
+        folder.type, folder.mode = tarfile.DIRTYPE, 0o755
+        tf.addfile(folder)
         for name in sorted(prompts):
             if not VOICE_NAME_RE.match(name):
                 raise ValueError(f"invalid voice name {name!r}")
-            prompt = prompts[name]
             payload = io.BytesIO()
-            torch.save({"embeddings": prompt["embeddings"], "cache": prompt["cache"]}, payload)
-            data = payload.getvalue()
-            tf.addfile(info(f"{VOICES_FOLDER}/{name}.pt", len(data)), io.BytesIO(data))
-    with atomic_file(tgz_path) as out, gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0) as gz:
-        raw.seek(0)
-        shutil.copyfileobj(raw, gz)
+            torch.save({"embeddings": prompts[name]["embeddings"], "cache": prompts[name]["cache"]}, payload)
+            member = tarfile.TarInfo(f"{VOICES_FOLDER}/{name}.pt")
+            member.size = payload.tell()
+            payload.seek(0)
+            tf.addfile(member, payload)
     return tgz_path
-
-
-__all__ = [
-    "DEFAULT_VOICE",
-    "VOICE_NAMES",
-    "VOICE_NAME_RE",
-    "VoiceCatalog",
-    "VoicePrompt",
-    "read_voice_file",
-    "write_voices_archive",
-]
