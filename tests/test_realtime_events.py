@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,16 +13,20 @@ import pytest
 from personaplex_demo.addresses import client_address
 from personaplex_demo.api import errors as codes
 from personaplex_demo.api.access import SocketLimiter, key_accepted, presented_key
-from personaplex_demo.api.audio_in import InputAudio, decode_pcm16, pcm16_samples
+from personaplex_demo.api.audio_in import InputAudio, decode_pcm16
 from personaplex_demo.api.client_events import parse
+from personaplex_demo.api.config import ApiConfig
 from personaplex_demo.api.conversation import Conversation
 from personaplex_demo.api.errors import RealtimeError
+from personaplex_demo.api.feeder import Feeder
 from personaplex_demo.api.live_events import parse_live, start_settings
 from personaplex_demo.api.session import Dialect, SessionSettings, apply_update, join_persona, session_object
 from personaplex_demo.api.turns import TurnTracker
 from personaplex_demo.errors import PersonaTooLongError
 from personaplex_demo.frame import FRAME_SAMPLES
 from personaplex_demo.runtime.voice_names import VOICE_NAMES
+from personaplex_demo.serving.door import DoorCall
+from personaplex_demo.serving.room import CallState
 
 
 class Rules:
@@ -199,10 +204,15 @@ def test_bad_audio_payloads(payload, code):
     assert info.value.code == code
 
 
-def test_a_waiting_callers_audio_is_counted_without_being_decoded():
-    for n in (0, 1, 2, 3, 959, 960, 1921):
-        audio = base64.b64encode(np.arange(n, dtype="<i2").tobytes()).decode()
-        assert pcm16_samples(audio) == decode_pcm16(audio).size == n
+def test_a_waiting_callers_audio_is_not_decoded():
+    door_call = DoorCall(None, "realtime")
+    door_call.call = SimpleNamespace(state=CallState.QUEUED)
+    feeder = Feeder(ApiConfig(), door_call, lambda pcm: None)
+    feeder.append("not base64!", None)  # dropped unread
+    assert feeder.audio.samples == 0
+    door_call.call = None
+    with pytest.raises(RealtimeError):  # before any call, a bad chunk is still refused
+        feeder.append("not base64!", None)
 
 
 # ---- turns -----------------------------------------------------------------------------------
@@ -449,7 +459,6 @@ class FakeSocket:
 async def test_a_gpt_live_session_the_room_ends_is_closed_with_the_rooms_reason():
     import asyncio
 
-    from personaplex_demo.api.config import ApiConfig
     from personaplex_demo.api.live_socket import LiveSocket
     from personaplex_demo.api.stats import DoorStats
 

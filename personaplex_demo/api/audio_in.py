@@ -32,11 +32,6 @@ def decode_pcm16(audio: str, event_id: str | None = None) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i2").astype(np.int16)
 
 
-def pcm16_samples(audio: str) -> int:
-    """How many samples base64 PCM16 `audio` holds, counted without decoding it."""
-    return (len(audio) // 4 * 3 - audio.endswith("=") - audio.endswith("==")) // 2
-
-
 class InputAudio:
     """Appended samples, cut into frames; at most `limit_seconds` of them held."""
 

@@ -1,14 +1,8 @@
-"""One `/api/chat` WebSocket: NVIDIA's PersonaPlex server protocol on an API socket
-(api/socket_base.py; docs/realtime.md § The PersonaPlex server protocol), so that the clients made for the reference server
-(its web client, LiveKit's PersonaPlex plugin) call the room unchanged.
-
-The query names the call (`voice_prompt`, `text_prompt`, `seed`, sampling), checked before any
-slot is touched; the call is placed when the socket opens and the handshake (`b"\\x00"`) goes out
-when it is live, as the reference sends it once its prompt has run. Every message is binary, its
-first byte the kind: 1 + Ogg Opus bytes (24 kHz, 80 ms frames, through sphn as the reference and
-LiveKit use it) each way, 2 + UTF-8 text out. What the reference does not have: a waiting caller
-that asked (`room_events=1`) gets the room's news as kind 4 + JSON; bad input closes the socket
-with a specific code and reason (kind 5 + the reason first), never disturbing another call.
+"""One `/api/chat` WebSocket: NVIDIA's PersonaPlex server protocol on an API socket, so that the
+clients made for the reference server (its web client, LiveKit's PersonaPlex plugin) call the room
+unchanged (docs/realtime.md § The PersonaPlex server protocol). Every message is binary, its first
+byte the kind; the handshake goes out when the call is live, as the reference sends it once its
+prompt has run.
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ from .client_events import ClientEvent
 from .config import ApiConfig
 from .errors import RealtimeError
 from .session import PromptRules, check_persona
-from .socket_base import ApiSocket
+from .socket_base import INVALID_DATA, POLICY, UNSUPPORTED_DATA, ApiSocket
 from .socket_door import SocketDoor
 from .stats import DoorStats
 
@@ -44,9 +38,6 @@ OPUS_FRAME_BYTES = 400  # what 80 ms of the agent's Opus weighs on the wire, abo
 # The sampling names NVIDIA's web client puts in the query (the reference ignores them; they apply here).
 SAMPLING = {"text_temperature": ("text_temperature", float), "text_topk": ("text_top_k", int),
             "audio_temperature": ("audio_temperature", float), "audio_topk": ("audio_top_k", int)}
-# The close codes of bad input (RFC 6455): a kind this server does not take, audio it cannot read,
-# a request or pace it refuses.
-UNSUPPORTED_DATA, INVALID_DATA, POLICY = 1003, 1007, 1008
 
 
 @dataclass(frozen=True)
@@ -125,8 +116,7 @@ class ChatSocket(ApiSocket):
     protocol = "chat"
     start_hint = "the call could not be placed"
 
-    def __init__(self, ws: WebSocket, room: Room, config: ApiConfig, stats: DoorStats,
-                 request: ChatRequest) -> None:
+    def __init__(self, ws: WebSocket, room: Room, config: ApiConfig, stats: DoorStats, request: ChatRequest) -> None:
         super().__init__(ws, room, config, stats, ChatDoor.kind, speech=False)
         import sphn  # the reference's Opus streams; imported with the first call of this door
 
@@ -137,11 +127,11 @@ class ChatSocket(ApiSocket):
         self._opus_out = sphn.OpusStreamWriter(SAMPLE_RATE)
 
     def opened(self) -> None:
-        self._spawn(self._start())
+        self.spawn(self._start())
 
     async def _start(self) -> None:
         try:
-            await self.start_call(self.request.voice, self.request.persona, self.request.sampling, None)
+            await self.runner.start(self.request.voice, self.request.persona, self.request.sampling, None)
         except RealtimeError as err:  # the room refused the request itself (checked before, so rare)
             await self.refuse(POLICY, err.message)
 
@@ -169,14 +159,10 @@ class ChatSocket(ApiSocket):
             return
         if pcm.size == 0:
             return
-        samples = to_pcm16(pcm)
         try:
-            held = self.feeder.append_pcm(samples, self.call)
+            self.feeder.append_pcm(to_pcm16(pcm))
         except RealtimeError:
             await self.refuse(POLICY, "audio came faster than real time, past what this server holds")
-            return
-        if held:
-            self.feeder.feed(self.door_call)
 
     def error_event(self, err: RealtimeError) -> bytes:
         return bytes([ERROR]) + err.message.encode()

@@ -1,14 +1,6 @@
 """The conversation's items as a Realtime client sees them (docs/realtime.md § Conversation items).
-
-The model keeps no editable conversation: it hears audio and holds what it heard in its state.
-But agent frameworks keep a mirror of the conversation and wait for the server to acknowledge
-what they add (LiveKit waits for `conversation.item.added` of each item it creates, by its id), so
-the door keeps the ids in order and answers every item event. What an item means here:
-- before the call starts, the text of a system, developer or user message joins the persona
-  (the model's only text input is its prompt; pipecat sends its context's developer line as a
-  user message, LiveKit as a system one);
-- after it starts, text is acknowledged and not heard; so are assistant text, function outputs
-  and deletions, which change nothing the model holds.
+The model keeps no editable conversation, but agent frameworks wait for the server to acknowledge
+each item they add, by its id: so the door keeps the ids in order and answers every item event.
 """
 
 from __future__ import annotations
@@ -19,8 +11,8 @@ from typing import Any
 from . import errors as e
 from .client_events import ClientEvent
 from .errors import RealtimeError
-from .server_events import event
-from .session import Dialect, new_id
+from .server_events import event, new_id
+from .session import Dialect
 
 PERSONA_ROLES = ("system", "developer", "user")  # message items whose text, before the start, joins the persona
 KEEP_IDS = 256  # item ids remembered for truncate and delete
@@ -40,9 +32,6 @@ class Conversation:
         self.dialect = dialect
         self.last_item: str | None = None
         self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
-
-    def knows(self, item_id: str) -> bool:
-        return item_id in self._ids
 
     def add(self, item_id: str) -> str | None:
         """Note a new last item; the one before it."""
@@ -101,7 +90,7 @@ class Conversation:
     def _known_item(self, ev: ClientEvent) -> str:
         """The event's `item_id`, one of this conversation's; invalid_field otherwise."""
         item_id = ev.body.get("item_id")
-        if not isinstance(item_id, str) or not self.knows(item_id):
+        if not isinstance(item_id, str) or item_id not in self._ids:
             raise RealtimeError(e.INVALID_FIELD, f"{ev.type}: no item {item_id!r} in this conversation",
                                 param="item_id", event_id=ev.event_id)
         return item_id

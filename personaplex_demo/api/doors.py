@@ -1,8 +1,7 @@
 """The API doors on the app's one port, beside the page (docs/api.md): one table of socket doors,
-each a module of its own. `ApiDoors` admits each socket before accepting it (the door's own
-check, then the API key and its client's socket count; a refused client gets a plain HTTP answer
-and never reaches the room), hands it to a media worker or serves it here, and reports every
-door to /api/status and /metrics.
+each a module of its own, admitted before a socket is accepted (a refused client gets a plain HTTP
+answer and never reaches the room), served here or by a media worker, reported to /api/status and
+/metrics.
 """
 
 from __future__ import annotations

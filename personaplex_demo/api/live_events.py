@@ -1,24 +1,18 @@
 """OpenAI's GPT-Live protocol as the GPT-Live door reads and writes it (docs/realtime.md § GPT-Live):
-the client events it takes, `session.start` as the call's settings, and the server events.
-
-GPT-Live was made for models that listen and speak at once: after `session.start` the client
-streams its audio and the server streams the agent's, a frame for every frame (silence included),
-with the transcript placed on that timeline in milliseconds. The session object is read through
-the Realtime door's rules (api/session.py), so a voice, a persona or a format is judged the same
-at both doors.
+the client events it takes, `session.start` as the call's settings, and the server events. The
+session object is read through the Realtime door's rules (api/session.py), so a voice, a persona or
+a format is judged the same at both doors.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from ..frame import SAMPLE_RATE
 from . import errors as e
 from .client_events import ClientEvent, parse, typed
 from .errors import RealtimeError
-from .server_events import event, pcm16_base64
+from .server_events import event
 from .session import PromptRules, SessionSettings, apply_update, join_persona
 
 # The client events the door takes; what each does: docs/realtime.md § GPT-Live.
@@ -96,18 +90,6 @@ def session_resource(settings: SessionSettings, session_id: str, model: str, sta
 def answer(kind: str, ev: ClientEvent, **fields: Any) -> dict[str, Any]:
     """A server event that answers client event `ev` (its id echoed as `client_event_id`)."""
     return event(kind, client_event_id=ev.event_id, **fields)
-
-
-def audio_delta(pcm: np.ndarray) -> dict[str, Any]:
-    return event("session.output_audio.delta", delta=pcm16_base64(pcm))
-
-
-def transcript_delta(text: str, start_ms: int, end_ms: int) -> dict[str, Any]:
-    return event("session.output_transcript.delta", delta=text, start_ms=start_ms, end_ms=end_ms)
-
-
-def usage_event(seconds: float) -> dict[str, Any]:
-    return event("session.usage.updated", usage={"seconds": round(seconds, 3)})
 
 
 def error_event(err: RealtimeError) -> dict[str, Any]:

@@ -1,20 +1,7 @@
-"""One GPT-Live WebSocket (`/v1/live/sessions`, docs/realtime.md § GPT-Live): `session.start` places
-the call, the client's audio streams in, and every agent frame streams out as it is made.
-
-What the two client libraries that speak GPT-Live need (pipecat's `OpenAILiveLLMService`,
-LiveKit's `GPTLiveModel`), and why the door does each:
-- `session.started` at once, when the call is placed: both hold their audio back until it
-  comes, and LiveKit would send what it held in one burst, stale, once the call is live.
-- a `session.output_audio.delta` for every frame, and the frames that are not speech as exact
-  zeros: LiveKit cuts the stream into the agent's turns at its own level gate, which the model's
-  faint hiss between words would hold open.
-- a transcript piece only with audible audio, on the same timeline (`start_ms`, `end_ms`: the
-  agent audio sent so far): LiveKit places text on the audio it hears, and text over silence is
-  an error there.
-- no `error` for what is well formed and only unsupported (delegation, tools, text appends):
-  both clients log every `error` at ERROR, so those are taken and ignored.
-- `session.closed` on `session.close` at once, and before any close of the server's own, with
-  the room's reason.
+"""One GPT-Live WebSocket (`/v1/live/sessions`): `session.start` places the call, the client's audio
+streams in, and every agent frame streams out as it is made. What pipecat's and LiveKit's clients
+need of it, and why (`session.started` at once, non-speech frames as exact zeros, text only with
+audible audio, no `error` for what is merely unsupported): docs/realtime.md § GPT-Live.
 """
 
 from __future__ import annotations
@@ -31,18 +18,8 @@ from . import errors as e
 from .client_events import ClientEvent, field
 from .config import ApiConfig
 from .errors import RealtimeError
-from .live_events import (
-    TEXT_APPENDS,
-    answer,
-    audio_delta,
-    error_event,
-    parse_live,
-    session_resource,
-    start_settings,
-    transcript_delta,
-    usage_event,
-)
-from .server_events import event
+from .live_events import TEXT_APPENDS, answer, error_event, parse_live, session_resource, start_settings
+from .server_events import event, pcm16_base64
 from .session import PromptRules, SessionSettings
 from .socket_base import ApiSocket
 from .socket_door import SocketDoor
@@ -66,8 +43,7 @@ class LiveSocket(ApiSocket):
     protocol = "gpt-live"
     start_hint = "send session.start to start one"
 
-    def __init__(self, ws: WebSocket, room: Room, rules: PromptRules, config: ApiConfig,
-                 stats: DoorStats) -> None:
+    def __init__(self, ws: WebSocket, room: Room, rules: PromptRules, config: ApiConfig, stats: DoorStats) -> None:
         super().__init__(ws, room, config, stats, LiveDoor.kind, speech=False)
         self.rules = rules
         self.settings: SessionSettings | None = None
@@ -93,8 +69,7 @@ class LiveSocket(ApiSocket):
                                 param="type", event_id=ev.event_id)
         match ev.type:
             case "session.input_audio.append":
-                if self.feeder.append(field(ev, "audio", str), self.call, ev.event_id):
-                    self.feeder.feed(self.door_call)
+                self.feeder.append(field(ev, "audio", str), ev.event_id)
             case "session.input_audio.mute" | "session.input_audio.unmute":
                 self.feeder.muted = ev.type.endswith(".mute")
                 self.send(answer("session.input_audio.muted" if self.feeder.muted else "session.input_audio.unmuted",
@@ -121,27 +96,28 @@ class LiveSocket(ApiSocket):
                                 "socket for another session", param="type", event_id=ev.event_id)
         settings = start_settings(ev.body.get("session"), self.rules, ev.event_id)
         self.room_events = settings.room_events
-        if await self.start_call(*settings.call_fields(), ev.event_id):
+        if await self.runner.start(*settings.call_fields(), ev.event_id):
             self.settings = settings
             self.send(answer("session.started", ev, session=self._resource()))
 
     def on_frame(self, out: SlotOutput) -> None:
         speech = is_speech(out.pcm, "", self.config.speech_dbfs)
         ms = round((self.frames_out - 1) * FRAME_SECONDS * 1000)
-        self.send(audio_delta(out.pcm if speech else np.zeros_like(out.pcm)))
+        self.send(event("session.output_audio.delta", delta=pcm16_base64(out.pcm if speech else np.zeros_like(out.pcm))))
         if out.text:
             if not self._held_text:
                 self._held_since = self.frames_out
             self._held_text.append(out.text)
         if self._held_text and speech:
-            self.send(transcript_delta("".join(self._held_text), ms, ms + round(FRAME_SECONDS * 1000)))
+            self.send(event("session.output_transcript.delta", delta="".join(self._held_text), start_ms=ms,
+                            end_ms=ms + round(FRAME_SECONDS * 1000)))
             self._held_text = []
         elif self._held_text and self.frames_out - self._held_since >= HOLD_TEXT_FRAMES:
             log.debug("gpt-live %s: %r had no audible audio; left out of the transcript", self.session_id,
                       "".join(self._held_text))
             self._held_text = []
         if self.frames_out % USAGE_EVERY_FRAMES == 0:
-            self.send(usage_event(self.frames_out * FRAME_SECONDS))
+            self.send(event("session.usage.updated", usage={"seconds": round(self.frames_out * FRAME_SECONDS, 3)}))
 
     def tell_ended(self, reason: str, message: str) -> None:
         self.room_event("call_ended", reason=reason, message=message)

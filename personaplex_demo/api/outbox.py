@@ -1,24 +1,27 @@
-"""What waits to be sent to a Realtime client, and how much of it the client has not read.
+"""What waits to be sent to an API client, and how much of it the client has not read.
 
-The writer task sends these events in order. A client that stops reading is noticed by what
-waits for it: this queue, and the bytes the kernel holds for the connection (a send blocks only
-once the kernel's buffer, megabytes on a fast link, is full).
+A WebSocket send only waits once the kernel's send buffer is full, and Linux grows it to megabytes
+(a minute of agent audio) for a client that stopped reading. So the door counts the audio in its
+own queue and asks the kernel: /proc/net/tcp(6) lists each connection's `tx_queue`, bytes sent and
+not yet acknowledged (proc(5)). Elsewhere than Linux the door goes by its own queue alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from ..frame import FRAME_SECONDS
-from .send_queue import kernel_send_queue
 
 AUDIO_EVENTS = {"response.output_audio.delta", "response.audio.delta", "session.output_audio.delta"}
 AUDIO_EVENT_BYTES = 5300  # one audio delta as JSON: 80 ms of PCM16 in base64, with its ids
 CHECK_SECONDS = 1.0
+TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
 
 
 class Outbox:
@@ -60,15 +63,40 @@ class Outbox:
         await self._empty.wait()
 
     def client_stopped_reading(self, scope: dict[str, Any], limit_seconds: float) -> bool:
-        """Once a second: whether more than `limit_seconds` of agent audio wait for the client."""
+        """Once a second: whether more than `limit_seconds` of agent audio wait for the client,
+        queued here or held by the kernel."""
         now = time.monotonic()
         if now - self._checked_at < CHECK_SECONDS:
             return False
         self._checked_at = now
-        return self.unread_seconds(scope) > limit_seconds
-
-    def unread_seconds(self, scope: dict[str, Any]) -> float:
-        """Agent audio queued here or sent and not read: this queue, and what the kernel holds for
-        the connection (api/send_queue.py)."""
         kernel = kernel_send_queue(scope.get("server"), scope.get("client")) or 0
-        return (self.audio_frames + kernel / self.frame_bytes) * FRAME_SECONDS
+        return (self.audio_frames + kernel / self.frame_bytes) * FRAME_SECONDS > limit_seconds
+
+
+def proc_address(host: str, port: int) -> str:
+    """An address as /proc/net/tcp writes it: the address in 32-bit words of host byte order
+    (little-endian here), then the port, in upper-case hex."""
+    packed = ipaddress.ip_address(host.split("%")[0]).packed
+    words = "".join(packed[i:i + 4][::-1].hex() for i in range(0, len(packed), 4))
+    return f"{words.upper()}:{port:04X}"
+
+
+def kernel_send_queue(local: tuple[str, int] | None, remote: tuple[str, int] | None) -> int | None:
+    """Bytes queued in the kernel for the connection `local` -> `remote` (the ASGI scope's two
+    addresses); None if unknown."""
+    if local is None or remote is None:
+        return None
+    try:
+        ends = (proc_address(*local), proc_address(*remote))
+    except ValueError:  # not an IP address (a Unix socket, a test client)
+        return None
+    for table in TCP_TABLES:
+        try:
+            lines = table.read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 4 and (fields[1], fields[2]) == ends:
+                return int(fields[4].split(":")[0], 16)
+    return None

@@ -1,13 +1,10 @@
-"""One Realtime WebSocket (docs/realtime.md): the OpenAI Realtime protocol on an API socket
-(api/socket_base.py).
+"""One Realtime WebSocket (docs/realtime.md): the OpenAI Realtime protocol on an API socket.
 
-Agent frameworks configure a session in several steps before they are done (LiveKit sends the
-voice and formats in one `session.update`, the instructions in the next, then its context as
-items; pipecat its context and a `response.create`), and they stream audio from the start. So
-the call, whose voice and persona are played into the slot once, starts at the first
-`response.create`, or once the client has configured or sent audio and then changed nothing for
-`settle_seconds`. What the model cannot take later is kept and said without an `error`, since
-both frameworks treat an error as fatal or log it as one.
+Agent frameworks configure a session in several events (LiveKit: voice and formats, then the
+instructions, then context items) and stream audio from the start, while the voice and persona are
+played into the slot once. So the call starts at the first `response.create`, or once the client
+has configured or sent audio and then changed nothing for `settle_seconds`. What the model cannot
+take later is kept without an `error`: both frameworks treat an error as fatal or log it as one.
 """
 
 from __future__ import annotations
@@ -21,22 +18,12 @@ from starlette.websockets import WebSocket
 
 from ..serving.room import Room, SlotOutput
 from .access import BETA_SUBPROTOCOL
-from .audio_in import decode_pcm16
 from .client_events import ClientEvent, field, parse
 from .config import ApiConfig
 from .conversation import Conversation
 from .errors import RealtimeError
-from .server_events import error_event, event
-from .session import (
-    Dialect,
-    PromptRules,
-    SessionSettings,
-    apply_update,
-    check_persona,
-    join_persona,
-    new_id,
-    session_object,
-)
+from .server_events import error_event, event, new_id
+from .session import Dialect, PromptRules, SessionSettings, apply_update, check_persona, join_persona, session_object
 from .socket_base import ApiSocket
 from .socket_door import SocketDoor
 from .stats import DoorStats
@@ -101,12 +88,9 @@ class RealtimeSocket(ApiSocket):
             case "session.update":
                 self._update(ev)
             case "input_audio_buffer.append":
-                audio = field(ev, "audio", str)
+                self.feeder.append(field(ev, "audio", str), ev.event_id)  # before a call, one not PCM16 is refused
                 if self.call is None and not self.update_refused:
-                    decode_pcm16(audio, ev.event_id)  # a chunk that is not PCM16 is refused before a call starts
                     self._start_soon()
-                if self.feeder.append(audio, self.call, ev.event_id):
-                    self.feeder.feed(self.door_call)
             case "input_audio_buffer.clear":
                 self.feeder.audio.clear()
                 self.send(event("input_audio_buffer.cleared"))
@@ -178,11 +162,11 @@ class RealtimeSocket(ApiSocket):
 
     def _start_soon(self) -> None:
         if self._starter is None or self._starter.done():
-            self._starter = self._spawn(self._start_when_settled())
+            self._starter = self.spawn(self._start_when_settled())
 
     async def _start_when_settled(self) -> None:
         """Start the call once the client has changed nothing for `settle_seconds`."""
-        while self.call is None and not self._starting and not self._closing:
+        while self.call is None and not self._starting and not self.closing:
             wait = self._changed_at + self.config.settle_seconds - time.monotonic()
             if wait <= 0:
                 try:
@@ -197,7 +181,7 @@ class RealtimeSocket(ApiSocket):
             return
         self._starting = True
         try:
-            await self.start_call(self.settings.voice, self._persona(), self.settings.sampling, event_id)
+            await self.runner.start(self.settings.voice, self._persona(), self.settings.sampling, event_id)
         finally:
             self._starting = False
 

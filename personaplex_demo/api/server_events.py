@@ -31,8 +31,12 @@ _NAMES = {
 }
 
 
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
 def event(kind: str, **fields: Any) -> dict[str, Any]:
-    return {"type": kind, "event_id": f"event_{uuid.uuid4().hex[:20]}", **fields}
+    return {"type": kind, "event_id": new_id("event"), **fields}
 
 
 def error_event(err: RealtimeError) -> dict[str, Any]:

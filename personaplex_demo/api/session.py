@@ -1,13 +1,8 @@
-"""The session a socket configures with `session.update`, in either shape of the Realtime API:
-the current one (`session.type = "realtime"`, `audio.input.format`, `audio.output.voice`) and the
-beta one (`voice`, `input_audio_format: "pcm16"`). Every field, and what becomes of it, is listed
-in docs/realtime.md (§ Session).
-
-The voice, the persona (`instructions`) and the sampling settings are prefilled into a slot
-when the call starts, so they are fixed from then on: an update after the start keeps them and
-names them under `personaplex.locked` (no error: agent frameworks treat every error as fatal).
-The fields this model has no use for are ignored and named in the session object the door sends
-back.
+"""The session a socket configures with `session.update`, in either shape of the Realtime API (the
+current one and the beta one); every field and what becomes of it: docs/realtime.md § Session.
+The voice, persona and sampling are prefilled into a slot when the call starts, so an update after
+the start keeps them and names them under `personaplex.locked` (no error: agent frameworks treat
+every error as fatal).
 """
 
 from __future__ import annotations
@@ -15,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -73,15 +67,9 @@ class SessionSettings:
 
 def _check_format(fmt: Any, where: str, event_id: str | None) -> None:
     """Only 16-bit PCM at 24 kHz: the model's own rate, so nothing is resampled on the way."""
-    if fmt is None:
-        return
-    if isinstance(fmt, str):  # the beta shape
-        ok = fmt == "pcm16"
-    elif isinstance(fmt, dict):  # the current shape: {"type": "audio/pcm", "rate": 24000}
-        ok = fmt.get("type", "audio/pcm") == "audio/pcm" and fmt.get("rate", SAMPLE_RATE) == SAMPLE_RATE
-    else:
-        ok = False
-    if not ok:
+    # None (unchanged), the beta shape, or the current one: {"type": "audio/pcm", "rate": 24000}
+    if not (fmt is None or fmt == "pcm16" or isinstance(fmt, dict) and fmt.get("type", "audio/pcm") == "audio/pcm"
+            and fmt.get("rate", SAMPLE_RATE) == SAMPLE_RATE):
         raise RealtimeError(e.UNSUPPORTED_AUDIO_FORMAT, f"{where} {fmt!r} is not supported: this server takes and "
                             f"sends 16-bit PCM, 24 kHz mono only (\"pcm16\", or {{\"type\": \"audio/pcm\", \"rate\": "
                             f"{SAMPLE_RATE}}}); G.711 and other rates are refused", param=f"session.{where}",
@@ -219,9 +207,8 @@ def session_object(settings: SessionSettings, dialect: Dialect, session_id: str,
 
 
 def turn_detection(settings: SessionSettings) -> dict[str, Any] | None:
-    """The session's turn detection as the Realtime API describes server VAD: the speech events
-    come from a voice-activity detector on the caller's audio (api/speech_detector.py), and the
-    model itself answers and yields (so responses are created, and interrupted, without a request)."""
+    """As the Realtime API describes server VAD: the speech events come from api/speech_detector.py,
+    and the model itself answers and yields (responses are created and interrupted without a request)."""
     if not settings.speech_events:
         return None
     vad = SpeechConfig()
@@ -230,11 +217,6 @@ def turn_detection(settings: SessionSettings) -> dict[str, Any] | None:
             "interrupt_response": True}
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:20]}"
-
-
 def join_persona(persona: str, *texts: str) -> str:
-    """The persona with more instruction text after it, a line each: what a system or developer
-    message given before the call starts becomes (the model's only text input is its prompt)."""
+    """The persona with more instruction text after it, a line each (the model's only text input is its prompt)."""
     return "\n".join(part.strip() for part in (persona, *texts) if part.strip())

@@ -1,17 +1,12 @@
-"""What every API socket does, whatever protocol it speaks (the Realtime API's, api/realtime_socket.py;
-GPT-Live's, api/live_socket.py): client events in, one call in the room, server events out.
-Three tasks share the socket, all on the server's event loop, none blocking it:
+"""What every API socket does, whatever protocol it speaks: client events in, one call in the room,
+server events out, all on the server's event loop and none of it blocking it.
 
-- the reader takes client events one at a time and answers each (or sends an `error`);
-- the call's runner waits for a slot (telling the client its place when it asked for room
-  events), then reads the agent's frames, hands each to the protocol (`on_frame`) and hands the
-  room the client's audio at the room's own pace (api/feeder.py);
-- the writer sends what the other two queued, and a client that stops reading is disconnected
-  once `send_backlog_seconds` of audio wait for it.
-
+`ApiSocket` is the socket: a reader answers each client event (or sends an `error`), a writer sends
+what was queued and disconnects a client that leaves `send_backlog_seconds` of audio unread. A
+protocol subclass says how events are read (`parse`, `handle`) and written (`error_event`,
+`on_frame`, `on_ended`). `SocketCall` is its call: placed, waited for, then the agent's frames
+handed to the protocol and the client's audio to the room at the room's pace (api/feeder.py).
 The call is released when the socket closes for any reason, so a slot never outlives its socket.
-A protocol subclass says how events are read (`parse`, `handle`) and written (`error_event`,
-`on_frame`, `on_ended`); the rest is here.
 """
 
 from __future__ import annotations
@@ -33,8 +28,7 @@ from .config import ApiConfig
 from .errors import RealtimeError
 from .feeder import Feeder
 from .outbox import Outbox
-from .server_events import event
-from .session import new_id
+from .server_events import event, new_id
 from .speech_detector import SpeechConfig, SpeechEvents
 from .stats import DoorStats
 
@@ -45,6 +39,9 @@ CLOSE_SECONDS = 2.0  # for the last events to leave and the close handshake, bef
 # The WebSocket close code a call's end comes with (the words are the room's: serving/room.py).
 CLOSE_CODES = {EndReason.TIME_LIMIT: 1000, EndReason.IDLE: 1000, EndReason.QUEUE_TIMEOUT: 1013,
                EndReason.OVERLOADED: 1013, EndReason.SHUTDOWN: 1001, EndReason.NOT_READING: 1008}
+# The close codes of bad input (RFC 6455): data of a kind not taken, data that cannot be read, a
+# request or pace refused.
+UNSUPPORTED_DATA, INVALID_DATA, POLICY = 1003, 1007, 1008
 
 
 class ApiSocket:
@@ -55,23 +52,23 @@ class ApiSocket:
 
     def __init__(self, ws: WebSocket, room: Room, config: ApiConfig, stats: DoorStats, door: str,
                  speech: bool = True) -> None:
-        self.ws, self.room, self.config, self.stats = ws, room, config, stats
+        self.ws, self.config, self.stats = ws, config, stats
         self.session_id = new_id("sess")
-        self.door_call = DoorCall(room, door)
-        # When the caller speaks, for a protocol that tells its client (`speech`): the detector
-        # hears each frame the feeder hands the room.
-        self.speech = SpeechEvents(config.speech if speech else SpeechConfig(enabled=False), self.on_speech)
-        self.feeder = Feeder(config, self.speech.hear)
+        self.runner = SocketCall(self, room, door, config.speech if speech else SpeechConfig(enabled=False))
+        self.door_call, self.feeder = self.runner.door_call, self.runner.feeder
         self.outbox = Outbox()
-        self.frames_out = 0
         self.room_events = False  # personaplex.* events (queue, live, ended): clients that know them opt in
+        self.closing = False
         self._tasks: set[asyncio.Task] = set()
         self._reader: asyncio.Task | None = None
-        self._closing = False
 
     @property
     def call(self) -> CallHandle | None:
         return self.door_call.call
+
+    @property
+    def frames_out(self) -> int:
+        return self.runner.frames_out
 
     # ---- what a protocol says ------------------------------------------------------------------
 
@@ -97,8 +94,7 @@ class ApiSocket:
         """The caller started ("started") or stopped ("stopped") speaking, `ms` into the audio heard."""
 
     async def on_ended(self, reason: str) -> None:
-        """The room ended the call (or the caller hung up): say so (`tell_ended`) and close with
-        the end's code and words."""
+        """The room ended the call (or the caller hung up): say so and close with the end's code and words."""
         if reason == EndReason.HANGUP:
             await self.close(1000, "hang-up")
             return
@@ -107,26 +103,28 @@ class ApiSocket:
         await self.close(CLOSE_CODES.get(reason, 1011), message)
 
     def tell_ended(self, reason: str, message: str) -> None:
-        """The protocol's word for a call the room ended: room news to a client that asked for it,
-        else an `error` with code call_ended."""
+        """Room news to a client that asked for it, else an `error` with code call_ended."""
         if self.room_events:
             self.room_event("call_ended", reason=reason, message=message)
         else:
             self.error(RealtimeError(e.CALL_ENDED, f"the call ended ({reason}): {message}", kind="server_error"))
+
+    def refusal(self, reason: str) -> bytes | None:
+        """The protocol's message for a refusal before the close, if it has one."""
+        return None
 
     # ---- the socket's life ---------------------------------------------------------------------
 
     async def run(self) -> None:
         """Serve the socket until it closes (the door counts it open and closed)."""
         self.opened()
-        self._spawn(self._write())
-        self._spawn(self._expect_a_call())
+        self.spawn(self._write())
+        self.spawn(self._expect_a_call())
         self._reader = asyncio.create_task(self._read())
         try:
             await asyncio.wait({self._reader})
         finally:
-            self.door_call.hang_up()  # idempotent: a call that ended keeps its reason
-            self.speech.close()
+            self.runner.release()
             for task in [self._reader, *self._tasks]:
                 task.cancel()
             log.info("%s %s closed: %d frames in, %d out", self.protocol, self.session_id, self.feeder.frames_in,
@@ -161,8 +159,7 @@ class ApiSocket:
                 self._reader.cancel()
 
     async def _expect_a_call(self) -> None:
-        """A socket that has not started a call within `start_timeout_seconds` is closed: an open
-        socket holds a place in its client's socket limit."""
+        """An open socket holds a place in its client's socket limit: one that starts no call is closed."""
         await asyncio.sleep(self.config.start_timeout_seconds)
         if self.call is None:
             self.error(RealtimeError(e.NO_SESSION, f"no call was started within {self.config.start_timeout_seconds:g}"
@@ -171,9 +168,9 @@ class ApiSocket:
 
     async def close(self, code: int, reason: str) -> None:
         """Send what is queued (briefly), close the socket, stop reading."""
-        if self._closing:
+        if self.closing:
             return
-        self._closing = True
+        self.closing = True
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.outbox.drained(), CLOSE_SECONDS)
         with contextlib.suppress(Exception):
@@ -182,12 +179,15 @@ class ApiSocket:
             self._reader.cancel()
 
     def send(self, ev: dict[str, Any] | str | bytes, audio: bool = False) -> None:
-        if not self._closing:
+        if not self.closing:
             self.outbox.put(ev, audio)
 
     def send_all(self, events: list[dict[str, Any]]) -> None:
         for ev in events:
             self.send(ev)
+
+    def stopped_reading(self) -> bool:
+        return self.outbox.client_stopped_reading(self.ws.scope, self.config.send_backlog_seconds)
 
     async def refuse(self, code: int, reason: str) -> None:
         """Bad input that ends the call: counted, said in the protocol's words (`refusal`), the call
@@ -199,10 +199,6 @@ class ApiSocket:
         self.door_call.hang_up()
         await self.close(code, reason)
 
-    def refusal(self, reason: str) -> bytes | None:
-        """The protocol's message for a refusal before the close, if it has one."""
-        return None
-
     def error(self, err: RealtimeError) -> None:
         self.stats.error(err.code)
         log.info("%s %s: %s", self.protocol, self.session_id, err)
@@ -212,28 +208,45 @@ class ApiSocket:
         if self.room_events:
             self.send(event(f"personaplex.{kind}", **fields))
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def spawn(self, coro) -> asyncio.Task:
+        """A task of this socket's, cancelled when it closes."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    # ---- the call ------------------------------------------------------------------------------
 
-    async def start_call(self, voice: str, persona: str, sampling: SamplingParams, event_id: str | None) -> bool:
+class SocketCall:
+    """The call behind one API socket: placed in the room, its wait told (room events), then the
+    agent's frames handed to the socket's protocol and the client's audio fed at the room's pace."""
+
+    def __init__(self, socket: ApiSocket, room: Room, door: str, speech: SpeechConfig) -> None:
+        self.socket = socket
+        self.door_call = DoorCall(room, door)
+        self.speech = SpeechEvents(speech, socket.on_speech)  # hears each frame the feeder hands the room
+        self.feeder = Feeder(socket.config, self.door_call, self.speech.hear)
+        self.frames_out = 0
+
+    def release(self) -> None:
+        """The socket closed: the call goes with it (a call that ended keeps its reason)."""
+        self.door_call.hang_up()
+        self.speech.close()
+
+    async def start(self, voice: str, persona: str, sampling: SamplingParams, event_id: str | None) -> bool:
         """Ask the room for the call; True once it holds one (seated or queued). A refusal is the
         client's error: raised for a bad request, sent (and the socket closed) otherwise."""
+        socket = self.socket
         refusal = await self.door_call.start(voice, persona, sampling)
         if refusal is not None:
             await self._refused(refusal, event_id)
             return False
         call = self.door_call.call
-        if self._closing:  # the socket went while the room placed the call
+        if socket.closing:  # the socket went while the room placed the call
             self.door_call.hang_up()
             return False
-        log.info("%s %s: call %s (%s), voice %s, persona %r", self.protocol, self.session_id, call.id, call.state,
+        log.info("%s %s: call %s (%s), voice %s, persona %r", socket.protocol, socket.session_id, call.id, call.state,
                  voice, persona if len(persona) <= 200 else persona[:200] + "…")
-        self._spawn(self._run_call(call))
+        socket.spawn(self._run(call))
         return True
 
     async def _refused(self, refusal: Refusal, event_id: str | None) -> None:
@@ -243,57 +256,58 @@ class ApiSocket:
                     e.PERSONA_TOO_LONG if isinstance(exc, PersonaTooLongError) else e.INVALID_FIELD)
             raise RealtimeError(code, str(exc), param="session", event_id=event_id)
         if refusal.kind == RefusalKind.FULL:
-            self.error(RealtimeError(e.ROOM_FULL, f"the room is full and its queue too ({exc}); try again in a "
-                                     "minute", event_id=event_id, kind="server_error"))
-            await self.close(1013, "the room is full")
+            self.socket.error(RealtimeError(e.ROOM_FULL, f"the room is full and its queue too ({exc}); try again in "
+                                            "a minute", event_id=event_id, kind="server_error"))
+            await self.socket.close(1013, "the room is full")
         else:
-            self.error(RealtimeError(e.ROOM_CLOSED, f"the room is not taking calls: {exc}", event_id=event_id,
-                                     kind="server_error"))
-            await self.close(1001, "the room is closed")
+            self.socket.error(RealtimeError(e.ROOM_CLOSED, f"the room is not taking calls: {exc}", event_id=event_id,
+                                            kind="server_error"))
+            await self.socket.close(1001, "the room is closed")
 
-    async def _run_call(self, call: CallHandle) -> None:
+    async def _run(self, call: CallHandle) -> None:
+        socket = self.socket
         try:
             event = await self._wait_for_live()
             if event is None:
                 return
-            self.room_event("live", call_id=call.id, time_left=call.time_left())
-            self.on_live(call)
+            socket.room_event("live", call_id=call.id, time_left=call.time_left())
+            socket.on_live(call)
             self.feeder.live()
-            self.feeder.feed(self.door_call)
+            self.feeder.feed()
             while True:
                 match event if isinstance(event, Frame) else await self.door_call.next_event(0.25):
                     case Frame(out=out):
                         self.feeder.answered()
                         self.frames_out += 1
-                        self.on_frame(out)
+                        socket.on_frame(out)
                     case Ended(reason=reason):
-                        await self.on_ended(reason)
+                        await socket.on_ended(reason)
                         return
                 event = None
-                self.feeder.feed(self.door_call)
-                if self.outbox.client_stopped_reading(self.ws.scope, self.config.send_backlog_seconds):
-                    log.warning("%s %s: the client stopped reading; closing", self.protocol, self.session_id)
+                self.feeder.feed()
+                if socket.stopped_reading():
+                    log.warning("%s %s: the client stopped reading; closing", socket.protocol, socket.session_id)
                     self.door_call.hang_up(EndReason.NOT_READING)
-                    self.stats.error("client_not_reading")
-                    await self.close(1008, "the client stopped reading its audio")
+                    socket.stats.error("client_not_reading")
+                    await socket.close(1008, "the client stopped reading its audio")
                     return
         except Exception as exc:
-            log.exception("%s %s: the call's runner failed", self.protocol, self.session_id)
-            self.door_call.hang_up(EndReason.error(f"{self.protocol} door: {type(exc).__name__}"))
-            await self.close(1011, "the server failed on this call")
+            log.exception("%s %s: the call's runner failed", socket.protocol, socket.session_id)
+            self.door_call.hang_up(EndReason.error(f"{socket.protocol} door: {type(exc).__name__}"))
+            await socket.close(1011, "the server failed on this call")
 
     async def _wait_for_live(self) -> Live | Frame | None:
-        """Tell the client (with room events on) its place in the queue and when it is being
-        prepared, until the call is live (a frame before the news of it counts: the call went
-        live and ended at once); None when it ended first."""
+        """Tell the client its place in the queue and when it is being prepared, until the call is
+        live (a frame before the news of it counts: the call went live and ended at once); None
+        when it ended first."""
         while True:
             match event := await self.door_call.next_event(1.0):
                 case Queued(position=position, reason=reason):
-                    self.room_event("queue", position=position, reason=reason)
+                    self.socket.room_event("queue", position=position, reason=reason)
                 case Preparing():
-                    self.room_event("preparing")
+                    self.socket.room_event("preparing")
                 case Live() | Frame():
                     return event
                 case Ended(reason=reason):
-                    await self.on_ended(reason)
+                    await self.socket.on_ended(reason)
                     return None

@@ -1,7 +1,5 @@
-"""What the table of API doors (api/doors.py) knows of one door: its path and words, who may
-open it, what it checks before a socket is accepted, the protocol that serves an accepted
-socket, and its figures. A door is its module (a `SocketDoor` and its socket's protocol) and
-its line in the table; nothing else names it.
+"""What the table of API doors (api/doors.py) knows of one door: its path and words, who may open
+it, what it checks before a socket is accepted, and the protocol that serves an accepted socket.
 """
 
 from __future__ import annotations

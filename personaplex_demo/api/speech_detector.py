@@ -1,12 +1,7 @@
-"""When the caller speaks: silero-vad on the audio the model hears, for the events that tell a
-socket's client so (the Realtime door's `input_audio_buffer.speech_started` / `speech_stopped`,
-docs/realtime.md § Speech events).
-
-Agent frameworks use them to know the user is talking (a barge-in, turn tracking); the model needs
-none of it, it hears the caller all the time. So the detector runs beside the call and never in
-the engine's tick, nor on the event loop: one worker thread of the process runs every socket's
-detector, a socket's frames go to it in order, and what it finds comes back to the event loop.
-silero-vad ships its model inside its wheel (a 2 MB TorchScript file), so nothing is downloaded.
+"""When the caller speaks: silero-vad on the audio the model hears, for the Realtime door's
+`input_audio_buffer.speech_started` / `speech_stopped` (docs/realtime.md § Speech events). The model
+needs none of it, so it runs beside the call, never in the engine's tick nor on the event loop: one
+worker thread runs every socket's detector. silero-vad ships its model in its wheel: nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -112,7 +107,6 @@ class SpeechEvents:
     and `emit(kind, ms)` is called on the loop for each start and stop, in order."""
 
     def __init__(self, config: SpeechConfig, emit: Callable[[str, int], None]) -> None:
-        self.config = config
         self._emit = emit
         self._detector = SpeechDetector(config)
         self._pending: list[np.ndarray] = []

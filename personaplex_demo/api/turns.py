@@ -1,17 +1,8 @@
 """How a continuous full-duplex stream becomes the Realtime API's responses
-(docs/realtime.md § Turns and responses).
-
-The model speaks or stays silent every 80 ms; an agent framework waits for responses. One
-response is one agent turn: it opens at the first frame in which the agent speaks (a text piece,
-or audio louder than `speech_dbfs`) and closes after `turn_end_seconds` without either. The
-frames of a turn, its short pauses included, go out as audio deltas; the silence between turns
-is not sent (a client that plays deltas as they come hears the same). `response.create` opens a
-response at once (a framework that asked for a reply sees it begin), and it waits up to
-`REQUESTED_WAIT_SECONDS` for the agent to speak; one that comes while a response is open
-completes it and opens the next, so the client's request always gets its own response (LiveKit
-waits for the one that echoes its metadata). `response.cancel`, a truncation of the open
-response's item, or the caller starting to speak end the open response as cancelled: the model
-heard the caller and decides itself whether to go on, and what it says next is a new response.
+(docs/realtime.md § Turns and responses): one response is one agent turn, opened at the first frame
+in which the agent speaks and closed after `turn_end_seconds` without speech; the silence between
+turns is not sent. `response.create` opens one at once (completing an open one, so each request gets
+its own: LiveKit waits for the one that echoes its metadata) and waits up to `REQUESTED_WAIT_SECONDS`.
 """
 
 from __future__ import annotations
@@ -23,8 +14,8 @@ import numpy as np
 
 from ..frame import FRAME_SECONDS, frame_dbfs
 from .conversation import Conversation
-from .server_events import ResponseEvents
-from .session import Dialect, new_id
+from .server_events import ResponseEvents, new_id
+from .session import Dialect
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +36,6 @@ class TurnTracker:
         self.end_frames = max(1, round(turn_end_seconds / FRAME_SECONDS))
         self.speech_dbfs = speech_dbfs
         self.current: ResponseEvents | None = None
-        self.responses = 0
         self._transcript: list[str] = []
         self._frames = 0
         self._quiet = 0  # frames since the agent last spoke
@@ -96,7 +86,6 @@ class TurnTracker:
 
     def _open(self, metadata: Any) -> list[dict[str, Any]]:
         self.current = ResponseEvents(self.dialect, new_id("resp"), new_id("item"), metadata)
-        self.responses += 1
         self._transcript, self._frames, self._spoke = [], 0, False
         return self.current.opening(self.conversation.add(self.current.item_id))
 

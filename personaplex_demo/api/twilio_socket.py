@@ -1,23 +1,11 @@
-"""The phone door: Twilio Media Streams into the room (docs/phone.md), so that a phone number
-takes as many simultaneous callers as the room has slots.
+"""The phone door: Twilio Media Streams into the room, so that a phone number takes as many
+simultaneous callers as the room has slots (docs/phone.md § What happens on a call).
 
-A call to the number reaches the voice webhook (`POST /telephony/twilio`). Its
-`X-Twilio-Signature` is checked with the account's auth token by the `twilio` package's own
-validator, over the public URL Twilio called (rebuilt from the forwarded headers a Space or a
-proxy sets); the query chooses the voice and the persona (`?voice=NATM1&preset=...` or
-`&persona=...`, so each number's webhook URL can name its own), checked as the page checks them.
-The answer is TwiML that connects the call to the stream socket, whose URL carries a one-time
-ticket: only a call that came through a signed webhook reaches a slot, and only once. The call's
-settings stay here with the ticket (Twilio limits the size of a stream's parameters; the TwiML
-names the voice and the preset only) and travel with the socket to the process that serves it.
-
-The stream socket speaks Twilio's events (`connected`, `start`, `media` every 20 ms, `mark`,
-`dtmf`, `stop`). The caller's mu-law 8 kHz audio is decoded and resampled to the room's 24 kHz
-(PyAV's `pcm_mulaw` codec and its stateful resampler) and handed to the call at the room's pace
-(api/feeder.py); the agent's frames go back the same way, as 20 ms `media` events, as soon as the
-room makes them. A caller who waits for a slot hears a soft tone, paced in real time; `stop` or a
-dropped socket frees the slot at once; a call the room ends is hung up (Twilio moves past the
-`<Connect>`, and the TwiML has nothing after it).
+A signed voice webhook (`POST /telephony/twilio`, its query naming the voice and persona) is
+answered with TwiML that connects the call to a stream socket whose URL carries a one-time ticket:
+only a call that came through a signed webhook reaches a slot, and only once. The call's settings
+stay here with the ticket (Twilio limits a stream's parameters) and travel with the socket to the
+process that serves it.
 """
 
 from __future__ import annotations
@@ -54,7 +42,7 @@ from .client_events import ClientEvent
 from .config import ApiConfig
 from .errors import RealtimeError
 from .session import check_persona
-from .socket_base import ApiSocket
+from .socket_base import INVALID_DATA, POLICY, UNSUPPORTED_DATA, ApiSocket
 from .socket_door import Doors, SocketDoor, deny
 from .stats import DoorStats
 
@@ -66,9 +54,6 @@ PHONE_RATE = 8000  # Twilio Media Streams: audio/x-mulaw, 8 kHz, one channel, bo
 CHUNK_BYTES = PHONE_RATE // 50  # 20 ms of mu-law, the size Twilio sends
 MAX_PAYLOAD_BYTES = 2 * PHONE_RATE  # 2 s of mu-law in one media event: far past anything Twilio sends
 HOLD_STEP_SECONDS = 0.08  # a waiting caller's tone goes out in steps of this much audio
-# The close codes (RFC 6455): a message that is not Twilio's JSON, a payload that is not audio,
-# events out of order.
-UNSUPPORTED_DATA, INVALID_DATA, POLICY = 1003, 1007, 1008
 
 
 @dataclass(frozen=True)
@@ -88,8 +73,7 @@ class PhoneCall:
 
 
 class Tickets:
-    """One-time stream tickets: the webhook issues one per call, with its settings; the stream
-    socket's upgrade takes it. Unused ones lapse after `seconds`. Thread-safe."""
+    """One-time stream tickets, each with its call's settings; unused ones lapse after `seconds`. Thread-safe."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -111,9 +95,8 @@ class Tickets:
 
 
 def public_url(request: Request) -> str:
-    """The URL Twilio requested, as it signed it: behind a proxy (a Space) the scheme and host it
-    was sent to come in X-Forwarded-Proto and X-Forwarded-Host. Trusting them costs nothing here:
-    a signature is only valid with the account's secret token."""
+    """The URL Twilio requested, as it signed it: behind a proxy (a Space) the scheme and host come in
+    X-Forwarded-Proto and X-Forwarded-Host. Trusting them costs nothing: only the account's token signs."""
     headers = request.headers
     scheme = headers.get("x-forwarded-proto", request.url.scheme).split(",")[0].strip()
     host = headers.get("x-forwarded-host", headers.get("host", request.url.netloc)).split(",")[0].strip()
@@ -214,8 +197,7 @@ class TwilioDoor(SocketDoor):
 
 @functools.cache
 def hold_tone(seconds: float = 2.0) -> bytes:
-    """A waiting caller's sound, made once for every caller: a soft 440 Hz note of half a second,
-    faded in and out, then quiet, every `seconds`; mu-law at the phone's rate."""
+    """A waiting caller's sound, made once: a soft 440 Hz note of half a second, then quiet, every `seconds`."""
     t = np.arange(int(PHONE_RATE * 0.5)) / PHONE_RATE
     note = np.sin(2 * np.pi * 440 * t) * np.sin(np.pi * t / 0.5) * 0.1
     cycle = np.zeros(int(PHONE_RATE * seconds))
@@ -224,8 +206,8 @@ def hold_tone(seconds: float = 2.0) -> bytes:
 
 
 class PhoneAudio:
-    """mu-law 8 kHz to the room's int16 24 kHz and back, with PyAV's codec and stateful resamplers
-    (one of each way per call, so no sample is lost between chunks)."""
+    """mu-law 8 kHz to the room's int16 24 kHz and back (stateful resamplers, one each way per call,
+    so no sample is lost between chunks)."""
 
     def __init__(self) -> None:
         self._decoder = av.CodecContext.create("pcm_mulaw", "r")
@@ -315,7 +297,7 @@ class TwilioSocket(ApiSocket):
             return
         self.stream_sid, self.call_sid = start["streamSid"], str(start.get("callSid") or "?")
         try:
-            await self.start_call(self.phone_call.voice, self.phone_call.persona, SamplingParams(), None)
+            await self.runner.start(self.phone_call.voice, self.phone_call.persona, SamplingParams(), None)
         except RealtimeError as err:  # the webhook checked both; the room refused them all the same
             await self.refuse(POLICY, err.message)
 
@@ -336,8 +318,7 @@ class TwilioSocket(ApiSocket):
             return
         if self.call is None or self.call.state != CallState.LIVE:
             return  # not heard yet: a waiting caller costs no decoding
-        if self.feeder.append_pcm(self.audio.heard(mulaw), self.call):
-            self.feeder.feed(self.door_call)
+        self.feeder.append_pcm(self.audio.heard(mulaw))
 
     def error(self, err: RealtimeError) -> None:
         """Twilio's protocol has no error message: counted and logged only."""
@@ -345,14 +326,13 @@ class TwilioSocket(ApiSocket):
         log.info("phone %s: %s", self.session_id, err)
 
     def room_event(self, kind: str, **fields: Any) -> None:
-        """The room's news, as marks in the outgoing audio (Twilio names each back once the caller
-        has heard up to it): `queue-<place>` while waiting, with the hold tone; `live` where the
-        agent's audio starts."""
+        """The room's news, as marks in the outgoing audio (Twilio names each back once the caller has
+        heard up to it): `queue-<place>` while waiting, with the hold tone; `live` where the agent starts."""
         if kind == "queue":
             self._mark(f"queue-{fields.get('position')}")
             if self._hold is None:
                 log.info("phone %s: waiting, place %s", self.session_id, fields.get("position"))
-                self._hold = self._spawn(self._play_hold_tone())
+                self._hold = self.spawn(self._play_hold_tone())
         elif kind in ("preparing", "live"):
             if self._hold is not None:
                 self._hold.cancel()
