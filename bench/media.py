@@ -62,7 +62,7 @@ from bench.common import (  # noqa: E402
     md_table,
     replace_section,
 )
-from personaplex_demo.web import mic_hold  # noqa: E402
+from tests.callers import follow_mic_hold  # noqa: E402
 
 log = logging.getLogger("bench.media")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -272,7 +272,7 @@ class PageCaller:
 
     async def on_message(self, message: str) -> None:
         kind = json.loads(message).get("type")
-        self.held_mic = mic_hold.follow(message, self.pc, self.held_mic)  # no audio while the call waits
+        self.held_mic = follow_mic_hold(message, self.pc, self.held_mic)  # no audio while the call waits
         if kind == "send_input":
             await self.join(self.events.tick, [self.webrtc_id, *self.args])
         elif kind == "fetch_output" and not self.relay_running:

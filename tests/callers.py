@@ -18,6 +18,7 @@ import fractions
 import json
 import time
 import uuid
+from typing import Any
 
 import httpx
 import numpy as np
@@ -27,6 +28,27 @@ from av import AudioFrame
 from gradio_client.utils import apply_diff
 
 from personaplex_demo.web import mic_hold
+
+
+def follow_mic_hold(message: str, pc: Any, held: Any) -> Any:
+    """What a client peer does with a data-channel `message`, as the page's script (web/mic_hold.py) does:
+    on HOLD take the microphone off `pc`'s audio sender, on SEND put `held` back; returns the microphone
+    held now (None: none). For Python peers (aiortc), whose senders take `replaceTrack(None)`."""
+    try:
+        msg = json.loads(message) if message.startswith("{") else {}
+    except ValueError:
+        return held
+    data = msg.get("data") if msg.get("type") == "log" else None
+    sender = next((s for s in pc.getSenders() if s.kind == "audio"), None)
+    if sender is None:
+        return held
+    if data == mic_hold.HOLD and sender.track is not None:
+        held = sender.track
+        sender.replaceTrack(None)
+    elif data == mic_hold.SEND and held is not None:
+        sender.replaceTrack(held)
+        held = None
+    return held
 
 
 async def wait_all_free(pool, seconds: float = 3.0) -> None:
@@ -127,7 +149,7 @@ class Caller:
         @channel.on("message")
         def on_message(msg):
             self.messages.append(msg)
-            self.held_mic = mic_hold.follow(msg, self.pc, self.held_mic)
+            self.held_mic = follow_mic_hold(msg, self.pc, self.held_mic)
             self.on_message(msg)
 
         @self.pc.on("track")

@@ -16,10 +16,20 @@ from personaplex_demo.rtc.audio import (
     make_encoder_class,
     make_jitter_buffer_class,
     output_frame_samples,
-    packet_time,
     with_packet_time,
 )
 from personaplex_demo.rtc.patches import install_jitter_buffer, install_packet_encoder
+
+
+def packet_time(sdp: str) -> int | None:
+    """The `a=ptime` of the first audio section, or None."""
+    audio = False
+    for line in sdp.split("\r\n"):
+        if line.startswith("m="):
+            audio = line.startswith("m=audio")
+        elif audio and line.startswith("a=ptime:"):
+            return int(line.split(":", 1)[1])
+    return None
 
 
 def test_packets_carry_40_ms_and_decode_to_the_same_tone():

@@ -1,11 +1,6 @@
-"""Audio on the wire in 40 ms Opus packets instead of WebRTC's usual 20 ms, both ways, in mono,
-encoded and decoded on the event loop, with nothing held on the way that need not be: the
-answer's `a=ptime:40` (`with_packet_time`), `PacketOpusEncoder` (libopus at the frames' own
-rate), `ArrivalJitterBuffer` (each packet released as it arrives), `PacedAudioCallback` (packets
-40 ms apart, no anchor that a late first frame sets), `make_inline_encoding` and
-`make_loop_decoder_worker` (no thread hop per packet) and `audio_level_dbov` (aiortc's RTP audio
-level, by numpy); rtc/patches.py puts them in place. Why each, and what it measured:
-docs/design-notes.md § 40 ms audio packets (and the section after it, on Opus on the event
+"""Audio on the wire in 40 ms mono Opus packets both ways, encoded and decoded on the event loop, with
+nothing held on the way that need not be; rtc/patches.py puts these pieces in place. Why each, and what
+it measured: docs/design-notes.md § 40 ms audio packets (and the next section, on Opus on the event
 loop), and docs/design-notes.md § Nothing held on the media path.
 """
 
@@ -48,17 +43,6 @@ def with_packet_time(sdp: str, ms: int = PACKET_MS) -> str:
     return "\r\n".join(out)
 
 
-def packet_time(sdp: str) -> int | None:
-    """The `a=ptime` of the first audio section, or None."""
-    audio = False
-    for line in sdp.split("\r\n"):
-        if line.startswith("m="):
-            audio = line.startswith("m=audio")
-        elif audio and line.startswith("a=ptime:"):
-            return int(line.split(":", 1)[1])
-    return None
-
-
 def answering_with_packet_time(handle_offer):
     """Wrap fastrtc's `handle_offer` so that its SDP answers ask for `PACKET_MS` packets."""
 
@@ -78,9 +62,8 @@ def make_encoder_class():
     from av import AudioFifo, AudioResampler, CodecContext
 
     class PacketOpusEncoder(OpusEncoder):
-        """aiortc's Opus encoder with `PACKET_MS` mono packets, encoding at the frames' own rate so
-        that nothing waits in a resampler (the module docstring). Frames at a rate libopus does
-        not take are resampled to 48 kHz, with no fixed frame size either."""
+        """aiortc's Opus encoder with `PACKET_MS` mono packets, encoding at the frames' own rate so that
+        nothing waits in a resampler; other rates are resampled to 48 kHz, with no fixed frame size."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -92,8 +75,7 @@ def make_encoder_class():
         def _open(self, frame) -> None:
             rate = frame.sample_rate if frame.sample_rate in OPUS_INPUT_RATES else OPUS_RATE
             codec = CodecContext.create("libopus", "w")
-            # Mono: the agent speaks in one channel, and fastrtc's two are copies of it (a third
-            # less encoding work per packet than stereo; every Opus decoder plays it).
+            # Mono: fastrtc's two channels are copies of one (a third less encoding work than stereo).
             codec.bit_rate, codec.format, codec.layout, codec.sample_rate = self.codec.bit_rate, "s16", "mono", rate
             codec.time_base = fractions.Fraction(1, rate)
             codec.options = {"application": "voip", "frame_duration": str(PACKET_MS)}
@@ -122,14 +104,9 @@ def make_encoder_class():
 
 
 def make_inline_encoding():
-    """aiortc's `RTCRtpSender._next_encoded_frame`, with an audio frame encoded on the event loop.
-
-    aiortc hands every frame to a thread-pool executor to encode and back (and keeps its own
-    Opus encoder for that reason off the loop). A 40 ms mono Opus packet takes libopus about
-    0.2 ms, less than the hop itself costs (the executor's queue, a thread's wake-up, the future
-    handed back through the loop's self-pipe): encoded in place, a packet costs the process less
-    and waits for no thread. Video frames, which take longer, still go to the executor. The rest
-    is aiortc 1.16's own, step for step."""
+    """aiortc 1.16's `RTCRtpSender._next_encoded_frame`, step for step, except that an audio frame is
+    encoded on the event loop: a 40 ms packet takes libopus less time than the executor's thread hop.
+    Video frames still go to the executor."""
     from aiortc import rtcrtpsender as sender
     from aiortc import rtp
     from aiortc.rtcrtpsender import RTCEncodedFrame
@@ -162,9 +139,8 @@ def make_inline_encoding():
 
 
 class LoopDecoding:
-    """One audio receiver's packets decoded on the event loop (`make_loop_decoder_worker`):
-    `install` (on the loop) takes over the receiver's queue, whose `put` then decodes each packet
-    in place and hands its frames straight to the track's queue."""
+    """One audio receiver's packets decoded on the event loop: `install` takes over the receiver's
+    queue, whose `put` then decodes each packet in place and hands its frames to the track's queue."""
 
     def __init__(self, input_q, output_q, decode_error) -> None:
         self.input_q, self.output_q, self.decode_error = input_q, output_q, decode_error
@@ -215,15 +191,9 @@ def _decoder(codec):
 
 
 def make_loop_decoder_worker():
-    """In place of aiortc's `decoder_worker` (the thread each receiver starts): an audio
-    receiver's packets decoded on the event loop, as each one arrives, into mono.
-
-    aiortc decodes in a thread per receiver: each packet goes through a `queue.Queue` to it
-    and each decoded frame back to the loop as a coroutine (`run_coroutine_threadsafe`), two
-    thread hops per 40 ms packet, each costing more than decoding the packet (about 0.05 ms).
-    Here the thread only hands the receiver's queue to the loop (`LoopDecoding`) and ends. Opus
-    is decoded to mono (the caller's one microphone; the room takes mono), which spares the
-    resampler a downmix. Video receivers keep aiortc's thread."""
+    """In place of aiortc's `decoder_worker` (a thread per receiver, two thread hops per packet, each
+    dearer than decoding it): the thread only hands an audio receiver's queue to the loop
+    (`LoopDecoding`) and ends. Opus is decoded to mono. Video receivers keep aiortc's thread."""
     import threading
 
     from aiortc import rtcrtpreceiver as receiver
@@ -240,12 +210,9 @@ def make_loop_decoder_worker():
 
 
 def audio_level_dbov(frame) -> int:
-    """An audio frame's level in dBov, 0 down to -127 (RFC 6465, Appendix A), as aiortc's own
-    `aiortc.rtp.compute_audio_level_dbov` computes it, summed by numpy instead of a Python loop.
-
-    The value is the same to the bit: the sum of squares of int16 samples is an integer well
-    below 2**53, which aiortc's float accumulator also holds exactly, and the rest of the formula
-    is aiortc's, step for step (same plane bytes, same `frame.samples` divisor)."""
+    """An audio frame's level in dBov, 0 down to -127 (RFC 6465, Appendix A): aiortc's own
+    `aiortc.rtp.compute_audio_level_dbov` to the bit (the int16 sum of squares is exact in both),
+    summed by numpy instead of a Python loop."""
     samples = np.frombuffer(frame.planes[0], dtype=np.int16).astype(np.int64)
     energy = float(samples @ samples)
     rms = math.sqrt(energy / (frame.samples * 32767 * 32767))
@@ -259,9 +226,8 @@ def make_jitter_buffer_class():
     from aiortc.utils import uint16_add
 
     class ArrivalJitterBuffer(JitterBuffer):
-        """aiortc's jitter buffer for video; for audio, each packet released as it arrives (the
-        module docstring). A packet older than one already released is dropped: its place on
-        the timeline has been filled with silence (rtc/input_audio.py)."""
+        """aiortc's jitter buffer for video; for audio, each packet released as it arrives. A packet older
+        than one already released is dropped: its place was filled with silence (rtc/input_audio.py)."""
 
         def __init__(self, capacity: int, prefetch: int = 0, is_video: bool = False) -> None:
             super().__init__(capacity, prefetch, is_video)
@@ -291,8 +257,8 @@ def make_paced_callback_class():
     from fastrtc.utils import create_message, current_channel
 
     class PacedAudioCallback(AudioCallback):
-        """fastrtc's outgoing audio track, paced without an anchor (the module docstring): a
-        packet waits only for the previous one's 40 ms, and only while nothing queues behind it."""
+        """fastrtc's outgoing audio track, paced without an anchor: a packet waits only for the previous
+        one's 40 ms, and only while nothing queues behind it."""
 
         _next_due: float | None = None
         _peeked = None  # a frame that came in while the one before it waited its turn

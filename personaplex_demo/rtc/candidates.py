@@ -1,18 +1,10 @@
 """The browser's trickled ICE candidates, added to the call's peer connection whichever browser
-sent them and whenever they arrive.
+sent them and whenever they arrive (why: docs/design-notes.md, on every browser's ICE candidates).
 
-Written for fastrtc 0.0.34 and aiortc 1.16 (rtc/patches.py names the versions). fastrtc parses a
-trickled candidate itself and refuses one of fewer than ten fields ("Invalid candidate format",
-logged as an error): Chromium appends `generation`, `ufrag` and `network-id` to its candidates,
-but Firefox sends the eight fields the SDP grammar requires and nothing more, so none of a Firefox
-caller's candidates reached the server, which then learned the browser's addresses only from its
-connectivity checks. A candidate can also arrive before its connection's offer has been taken: the
-page trickles each candidate as soon as the browser gathers it, in a request of its own beside the
-offer's, and aiortc drops a candidate added before the remote description is set.
-
-`accepting_candidates` wraps a `handle_offer` (the page's WebRTC component's, or a media worker's
-host's): a candidate is read by aiortc's own SDP parser (`candidate_from_sdp`) and, while its
-connection's offer is still being taken, waits for it (at most `WAIT_SECONDS`). The answers keep
+Written for fastrtc 0.0.34 and aiortc 1.16 (rtc/patches.py names the versions). fastrtc refuses a
+candidate of fewer than ten fields, which is every one Firefox sends, so aiortc's own parser
+(`candidate_from_sdp`) reads it here; aiortc drops a candidate added before the remote description is
+set, so one that came before its offer waits for it (at most `WAIT_SECONDS`). The answers keep
 fastrtc's shape (`{"status": "success"}`, or `"failed"` with the reason in `meta.error`).
 """
 
@@ -35,8 +27,7 @@ MAX_POLL_SECONDS = 0.2  # a candidate whose offer was refused costs the loop a f
 
 
 async def wait_until(ready: Callable[[], bool], seconds: float = WAIT_SECONDS) -> bool:
-    """Until `ready()`, looking again at growing intervals (a wait that never ends costs the loop
-    a few wake-ups, not hundreds); whether it came within `seconds`."""
+    """Until `ready()`, looking again at growing intervals; whether it came within `seconds`."""
     deadline, pause = time.monotonic() + seconds, POLL_SECONDS
     while not ready():
         if time.monotonic() > deadline:

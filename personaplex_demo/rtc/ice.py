@@ -1,20 +1,9 @@
 """ICE configuration: which STUN and TURN servers the page and the server use to meet.
 
-The first source that is set wins:
-
-1. `PERSONAPLEX_ICE_SERVERS`: the ICE servers as JSON, in the browser's `RTCIceServer` form, either
-   a list (`[{"urls": "turn:turn.example.com:3478", "username": "u", "credential": "p"}]`) or a
-   whole configuration (`{"iceServers": [...]}`).
-2. `PERSONAPLEX_TURN_URL` (one URL, or several separated by commas) with `PERSONAPLEX_TURN_USERNAME`
-   and `PERSONAPLEX_TURN_CREDENTIAL`, and/or `PERSONAPLEX_STUN_URL`.
-3. `HF_TOKEN`: fastrtc's Cloudflare TURN credentials; the page fetches fresh ones for every call.
-
-Without any, calls use direct routes only (host candidates), which is enough on one machine or a
-LAN. `PERSONAPLEX_ICE_RELAY_ONLY=1` makes both ends use relay candidates only (`iceTransportPolicy:
-"relay"`): media then always goes through the TURN server.
-
-The server uses the same servers as the page: aiortc takes the first STUN and the first TURN URL
-it supports (TURN over UDP or TCP, TURNS over TCP); the browser takes them all.
+The first source that is set wins: `PERSONAPLEX_ICE_SERVERS` (JSON, `RTCIceServer` objects or a whole
+configuration), `PERSONAPLEX_TURN_URL` (with its username and credential) and/or `PERSONAPLEX_STUN_URL`,
+then `HF_TOKEN` (fastrtc's Cloudflare TURN); without any, direct routes only. Details, and relay-only
+calls: docs/operations.md § TURN and ICE servers.
 """
 
 from __future__ import annotations

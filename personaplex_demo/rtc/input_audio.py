@@ -1,20 +1,11 @@
 """The caller's decoded audio to 24 kHz mono, as soon as it is decoded, with lost packets filled.
 
-Written for fastrtc 0.0.34 and aiortc 1.16 (rtc/patches.py names the versions). fastrtc hands
-every decoded frame to its handler's `resample` and passes on what comes out. Its own resampler
-asks PyAV for frames of a fixed size (`frame_size=frame.samples`), and libswresample's filter
-then needs a few samples of the *next* packet before it can complete one: each frame left one
-packet late (40 ms). `InputResampler` keeps PyAV's stateful resampler (the same libswresample
-filter, so no hand-written DSP) but takes whatever it gives, frame by frame; the room cuts its
-80 ms frames itself (serving/inbox.py). What stays inside the filter is its own delay, a fraction
-of a millisecond.
-
-A lost packet leaves a hole in the frames' timestamps (the receiver releases each packet as it
-arrives and never waits for a missing one, rtc/audio.py `ArrivalJitterBuffer`). The hole is
-filled with as much silence as it lasted, so the caller's audio keeps its place on the timeline:
-the room's inbox sees neither a shortfall nor a drift, and what follows the loss is heard as
-promptly as what came before it. A hole longer than `MAX_FILL_SECONDS` (a sender that paused, a
-stalled link) is not filled: the inbox would only have to cut it again.
+Written for fastrtc 0.0.34 and aiortc 1.16 (rtc/patches.py names the versions). fastrtc's own
+resampler asks PyAV for frames of a fixed size, so libswresample completes each only with the next
+packet (40 ms late); `InputResampler` keeps PyAV's resampler but takes whatever it gives. A hole in the
+timestamps (a lost packet, rtc/audio.py `ArrivalJitterBuffer`) is filled with as much silence as it
+lasted, so the caller's audio keeps its place on the timeline; one longer than `MAX_FILL_SECONDS` (a
+paused sender) is not. docs/design-notes.md § Nothing held on the media path.
 """
 
 from __future__ import annotations

@@ -1,27 +1,21 @@
-"""Every change this app makes to a pinned library, in one place, each with the version it was
-written for.
+"""Every change this app makes to a pinned library, in one place, each with the version it was written for.
 
-They replace a module attribute or a setting that the library looks up at run time, so that the
-app needs no fork: aiortc's Opus encoder, where it encodes and decodes, its audio level and jitter
-buffer, its receivers' switch (`receive_audio`), fastrtc's outgoing audio track (rtc/audio.py says
-why), aioice's host addresses and consent checks, Gradio's record of past events, and the offer
-handling and trickled candidates of fastrtc's WebRTC component (one instance at a time, never its
-class). Each one first
-asks `written_for`, which logs a warning when the installed version is not the one the patch was
-read against: the patch still applies (each checks that what it replaces is there), but its
-premise is then unchecked, and tests/test_rtc_audio.py and tests/test_gradio_queue.py are the
-place to look.
+Each replaces a module attribute or setting that the library looks up at run time (or, for fastrtc's
+WebRTC component, one instance, never its class), so the app needs no fork. Each first asks
+`written_for`, which warns when the installed version is not the one the patch was read against: the
+patch still applies, but its premise is then unchecked (tests/test_rtc_audio.py and
+tests/test_gradio_queue.py are the place to look).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
 from .audio import (
-    PACKET_MS,
     answering_with_packet_time,
     audio_level_dbov,
     make_encoder_class,
@@ -57,98 +51,72 @@ def written_for(package: str) -> bool:
     return True
 
 
+def _replace(owner: Any, name: str, package: str, make: Callable[[], Any]) -> None:
+    """`owner.<name>`, which `package` looks up there at run time, replaced by what `make()` returns; once only."""
+    written_for(package)
+    if getattr(getattr(owner, name), "patched_here", False):
+        return
+    replacement = make()
+    replacement.patched_here = True
+    setattr(owner, name, replacement)
+
+
 # ---- aiortc ---------------------------------------------------------------------------------------
 
 
 def install_audio_level() -> None:
-    """Make aiortc's senders in this process compute each packet's audio level with
-    `audio_level_dbov`. Idempotent. aiortc looks the function up on `aiortc.rtp` for every frame."""
+    """aiortc's senders in this process compute each packet's audio level with `audio_level_dbov`."""
     import aiortc.rtp as rtp
 
-    written_for("aiortc")
-    if rtp.compute_audio_level_dbov is not audio_level_dbov:
-        rtp.compute_audio_level_dbov = audio_level_dbov
+    _replace(rtp, "compute_audio_level_dbov", "aiortc", lambda: audio_level_dbov)
 
 
 def install_packet_encoder() -> None:
-    """Make aiortc's senders in this process encode Opus in `PACKET_MS` packets. Idempotent.
-
-    aiortc picks an encoder per negotiated codec through `aiortc.rtcrtpsender.get_encoder`;
-    other codecs keep aiortc's own encoders."""
+    """aiortc's senders in this process encode Opus in `PACKET_MS` packets (aiortc picks an encoder per
+    negotiated codec through `get_encoder`); other codecs keep aiortc's own encoders."""
     import aiortc.rtcrtpsender as sender
 
-    written_for("aiortc")
-    if getattr(sender.get_encoder, "packet_ms", None) == PACKET_MS:
-        return
-    original = sender.get_encoder
-    encoder_class = make_encoder_class()
+    def make():
+        original, encoder_class = sender.get_encoder, make_encoder_class()
 
-    def get_encoder(codec):
-        if codec.mimeType.lower() == "audio/opus":
-            return encoder_class()
-        return original(codec)
+        def get_encoder(codec):
+            return encoder_class() if codec.mimeType.lower() == "audio/opus" else original(codec)
 
-    get_encoder.packet_ms = PACKET_MS
-    sender.get_encoder = get_encoder
-    log.debug("outgoing Opus in %d ms packets", PACKET_MS)
+        return get_encoder
+
+    _replace(sender, "get_encoder", "aiortc", make)
 
 
 def install_loop_codecs() -> None:
-    """Make aiortc's audio senders in this process encode on the event loop, and its audio
-    receivers decode there, instead of in a thread each (rtc/audio.py `make_inline_encoding`,
-    `make_loop_decoder_worker`). Idempotent. aiortc looks up `RTCRtpSender._next_encoded_frame`
-    on the class for every frame and `decoder_worker` in its module when a receiver starts."""
+    """aiortc's audio senders in this process encode on the event loop, and its audio receivers decode
+    there, instead of in a thread each (rtc/audio.py `make_inline_encoding`, `make_loop_decoder_worker`)."""
     import aiortc.rtcrtpreceiver as receiver
     from aiortc.rtcrtpsender import RTCRtpSender
 
-    written_for("aiortc")
-    if not getattr(RTCRtpSender._next_encoded_frame, "patched_here", False):
-        encoding = make_inline_encoding()
-        encoding.patched_here = True
-        RTCRtpSender._next_encoded_frame = encoding
-    if not getattr(receiver.decoder_worker, "patched_here", False):
-        worker = make_loop_decoder_worker()
-        worker.patched_here = True
-        receiver.decoder_worker = worker
+    _replace(RTCRtpSender, "_next_encoded_frame", "aiortc", make_inline_encoding)
+    _replace(receiver, "decoder_worker", "aiortc", make_loop_decoder_worker)
 
 
 def install_jitter_buffer() -> None:
-    """Make aiortc's receivers in this process use `ArrivalJitterBuffer`. Idempotent.
-
-    aiortc's `RTCRtpReceiver` builds its jitter buffer from the name `JitterBuffer` in its own
-    module, once per receiver."""
+    """aiortc's receivers in this process use `ArrivalJitterBuffer` (built from the name `JitterBuffer`)."""
     import aiortc.rtcrtpreceiver as receiver
 
-    _replace_class(receiver, "JitterBuffer", "aiortc", make_jitter_buffer_class)
+    _replace(receiver, "JitterBuffer", "aiortc", make_jitter_buffer_class)
 
 
 def install_output_pacing() -> None:
-    """Make fastrtc's connections in this process send audio through `PacedAudioCallback`.
-    Idempotent. fastrtc builds each connection's outgoing track from the name `AudioCallback` in
-    its `webrtc_connection_mixin` module."""
+    """fastrtc's connections in this process send audio through `PacedAudioCallback` (built from the
+    name `AudioCallback` in `webrtc_connection_mixin`)."""
     import fastrtc.webrtc_connection_mixin as mixin
 
-    _replace_class(mixin, "AudioCallback", "fastrtc", make_paced_callback_class)
-
-
-def _replace_class(module: Any, name: str, package: str, make: Any) -> None:
-    """`module.<name>` (a class of `package` that the library looks up there at run time) replaced
-    by the subclass `make()` returns; once only."""
-    written_for(package)
-    if getattr(getattr(module, name), "patched_here", False):
-        return
-    cls = make()
-    cls.patched_here = True
-    setattr(module, name, cls)
+    _replace(mixin, "AudioCallback", "fastrtc", make_paced_callback_class)
 
 
 def receive_audio(pc: Any, on: bool) -> bool:
-    """Turn the decoding of the audio that `pc`'s peer sends on or off; False where `pc` has no
-    audio receiver to switch. Off, aiortc drops each RTP packet as it arrives, after SRTP and
-    before the jitter buffer, the Opus decoder, the resampler and the handler: a caller waiting
-    in the queue, whose audio is not heard, costs almost nothing. This is aiortc 1.16's own
-    switch (`RTCRtpReceiver._enabled`) for a transceiver that only sends; the browser is not told
-    and keeps sending, so the audio is there again at once when the switch is turned on."""
+    """Turn the decoding of the audio that `pc`'s peer sends on or off; False where `pc` has no audio
+    receiver to switch. Off, aiortc 1.16's own switch (`RTCRtpReceiver._enabled`) drops each RTP packet
+    after SRTP, before the jitter buffer and decoder: a queued caller costs almost nothing. The browser
+    is not told and keeps sending, so the audio is there again at once when turned back on."""
     written_for("aiortc")
     receivers = [t.receiver for t in pc.getTransceivers() if t.kind == "audio"]
     for receiver in receivers:
@@ -163,24 +131,22 @@ def receive_audio(pc: Any, on: bool) -> bool:
 
 def answer_in_packets(owner: Any) -> None:
     """`owner.handle_offer` (fastrtc's, on the page's WebRTC component or a media worker's host)
-    wrapped so that its SDP answers ask the browser for `PACKET_MS` packets (rtc/audio.py)."""
+    wrapped so that its SDP answers ask the browser for `PACKET_MS` packets."""
     written_for("fastrtc")
     owner.handle_offer = answering_with_packet_time(owner.handle_offer)
 
 
 def accept_candidates(owner: Any) -> None:
-    """`owner.handle_offer` (fastrtc's, on the page's WebRTC component or a media worker's host)
-    wrapped so that every browser's trickled ICE candidates reach its peer connections, even one
-    sent before its offer was taken (rtc/candidates.py)."""
+    """`owner.handle_offer` wrapped so that every browser's trickled ICE candidates reach its peer
+    connections, even one sent before its offer was taken (rtc/candidates.py)."""
     written_for("fastrtc")
     written_for("aiortc")
     owner.handle_offer = accepting_candidates(lambda: owner.pcs, owner.handle_offer)
 
 
 def route_offers(rtc: Any, offer: Any, set_input: Any) -> None:
-    """The page's WebRTC component sends its offers (and trickled candidates) to `offer` and its
-    inputs to `set_input` instead of answering them itself (orchestration/media_workers.py). Only this
-    instance changes: the page keeps fastrtc's own component and front end."""
+    """The page's WebRTC component sends its offers (and trickled candidates) to `offer` and its inputs
+    to `set_input` instead of answering them itself (orchestration/media_workers.py)."""
     written_for("fastrtc")
 
     async def routed_offer(body):
@@ -195,15 +161,13 @@ def route_offers(rtc: Any, offer: Any, set_input: Any) -> None:
 
 
 def loopback_host_addresses(use_ipv4: bool = True, use_ipv6: bool = False) -> list[str]:
-    """In place of `aioice.ice.get_host_addresses`, which skips 127.0.0.1: ICE candidates on
-    loopback only (tests, benchmarks, and offline use on one machine)."""
+    """In place of `aioice.ice.get_host_addresses`, which skips 127.0.0.1: ICE candidates on loopback only."""
     return ["127.0.0.1"]
 
 
 def install_ice_settings(loopback: bool) -> None:
-    """aioice in this process: consent checks every second, a peer gone after 4 missed (about 4 s
-    instead of about 30, so a closed tab's slot frees quickly); with `loopback`, candidates on
-    127.0.0.1 only."""
+    """aioice in this process: consent checks every second, a peer gone after 4 missed (about 4 s instead
+    of about 30, so a closed tab's slot frees quickly); with `loopback`, candidates on 127.0.0.1 only."""
     import aioice.ice
 
     written_for("aioice")
@@ -233,14 +197,9 @@ class BoundedEventLog(dict):
 
 
 def bound_event_log(demo: Any, limit: int = KEEP_EVENTS) -> None:
-    """Bound `demo`'s queue record (Gradio 5.50's `Queue.event_analytics`) and turn off the pandas
-    summary it builds after every event; a Gradio without that record is left alone.
-
-    Gradio 5.50 keeps one analytics entry per event it has ever run, for its `/monitoring`
-    dashboard, and after each event summarises all of them again. Every open page here raises an
-    event every few seconds (the room's stats), so on a server that runs for days the record grows
-    without end and each summary costs more (docs/design-notes.md § Gradio event log). The
-    dashboard, which this app does not link to, then shows the figures of its first events."""
+    """Bound `demo`'s queue record (Gradio 5.50's `Queue.event_analytics`, one entry per event ever run)
+    and turn off the pandas summary of it built after every event: on a server that runs for days both
+    grow without end (docs/design-notes.md § Gradio event log). A Gradio without that record is left alone."""
     written_for("gradio")
     queue = getattr(demo, "_queue", None)
     entries = getattr(queue, "event_analytics", None)

@@ -7,15 +7,9 @@ import os
 from .ice import LOOPBACK_VAR
 
 
-def loopback_requested() -> bool:
-    """PERSONAPLEX_LOOPBACK_ICE=1: WebRTC stays on 127.0.0.1 (tests; browser and server on one
-    machine without a network)."""
-    return os.environ.get(LOOPBACK_VAR) == "1"
-
-
 def apply_media_settings() -> None:
-    """The app's WebRTC settings, in every process that holds peers (rtc/patches.py); a media
-    worker reads PERSONAPLEX_LOOPBACK_ICE from the environment it inherits."""
+    """The app's WebRTC settings, in every process that holds peers (rtc/patches.py). A media worker reads
+    PERSONAPLEX_LOOPBACK_ICE=1 (WebRTC on 127.0.0.1 only) from the environment it inherits."""
     from .patches import (
         install_audio_level,
         install_ice_settings,
@@ -25,7 +19,7 @@ def apply_media_settings() -> None:
         install_packet_encoder,
     )
 
-    install_ice_settings(loopback_requested())
+    install_ice_settings(os.environ.get(LOOPBACK_VAR) == "1")
     install_packet_encoder()  # agent audio in 40 ms Opus packets, each encoded as soon as its audio is there
     install_loop_codecs()  # Opus encoded and decoded on the event loop: no thread hop per packet
     install_audio_level()  # each packet's RTP audio level, the same value without a Python loop

@@ -1,11 +1,5 @@
-"""One call's own figures, as its caller meets them: how long the first sound took and where that
-time went, the room's latency for this call, and the audio lost or late on the way.
-
-The handler notes each milestone of the call's start as it passes it (all on the server's
-monotonic clock) and reads every output the room sends; the peer connection's RTP statistics
-add the packets lost each way. The page shows `line()` beside the room's figures, changed at
-most every FIGURES_SECONDS, and the call's transcript JSON keeps `as_dict()`
-(docs/serving.md § Figures per call).
+"""One call's own figures, as its caller meets them: the time to first sound and where it went, the
+room's latency for this call, and the audio lost or late on the way (docs/serving.md § Figures per call).
 """
 
 from __future__ import annotations
@@ -22,9 +16,8 @@ from ..serving.room import SlotOutput
 log = logging.getLogger(__name__)
 
 FIGURES_SECONDS = 15.0  # the page's line of call figures changes at most this often
-# The model's own part of a round trip: a sound at a frame's start is answered once the next frame
-# is complete (docs/engine.md § Causal delay). With the network's round trip, the room's latency and
-# the browser's jitter buffer it makes the mouth-to-ear figure (docs/serving.md § Latency budget).
+# The model's own part of a round trip: a sound at a frame's start is answered once the next frame is
+# complete (docs/engine.md § Causal delay).
 MODEL_FLOOR_MS = 160.0
 TRIP_PENDING = " + browser buffer"  # what the page's script replaces once it has its own figure
 LATENCY_WINDOW = 250  # the latest answers (20 s of them) whose latencies the figures report
@@ -90,7 +83,7 @@ async def read_packets(pc) -> PacketCounts | None:
 
 
 class CallFigures:
-    """The figures of one call; see the module docstring. Used from the call's event loop only."""
+    """The figures of one call, on the server's monotonic clock. Used from the call's event loop only."""
 
     def __init__(self, offer_at: float) -> None:
         self.at: dict[str, float] = {"offer": offer_at}
@@ -165,9 +158,8 @@ class CallFigures:
         return f"{self.first_audio_seconds:.2f} s after the offer ({parts})"
 
     def round_trip_ms(self, room: float | None = None) -> float | None:
-        """Mouth to ear as the server sees this call: the model's floor, the room's latency p50
-        (`room`, when the caller has it at hand) and the network's round trip; the page adds its
-        browser's jitter buffer (web/page.py)."""
+        """Mouth to ear as the server sees this call: the model's floor, the room's latency p50 (`room`,
+        when the caller has it at hand) and the network's round trip; the page adds its jitter buffer."""
         room = room if room is not None else self.latency_ms(0.5)
         if room is None:
             return None
@@ -224,10 +216,9 @@ class CallFigures:
         return "**This call** " + " · ".join(bits + lost)
 
     def due(self, now: float) -> str | None:
-        """The line for the page when it should change now, else None: at once when it has news
-        (the first sound, a figure shown for the first time), otherwise at most every FIGURES_SECONDS."""
-        # Which figures there are, cheap to compare: the line itself is built only when it may be due
-        # (emit asks for every frame).
+        """The line for the page when it should change now, else None: at once when it has news (the
+        first sound, a figure shown for the first time), otherwise at most every FIGURES_SECONDS."""
+        # Which figures there are, cheap to compare (emit asks for every frame): the line is built only when due.
         shape = ("live" in self.at, "first_sound" in self.at, bool(self.latencies), bool(self.heard),
                  bool(self.input_drops), self.packets is not None)
         news = shape != self._shown_shape

@@ -1,12 +1,9 @@
-"""Deep links: `/?voice=NATM1&persona=...&text_temperature=0.9&seed=7` sets the page's controls.
+"""Deep links: `/?voice=NATM1&persona=...&text_temperature=0.9&seed=7` sets the page's controls
+(docs/operations.md § Deep links).
 
-As the page loads, its query parameters are checked against the same rules a call applies (the voice
-catalogue, the persona's length and characters, the ranges of the sampling sliders). A parameter
-that passes sets its control; one that does not leaves the default and is named in a notice.
-Nothing from a link reaches anything but those controls, and no value from it is echoed into the
-notice. The "Copy link to this setup" button does the reverse in the browser: it writes the current
-voice, preset or persona, and sampling into a link of at most `MAX_LINK_CHARS` characters, cutting
-a long persona (with a notice).
+A link's parameters are checked against the same rules a call applies; one that fails leaves its
+control at the default and is named in a notice, which never echoes a value from the link. The "Copy
+link to this setup" button does the reverse in the browser, in at most `MAX_LINK_CHARS` characters.
 """
 
 from __future__ import annotations
@@ -124,10 +121,8 @@ def read_link(items: Iterable[tuple[str, str]], rules: LinkRules) -> LinkSetup:
 
 
 class RefuseLongQueries:
-    """ASGI middleware: a request whose query string is over `MAX_QUERY_BYTES` gets a one-line 414.
-
-    Gradio's page handler parses the whole URL and fails on a very long one with a 500 and a
-    traceback in the log; no link this page makes comes near the limit."""
+    """ASGI middleware: a request whose query string is over `MAX_QUERY_BYTES` gets a one-line 414
+    (Gradio's page handler fails on a very long URL with a 500 and a traceback in the log)."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -216,10 +211,8 @@ def add_deep_links(demo: gr.Blocks, controls: Mapping[str, gr.components.Compone
                           elem_id="setup-link")
         copy_notice = gr.Markdown(elem_id="copy-notice")
     targets = [controls[name] for name in PARAMS]
-    # Only a link with a query raises a server event: the page's script presses this hidden
-    # button, whose event reads the query Gradio's client sends with it. A plain link's visitor
-    # raises none at all, and a coroutine answers a deep link's on the loop, with no worker thread
-    # (docs/serving.md § Visitors and callers).
+    # Only a link with a query raises a server event: the page's script presses this hidden button, whose
+    # event reads the query Gradio's client sends with it (docs/serving.md § Visitors and callers).
     trigger = gr.Button("Apply the link", elem_id="apply-link")  # in the page, never shown (page.py's CSS)
 
     async def apply(request: gr.Request):

@@ -1,14 +1,9 @@
 """Is the agent coming back through the caller's microphone? (docs/serving.md § Speaker echo)
 
-On laptop speakers the microphone picks up the agent: the model then hears itself and answers
-itself. fastrtc asks the browser for echo cancellation, which does not always suffice. Per call,
-the handler keeps the last seconds of the agent audio it sends and of the microphone audio it
-receives, and once a second correlates their loudness (dB per 20 ms, one Opus frame: a codec
-keeps each frame's energy, if not the waveform) over the microphone's last 6 s, at delays of up
-to a second behind the agent (the way out and back: the network, the browser's jitter buffer,
-the page). The agent coming back correlates highly at one steady delay; the caller's own voice
-wanders from delay to delay below the threshold, and a steady tone or silence does not move at
-all. About 300 values at 80 delays per call per second (bench/echo.py measures it).
+Per call, the loudness (dB per 20 ms, one Opus frame: a codec keeps each frame's energy, if not the
+waveform) of the agent audio sent and of the microphone audio received is correlated once a second, at
+delays of up to a second. The agent coming back correlates highly at one steady delay; the caller's own
+voice wanders from delay to delay, and a steady tone or silence is not judged (cost: bench/echo.py).
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """The fastrtc call handler: browser audio in, agent audio and transcript out, one per call.
 
-fastrtc hands each decoded Opus packet to `resample` (rtc/input_audio.py: 24 kHz mono at once,
-lost packets filled with silence) and what comes out to `receive`, which passes it on to the room
-as it is: the room cuts its 80 ms frames at each tick (serving/inbox.py). The handler never
-touches torch and never blocks the event loop:
-it only moves numpy arrays to and from its call, a `CallHandle` of the room (serving/room.py),
-whichever back end holds it.
-
-Life of a call (fastrtc runs `start_up`, `receive` and `emit` concurrently):
-
-1. `start_up` reads the page's inputs and asks the room for a slot. The slot's system prompt is
-   prefilled at once (or the caller waits in the queue, with the position on the page).
-2. Until the slot is live, microphone audio is not heard (the model is not listening yet). While
-   the call waits in the queue the page holds its microphone and the server decodes nothing of
-   it (web/mic_hold.py): a waiting caller costs almost nothing; a closed tab is noticed by ICE
-   consent (rtc/patches.py).
-3. `emit` returns each agent frame, plus transcript and status updates for the page.
-4. Hang-up (`shutdown`), a closed tab (the room's idle release), the time limit and a full room
-   all free the slot; everything but a plain hang-up ends the call with a message
-   (`CloseStream`), so nobody waits in silence.
+It never touches torch and never blocks the event loop: it only moves numpy arrays to and from its
+call, a `CallHandle` of the room (serving/room.py), whichever back end holds it. fastrtc hands each
+decoded packet to `resample` (rtc/input_audio.py) and what comes out to `receive`, which passes it on
+as it is: the room cuts its 80 ms frames at each tick (serving/inbox.py). While the call waits in the
+queue its microphone is held (web/mic_hold.py). Everything but a plain hang-up ends the call with a
+message (`CloseStream`), so nobody waits in silence. Its phases: docs/serving.md, on the handler's phases.
 """
 
 from __future__ import annotations
@@ -50,7 +37,7 @@ from .echo import WARNING as ECHO_WARNING
 from .echo import EchoDetector
 from .mic_hold import MicHold
 from .page_inputs import CallRequest
-from .recording import CallRecording, RecordingFiles, RecordingStore
+from .recording import CallRecording, RecordingStore
 from .status import STATUS_SECONDS, PageThrottle, SharedFigures, room_line, status_line
 
 log = logging.getLogger(__name__)
@@ -69,11 +56,9 @@ def end_message(reason: str) -> str:
 
 
 class FinalUpdates:
-    """The last page update of each call that ended with a message, by fastrtc connection id.
-
-    fastrtc drops a connection's pending page updates when it closes; the page's relay picks the
-    final one (status and downloads) up from here even if it only starts after the close. One per
-    page (or media worker), shared by its handlers."""
+    """The last page update of each call that ended with a message, by fastrtc connection id: fastrtc
+    drops a connection's pending updates when it closes, so the page's relay picks the final one up
+    here (docs/design-notes.md § The page relays its own updates). Shared by a page's handlers."""
 
     limit = 1024
 
@@ -106,9 +91,8 @@ class Phase(enum.Enum):
 class CallHandler(AsyncStreamHandler):
     """One call. The instance given to fastrtc is a template; `copy()` makes one per connection.
 
-    Page updates are `AdditionalOutputs(transcript, status, call_id, files, figures)`: `files`,
-    None or the recording's (WAV, JSON) paths; `figures`, this call's own (call_figures.py).
-    `peers`: the fastrtc connection id's aiortc peer (`pcs.get`), for its packet counts."""
+    Page updates are `AdditionalOutputs(transcript, status, call_id, files, figures)`: `files`, None or
+    the recording's (WAV, JSON) paths. `peers`: the fastrtc connection id's aiortc peer (`pcs.get`)."""
 
     def __init__(self, room: Room, recordings: RecordingStore | None = None, *, model_name: str | None = None,
                  peers: Callable[[str], Any] | None = None, room_figures: SharedFigures | None = None,
@@ -135,10 +119,8 @@ class CallHandler(AsyncStreamHandler):
         self._input = InputResampler(SAMPLE_RATE)
         self._started = asyncio.Event()  # set when STARTING is over
         self._throttle = PageThrottle()
-        self._connected_at = time.monotonic()
-        self._last_receive: float | None = None
         self.echo = EchoDetector()
-        self.figures = CallFigures(self._connected_at)  # fastrtc copies the template as the offer comes
+        self.figures = CallFigures(time.monotonic())  # fastrtc copies the template as the offer comes
         self._packets_task: asyncio.Task | None = None  # a reference, so it is not collected mid-read
 
     def copy(self) -> CallHandler:
@@ -155,8 +137,7 @@ class CallHandler(AsyncStreamHandler):
     # ---- start-up ---------------------------------------------------------------------------
 
     async def start_up(self) -> None:
-        self._connected_at = time.monotonic()
-        self.figures.mark("connected", self._connected_at)
+        self.figures.mark("connected", time.monotonic())
         ensure_probe(self.room)
         self.webrtc_id = get_current_context().webrtc_id
         try:
@@ -200,19 +181,14 @@ class CallHandler(AsyncStreamHandler):
 
     async def receive(self, frame: tuple[int, np.ndarray]) -> None:
         sr, audio = frame
-        self._last_receive = time.monotonic()
+        now = time.monotonic()
         if self.call is None or self.phase != Phase.ACTIVE:
             return  # before admission there is nowhere to send it; after the end, nobody to send it to
-        # 24 kHz 16-bit mono whatever the browser sent: `resample` (rtc/input_audio.py) made it so.
-        audio = np.asarray(audio).reshape(-1)
-        if not audio.size:
-            return
-        if self.call.state != CallState.LIVE:
-            # Queue or prefill: not heard yet (played late it would only add delay). A waiting page
-            # holds its microphone (web/mic_hold.py); its connection says whether it is there.
-            return
+        audio = np.asarray(audio).reshape(-1)  # 24 kHz 16-bit mono: `resample` made it so
+        if not audio.size or self.call.state != CallState.LIVE:
+            return  # queue or prefill: not heard yet (played late it would only add delay)
         self.door_call.push(audio)
-        self.echo.caller(audio, self._last_receive)
+        self.echo.caller(audio, now)
         self.packets_in += 1
         if self.recording is not None:
             self.recording.add_caller(audio)
@@ -228,8 +204,7 @@ class CallHandler(AsyncStreamHandler):
                 pass
             return None
         if phase == Phase.CLOSING:
-            # The final page update went out with the previous item; give the page a moment to
-            # fetch it before the connection closes.
+            # The final page update went out with the previous item: a moment for the page to fetch it.
             self.phase = Phase.CLOSED
             await asyncio.sleep(CLOSE_GRACE_SECONDS)
             return CloseStream(self.close_message)
@@ -266,9 +241,8 @@ class CallHandler(AsyncStreamHandler):
                      self.call_id, self.echo.score, 1e3 * (self.echo.delay_seconds or 0.0))
         if self.recording is not None:
             self.recording.add_agent(out.pcm, out.text)
+        self.transcript += out.text
         audio = (SAMPLE_RATE, out.pcm)
-        if out.text:
-            self.transcript += out.text
         update = self._update(text_changed=bool(out.text), status_due=self.echo.detected and not warned)
         return (audio, update) if update is not None else audio
 
@@ -304,7 +278,8 @@ class CallHandler(AsyncStreamHandler):
         the data channel) send the final status and the downloads, then CloseStream."""
         self.phase = Phase.ENDED  # until the final update below is on its way
         self.door_call.hang_up(reason)
-        files = await self._finish_recording_async(reason)
+        rec = self.recording
+        files = None if rec is None else await rec.finish_async(reason, self._final_meta())
         log.info("call %s ended: %s", self.call_id, message)
         if self.channel is None:
             return CloseStream(message)  # nobody to show a final update to
@@ -336,10 +311,6 @@ class CallHandler(AsyncStreamHandler):
     def _finish_recording(self, reason: str) -> None:
         if self.recording is not None:
             self.recording.finish_soon(reason, self._final_meta())
-
-    async def _finish_recording_async(self, reason: str) -> RecordingFiles | None:
-        rec = self.recording
-        return None if rec is None else await rec.finish_async(reason, self._final_meta())
 
     def _final_meta(self) -> dict:
         """What the transcript JSON learns of the call only at its end."""

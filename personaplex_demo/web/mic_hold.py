@@ -1,14 +1,11 @@
-"""A waiting caller's microphone, held: while a call waits in the queue nothing of its audio is
-heard, so the page stops sending it and the server stops decoding it
-(docs/serving.md § The room contract, "Waiting costs (almost) nothing").
+"""A waiting caller's microphone, held: while a call waits in the queue nothing of its audio is heard,
+so the page stops sending it and the server stops decoding it (docs/serving.md § The room contract).
 
-The handler says so over the call's data channel, as a fastrtc "log" message (which fastrtc's own
-page code ignores unless it is one of its two pause words): `HOLD` when the call is queued,
-`SEND` when its slot is being prepared. The page's script (`MIC_HOLD_SCRIPT`) then takes its
-microphone off the peer connection's audio sender (`replaceTrack(null)`: no RTP at all) and puts
-it back; a held microphone is stopped when the connection closes. On the server the peer's audio
-receiver is switched off meanwhile (rtc/patches.py `receive_audio`), for a client that keeps
-sending anyway.
+The handler says so over the call's data channel, as a fastrtc "log" message (which fastrtc's own page
+code ignores): `HOLD` when the call is queued, `SEND` when its slot is being prepared. The page's script
+(`MIC_HOLD_SCRIPT`) then takes its microphone off the audio sender (`replaceTrack(null)`: no RTP at
+all) and puts it back; on the server the peer's audio receiver is switched off meanwhile
+(rtc/patches.py `receive_audio`), for a client that keeps sending anyway.
 """
 
 from __future__ import annotations
@@ -62,27 +59,6 @@ class MicHold:
                 channel.send(message(held))
             except Exception as exc:  # a channel closing under us: the call ends anyway
                 log.debug("could not tell the page to %s its microphone: %s", "hold" if held else "send", exc)
-
-
-def follow(message: str, pc: Any, held: Any) -> Any:
-    """What a client peer does with a data-channel `message`, as the page's script does: on HOLD
-    take the microphone off `pc`'s audio sender, on SEND put `held` back; returns the microphone
-    held now (None: none). For Python peers (aiortc), whose senders take `replaceTrack(None)`."""
-    try:
-        msg = json.loads(message) if message.startswith("{") else {}
-    except ValueError:
-        return held
-    data = msg.get("data") if msg.get("type") == "log" else None
-    sender = next((s for s in pc.getSenders() if s.kind == "audio"), None)
-    if sender is None:
-        return held
-    if data == HOLD and sender.track is not None:
-        held = sender.track
-        sender.replaceTrack(None)
-    elif data == SEND and held is not None:
-        sender.replaceTrack(held)
-        held = None
-    return held
 
 
 # Wraps RTCPeerConnection as the page's other script does (web/page.py TRIP_SCRIPT): each new

@@ -94,10 +94,9 @@ def call_events(demo: gr.Blocks) -> frozenset[int]:
     return frozenset(i for i, fn in demo.fns.items() if any(target in blocks for target, _ in fn.targets))
 
 
-# The call's round trip as the caller lives it (docs/serving.md § Latency budget): the server's
-# figures line gives the model's floor, the room's latency and the network's round trip, followed
-# by TRIP_PENDING; this script reads the browser's own jitter buffer (getStats, over the last two
-# seconds) from the call's peer connection and writes the sum in its place, after every update.
+# The call's round trip as the caller lives it (docs/serving.md § Figures per call): the server's
+# figure is followed by TRIP_PENDING, which this script replaces with the sum including the browser's
+# own jitter buffer (getStats, over the last two seconds).
 TRIP_SCRIPT = r"""
 <script>
 (() => {
@@ -255,19 +254,17 @@ class Page:
 
     def wire_events(self) -> None:
         rtc, presets = self.rtc, self.presets
-        # Every visitor raises these: coroutines, answered on the server's loop at once, with no worker
-        # thread each and no wait in Gradio's queue (whose every waiting event hears each change).
+        # Every visitor raises these: coroutines, answered on the loop at once, with no worker thread and
+        # no wait in Gradio's queue.
         async def preset_text(name: str) -> str:
             return presets.get(name, "")
 
         self.preset.change(preset_text, self.preset, self.persona, show_progress="hidden", concurrency_limit=None)
         self.persona.change(self.count_tokens, self.persona, self.tokens, show_progress="hidden",
                             concurrency_limit=None)
-        # The pool enforces the time limit from the moment a call is live (queue time does not
-        # count), so fastrtc's own limit, which counts from connecting, stays off.
-        # The handler reads the inputs once, when the call starts (the `tick` event the page raises
-        # on the server's "send_input"), so they are not sent on every change: fastrtc would wire a
-        # change event to each control, a worker-thread event for every visitor who touches one.
+        # The pool's time limit counts from going live, so fastrtc's own (from connecting) stays off. The
+        # handler reads the inputs once, when the call starts, so they are not sent on every change
+        # (fastrtc would wire a worker-thread change event to each control).
         rtc.stream(self.handler, inputs=[rtc, *self.inputs], outputs=[rtc], time_limit=None,
                    concurrency_limit=self.room.slots_total + self.options.max_queue + 2, send_input_on="submit")
         # concurrency_limit=None: the default (1) would update only the first caller's page.
@@ -301,28 +298,26 @@ class Page:
     def on_start(self):
         return ("", f"Connecting… · {room_line(self.figures.get())}", "", "", *file_updates(None))
 
+    async def written_files(self, call_id: str) -> tuple | None:
+        """The (WAV, JSON) paths of the call's recording once it is written, or None."""
+        rec = self.recordings.get(call_id or "")
+        files = await rec.wait_finished(STOP_WAIT_SECONDS) if rec is not None else None
+        return (files.wav, files.transcript) if files is not None else None
+
     async def show_downloads(self, call_id: str):
         """The downloads of a call the server ended, once its recording is written."""
-        rec = self.recordings.get(call_id or "")
-        files = await rec.wait_finished(STOP_WAIT_SECONDS) if rec is not None else None
-        if files is None:
-            return gr.skip(), gr.skip()
-        return file_updates((files.wav, files.transcript))
+        files = await self.written_files(call_id)
+        return file_updates(files) if files is not None else (gr.skip(), gr.skip())
 
     async def on_stop(self, call_id: str):
-        rec = self.recordings.get(call_id or "")
-        files = await rec.wait_finished(STOP_WAIT_SECONDS) if rec is not None else None
-        status = f"Call ended · {room_line(self.figures.get())}"
-        return (status, *file_updates((files.wav, files.transcript) if files is not None else None))
+        files = await self.written_files(call_id)
+        return (f"Call ended · {room_line(self.figures.get())}", *file_updates(files))
 
     async def relay(self, value):
-        """The handler's page updates for this connection, as fastrtc's `on_additional_outputs`
-        relays them, with three differences: updates still queued when the call closes are
-        delivered; a late trigger for a call that is already over returns at once (fastrtc's
-        relay would wait forever on a fresh queue, and its restart blanks the page); and every
-        output is a plain value. Gradio rebuilds a component for each `gr.update()` or
-        `gr.skip()` it is given, so the downloads are not outputs here: the final update puts
-        the call's id into `ended_call`, whose change event fills them in once."""
+        """The handler's page updates for this connection, as fastrtc's `on_additional_outputs` relays
+        them, except that updates still queued at the close are delivered, a late trigger returns at
+        once, and every output is a plain value: the downloads come from `ended_call`'s change event
+        (docs/design-notes.md § The page relays its own updates, and the section on plain values)."""
         rtc = self.rtc
         webrtc_id = getattr(value, "webrtc_id", value)
         outputs = rtc.additional_outputs.get(webrtc_id)

@@ -1,22 +1,12 @@
-"""The page's static answers, kept in memory: a burst of visitors costs the server a dictionary
-lookup each instead of Gradio's page rendering (a deep copy of the page's whole configuration and
-a template, in a worker thread) or a file read in a thread for each of some fifty assets.
+"""The page's static answers, kept in memory: a burst of visitors costs the server a dictionary lookup
+each instead of Gradio's page rendering or a file read in a thread (docs/serving.md § Visitors and callers;
+docs/design-notes.md says why it is written here, in the section on visitors' work).
 
-What is cached never changes while the app runs: the page and its configuration (built once, at
-start), Gradio's and fastrtc's built files. The page's answer names its own address (Gradio's
-"root", from the Host and X-Forwarded-* headers), so those headers are part of the key; so are
-the only query parameters Gradio reads on these routes (`page`, `deep_link`). A deep link's own
-parameters (`?voice=...`) are read by the page's load event, not by this answer. A built file is
-the same for every host and query (`theme.css?v=...` included), so it is kept once. The first request
-for a key is answered by Gradio and kept; requests that arrive meanwhile wait for it instead of
-rendering the same page again. The app has no login, so nothing else a visitor sends changes
-these answers. Each answer carries an ETag, so a browser that revalidates gets a
-304; Gradio's built files, whose names carry a hash of their content, may be cached by browsers
-for good.
-
-Text answers are kept compressed too (brotli, once per answer, the page included), and a browser
-that accepts brotli gets those bytes: Gradio's own compression, which sits outside every app
-middleware, passes an answer that is already encoded and would otherwise compress each one anew.
+The page names its own address (Gradio's "root", from the Host and X-Forwarded-* headers), so those
+headers and the only query parameters Gradio reads on these routes (`page`, `deep_link`) are part of
+the key; a built file is the same for every host and query, so it is kept once. Requests that arrive
+while the first one for a key is answered wait for it. Text answers are also kept brotli-compressed:
+Gradio's own compression, outside every app middleware, passes an answer that is already encoded.
 """
 
 from __future__ import annotations
@@ -63,7 +53,6 @@ class PageCache:
         self.app, self.ttl, self.entries = app, ttl, entries
         self._answers: collections.OrderedDict[tuple, Answer] = collections.OrderedDict()
         self._pending: dict[tuple, asyncio.Future] = {}
-        self.hits = self.misses = 0
 
     async def __call__(self, scope, receive, send) -> None:
         key = self.key(scope)
@@ -75,10 +64,8 @@ class PageCache:
             await asyncio.shield(self._pending[key])  # the first request's answer, rendered once
             answer = self.fresh(key)
         if answer is not None:
-            self.hits += 1
             await self.reply(answer, scope, send)
             return
-        self.misses += 1
         waiting = asyncio.get_running_loop().create_future()
         self._pending.setdefault(key, waiting)
         try:

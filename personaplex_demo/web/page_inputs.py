@@ -1,9 +1,6 @@
-"""The page's call settings, as one named tuple shared by the page (web/page.py) and the handler,
-and the call request they make.
-
-fastrtc passes the WebRTC stream's inputs to the handler as a list in the order the page lists
-them (`rtc.stream(..., inputs=[rtc, *PageInputs(...)])`); the handler reads them back by name
-(`PageInputs.from_args`), so neither side depends on a position the other chose.
+"""The page's call settings, as one named tuple shared by the page (web/page.py) and the handler, and
+the call request they make. fastrtc passes the stream's inputs as a list in the page's order; the
+handler reads them back by name, so neither side depends on a position the other chose.
 """
 
 from __future__ import annotations
@@ -64,6 +61,5 @@ class CallRequest:
 
 
 def new_seed() -> int:
-    """A seed for a caller who asked for a random one. Drawn here, not in the engine, so that it
-    goes into the call's transcript JSON and the call can be replayed with it."""
+    """A seed for a caller who asked for a random one, drawn here so that the transcript JSON keeps it."""
     return secrets.randbits(32)

@@ -1,8 +1,7 @@
 """`GET /metrics`: the pool's state and counters in the Prometheus text format.
 
-Gauges and counters are read from `pool.snapshot()` when Prometheus scrapes (a custom collector),
-so nothing is counted twice. The tick and latency histograms are fed by the pool's ticker through
-`add_tick_listener`: every sample lands in its bucket, however long between two scrapes.
+Gauges and counters are read from `room.snapshot()` at each scrape (a custom collector); the tick and
+latency histograms are fed by the ticker through `add_tick_listener`, so no sample is missed.
 """
 
 from __future__ import annotations

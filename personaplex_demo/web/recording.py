@@ -1,20 +1,12 @@
-"""Per-call recordings for the page's download buttons.
+"""Per-call recordings for the page's download buttons, each in its own folder under one temporary
+directory: `<name>.wav` (16-bit stereo at 24 kHz, the caller LEFT and the agent RIGHT, both from the
+moment the call goes live) and `<name>.json` (the agent's words with their times in the WAV, and the
+call's settings and end; docs/transcripts.md § Transcripts).
 
-Each call gets its own folder under one temporary directory:
-
-- `<name>.wav`: 16-bit stereo at 24 kHz, the caller on the LEFT channel and the agent on the
-  RIGHT. Both tracks start when the call goes live and advance one 80 ms frame at a time, so they
-  line up to within the model's own latency.
-- `<name>.json`: the agent's words, each piece with its frame and its start and end in the WAV
-  (as the offline CLI writes them), plus the call's voice, persona, sampling and how it ended.
-
-While a call runs its audio is streamed to two raw files, so memory stays flat however long calls
-are; `finish` interleaves them into the WAV. Old recordings are deleted after `max_age_seconds`
-(they hold the caller's voice) and at most `max_recordings` are kept.
-
-Each app's recordings folder is `personaplex-calls-<pid>-<random>` in the temp folder. At start
-the folders whose process is gone (a crash, a kill -9) are removed; those of another app still
-running on the same machine are kept.
+While a call runs its audio is streamed to two raw files, so memory stays flat however long calls are.
+Recordings go after `max_age_seconds` (they hold the caller's voice), the oldest first
+beyond `max_recordings`. The folder is named
+`personaplex-calls-<pid>-<random>`, so that the next start removes those of exited processes only.
 """
 
 from __future__ import annotations
@@ -62,11 +54,8 @@ def _alive(pid: int) -> bool:
 
 
 def remove_stale_recordings(tmpdir: str | Path | None = None, now: float | None = None) -> list[Path]:
-    """Delete recordings folders whose process has exited; returns what was removed.
-
-    A pid can be reused by an unrelated process: its folder then waits for the next start after
-    that process exits. Folders named without a pid (older versions) go once untouched for an hour,
-    past the age at which a running app deletes its recordings anyway."""
+    """Delete recordings folders whose process has exited (a reused pid's waits for the next start);
+    folders named without a pid go once untouched for an hour. Returns what was removed."""
     root = Path(tmpdir) if tmpdir is not None else Path(tempfile.gettempdir())
     now = time.time() if now is None else now
     removed = []
@@ -126,7 +115,6 @@ class CallRecording:
         self._finished = threading.Event()
         self._finishing = False
         self._files: RecordingFiles | None = None
-        self.end_reason: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -157,35 +145,30 @@ class CallRecording:
             self._agent.write(data.tobytes())
             self._agent_samples += data.size
 
-    def abandon(self) -> None:
-        """Close the tracks without writing any file; if `finish` is already writing, wait for it.
-        A later `finish` writes nothing."""
+    def _close_tracks(self) -> bool:
+        """Close the tracks, once: False (after waiting for it) where `finish` or `abandon` came first."""
         with self._lock:
-            first = not self._finishing
-            self._finishing = True
+            first, self._finishing = not self._finishing, True
             if first:
                 self._caller.close()
                 self._agent.close()
-        if first:
-            self._finished.set()
-        else:
+        if not first:
             self._finished.wait(60)
+        return first
+
+    def abandon(self) -> None:
+        """Close the tracks without writing any file; if `finish` is already writing, wait for it.
+        A later `finish` writes nothing."""
+        if self._close_tracks():
+            self._finished.set()
 
     def finish(self, end_reason: str | None = None) -> RecordingFiles | None:
         """Close the tracks and write the WAV and the JSON. Idempotent; returns None if nothing was
         recorded (the call never went live)."""
-        with self._lock:
-            first = not self._finishing
-            self._finishing = True
-        if not first:  # another thread is writing the files: wait for it
-            self._finished.wait(60)
+        if not self._close_tracks():  # another thread wrote the files
             return self._files
         with self._lock:
-            self._caller.close()
-            self._agent.close()
-            self.end_reason = end_reason
-            caller_n, agent_n = self._caller_samples, self._agent_samples
-            segments = list(self._segments)
+            caller_n, agent_n, segments = self._caller_samples, self._agent_samples, list(self._segments)
         try:
             if caller_n == 0 and agent_n == 0:
                 return None

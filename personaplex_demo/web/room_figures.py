@@ -1,12 +1,8 @@
 """The room's figures on every open page, for the price of a small cached answer.
 
-Each open tab shows the room (slots in use, who waits, latency, tick times). A Gradio timer would
-raise one queued event per tab every few seconds (a request, a stream, a worker thread), whether
-anybody is talking or not: a few hundred idle tabs become a steady load on the process that serves
-the page. Instead the page's own script asks `GET /api/room` every `REFRESH_SECONDS` while the tab
-is visible (a hidden tab asks when it is shown again); the answer is built at most once a second
-for all tabs together and is a few hundred bytes. The figures are labelled parts that the script
-puts into the page as text, never as markup.
+Instead of a Gradio timer event per tab, the page's own script asks `GET /api/room` every
+`REFRESH_SECONDS` while the tab is visible; the answer is built at most once a second for all tabs
+(docs/serving.md § Visitors and callers). The script puts the labelled parts in as text, never markup.
 """
 
 from __future__ import annotations

@@ -19,9 +19,8 @@ TEXT_SECONDS = 0.5
 
 
 class SharedFigures:
-    """One room's `snapshot()`, shared by every handler and page refresh of that room and taken at
-    most every `ttl` seconds: a snapshot sorts thousands of samples under the ticker's lock, and
-    many callers ask for it."""
+    """One room's `snapshot()`, shared by its handlers and page refreshes and taken at most every `ttl`
+    seconds: a snapshot sorts thousands of samples under the ticker's lock."""
 
     def __init__(self, room: Room, ttl: float = 0.5) -> None:
         self.room, self.ttl = room, ttl
@@ -48,10 +47,9 @@ def queue_reason(m: PoolMetrics) -> str | None:
 
 
 def limited_by(m: PoolMetrics, media_lag_limit_seconds: float, slots_bound: str | None = None) -> str | None:
-    """What keeps the next caller out now (None: a caller would be seated at once): every slot
-    held, where the device's memory set their number ("memory", `SlotPlan.bound`) or a setting
-    did ("slots"); the engine's tick, whose next size would not fit its budget ("tick"); or a
-    door's process whose event loop lags, so its CPU cannot carry more media ("media")."""
+    """What keeps the next caller out now (None: nothing): every slot held, their number set by the
+    device's memory ("memory", `SlotPlan.bound`) or a setting ("slots"); the engine's tick, whose next
+    size would not fit its budget ("tick"); or a door's event loop that lags ("media")."""
     if m.slots_free == 0:
         return "memory" if slots_bound == "memory" else "slots"
     if m.admitting:

@@ -1,19 +1,8 @@
 """Visitors' work is bounded; callers' never is (docs/serving.md § Visitors and callers).
 
-A shared link brings visitors in bursts: most load the page, look, and leave the tab open. Their
-requests are of two kinds, and this ASGI middleware limits both, per client address and all
-addresses together, before they reach Gradio:
-
-- page loads: `GET /` and `GET /config`;
-- visitor events: the page's Gradio events that are not a call's (the deep link's load event, a
-  preset chosen, the persona's token count as it is typed) and the room's figures (`/api/room`).
-
-A call's own requests (its offer, its events, its event stream, its downloads) and everything
-else pass untouched: a caller is never refused because visitors came. Per address, a token
-bucket: `page_loads_per_minute`, half of it at once (a classroom behind one address may open the
-link together); visitor events at ten times that rate. All addresses together, at most
-`in_flight` of these requests are being answered at any moment; beyond that the server is behind
-and the next visitor is asked to come back in a moment (503) instead of adding to the backlog.
+An ASGI middleware in front of Gradio limits page loads (`GET /`, `/config`) and visitor events (the
+page's Gradio events that are not a call's, and `/api/room`), per client address with a token bucket
+and all addresses together with `in_flight`. A call's own requests and everything else pass untouched.
 A refused page load gets a short page that reloads itself when the address may load again.
 """
 
@@ -44,22 +33,6 @@ class VisitorConfig:
     page_loads_per_minute: int = 60  # per client address; 0: no limit per address
     in_flight: int = 64  # visitors' requests being answered at once, all addresses together
     trust_forwarded_for: bool = False  # behind a proxy that sets X-Forwarded-For (a Space)
-
-    @property
-    def page_burst(self) -> float:
-        return max(1.0, self.page_loads_per_minute / 2)
-
-    @property
-    def page_rate(self) -> float:
-        return self.page_loads_per_minute / 60
-
-    @property
-    def event_burst(self) -> float:
-        return 10 * self.page_burst
-
-    @property
-    def event_rate(self) -> float:
-        return 10 * self.page_rate
 
 
 @dataclass
@@ -160,13 +133,15 @@ class VisitorLimits:
 
     def wait(self, kind: str, address: str) -> float:
         """0 when `address` may go on, else the seconds until it may."""
-        if not self.config.page_loads_per_minute:
+        per_minute = self.config.page_loads_per_minute
+        if not per_minute:
             return 0.0
         now = self.clock()
         bucket = self._buckets.get((kind, address))
         if bucket is None:
-            capacity, rate = ((self.config.page_burst, self.config.page_rate) if kind == "page"
-                              else (self.config.event_burst, self.config.event_rate))
+            # Half a minute's page loads at once (a classroom behind one address); events ten times as many.
+            scale = 1 if kind == "page" else 10
+            capacity, rate = scale * max(1.0, per_minute / 2), scale * per_minute / 60
             bucket = self._buckets[(kind, address)] = Bucket(capacity, rate, capacity, now)
             while len(self._buckets) > MAX_ADDRESSES:
                 self._buckets.popitem(last=False)
