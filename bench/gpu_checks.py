@@ -62,7 +62,7 @@ class GoldenModels:
                                                self.mimi_seed)
 
     def lm(self, device: torch.device, dtype: torch.dtype, context: int | None = None):
-        cfg = LMConfig.tiny() if context is None else LMConfig.tiny().with_context(context)
+        cfg = LMConfig.tiny() if context is None else replace(LMConfig.tiny(), context=context)
         return load_lm(cfg, self.lm_file, dtype, device)
 
     def mimi(self, device: torch.device):

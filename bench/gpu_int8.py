@@ -13,7 +13,7 @@ import time
 import torch
 
 from bench.gpu_batches import FRAME_MS, Run, largest_realtime, measure_b, measure_batches, ms, release, sync
-from personaplex_demo.model.int8 import quantize_loaded
+from tests.support.int8 import quantize_loaded
 
 INT8_BATCHES = (1, 16, 64)
 

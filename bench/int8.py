@@ -32,11 +32,11 @@ from bench.common import fmt_ms, interleave, md_table, replace_section  # noqa: 
 from bench.engines import core_stepper, mid_lm_config  # noqa: E402
 from bench.model import LM_SEED, bench_persona, bench_voice, hash_file  # noqa: E402
 from personaplex_demo.model.checkpoint import load_lm, meta_lm, write_hash_checkpoint  # noqa: E402
-from personaplex_demo.model.config import LMConfig, lm_weight_bytes  # noqa: E402
-from personaplex_demo.model.int8 import weight_bytes  # noqa: E402
+from personaplex_demo.model.config import LMConfig  # noqa: E402
 from personaplex_demo.model.transformer import RMSNorm  # noqa: E402
 from tests.conftest import golden  # noqa: E402
 from tests.lm_fixtures import real_lm_shapes  # noqa: E402
+from tests.support.int8 import lm_weight_bytes, weight_bytes  # noqa: E402
 from tests.test_lm_golden import run_session  # noqa: E402
 
 SECTION = "Int8 weights: memory, error and speed on the CPU"

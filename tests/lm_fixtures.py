@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from functools import cache
 from pathlib import Path
 
@@ -17,12 +18,21 @@ from .conftest import golden
 LM_SEED = golden("lm-tiny.config.json")["weights"]["seed"]
 
 
+def lm_config_from_kwargs(kwargs: dict) -> LMConfig:
+    """Build from NVIDIA `LMModel` kwargs; unknown keys are architecture constants here."""
+    picked = {f.name: kwargs[f.name] for f in fields(LMConfig) if f.name in kwargs}
+    if "delays" in picked:
+        picked["delays"] = tuple(picked["delays"])
+    return LMConfig(**picked)
+
+
 def tiny_lm_config(overrides: dict | None = None) -> LMConfig:
-    cfg = LMConfig.from_kwargs(golden("lm-tiny.config.json")["kwargs"])
+    cfg = lm_config_from_kwargs(golden("lm-tiny.config.json")["kwargs"])
     assert cfg == LMConfig.tiny()
     if overrides and "context" in overrides:
-        cfg = cfg.with_context(overrides["context"])
+        cfg = replace(cfg, context=overrides["context"])
     return cfg
+
 
 
 @cache

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from personaplex_demo.model.checkpoint import meta_mimi
-from personaplex_demo.model.config import LMConfig, MimiConfig, lm_weight_bytes
+from personaplex_demo.model.config import LMConfig, MimiConfig
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 from personaplex_demo.runtime.capacity import (
     CPU_AUTO_SLOTS,
@@ -28,6 +28,7 @@ from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.web.page import status_payload
 
 from .lm_fixtures import real_lm_shapes
+from .support.int8 import lm_weight_bytes
 
 FULL = LMConfig.personaplex_7b()
 BF16 = 2

@@ -7,14 +7,15 @@ import pytest
 import torch
 
 from personaplex_demo.model.checkpoint import load_lm
-from personaplex_demo.model.config import LMConfig, lm_weight_bytes, quantized_key
-from personaplex_demo.model.int8 import Int8Linear, quantize_rows, weight_bytes
+from personaplex_demo.model.config import LMConfig, quantized_key
+from personaplex_demo.model.int8 import Int8Linear, quantize_rows
 from personaplex_demo.runtime.build import INT8_BANNER, RuntimeOptions, build_runtime
 from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.web.page import status_payload
 
 from .lm_fixtures import real_lm_shapes, tiny_lm_file
+from .support.int8 import lm_weight_bytes, quantize_loaded, weight_bytes
 
 REAL_LM = real_lm_shapes()
 
@@ -93,8 +94,6 @@ def test_a_bf16_file_loads_as_int8_with_bf16_scales_and_stays_close_to_bf16():
 
 
 def test_quantizing_a_loaded_lm_in_place_matches_quantizing_while_loading(tiny_repo):
-    from personaplex_demo.model.int8 import quantize_loaded
-
     cfg = LMConfig.tiny()
     loaded = load_lm(cfg, tiny_repo / "model.safetensors", torch.float32, weights="int8")
     later = load_lm(cfg, tiny_repo / "model.safetensors", torch.float32)

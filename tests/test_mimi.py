@@ -46,9 +46,24 @@ def tiny_weights(tiny_config: dict, manifest: dict) -> dict[str, np.ndarray]:
     return {key: make_tensor("mimi", key, t["shape"], seed) for key, t in manifest["tensors"].items()}
 
 
+def mimi_config_from_kwargs(kw: dict) -> MimiConfig:
+    """Build from the reference `{seanet, quantizer, transformer, model}` kwargs."""
+    s, q, t, m = kw["seanet"], kw["quantizer"], kw["transformer"], kw["model"]
+    return MimiConfig(
+        sample_rate=m["sample_rate"], frame_rate=m["frame_rate"], channels=s["channels"],
+        n_filters=s["n_filters"], dimension=s["dimension"], ratios=tuple(s["ratios"]),
+        kernel_size=s["kernel_size"], residual_kernel_size=s["residual_kernel_size"],
+        last_kernel_size=s["last_kernel_size"], compress=s["compress"], transformer_d_model=t["d_model"],
+        transformer_num_heads=t["num_heads"], transformer_num_layers=t["num_layers"],
+        transformer_dim_feedforward=t["dim_feedforward"], transformer_context=t["context"],
+        transformer_max_period=t["max_period"], quantizer_dimension=q["dimension"],
+        quantizer_n_q=q["n_q"], quantizer_bins=q["bins"], num_codebooks=m["num_codebooks"],
+    )
+
+
 @pytest.fixture(scope="module")
 def mimi(tiny_config: dict, tiny_weights: dict[str, np.ndarray]) -> Mimi:
-    cfg = MimiConfig.from_kwargs(tiny_config["kwargs"])
+    cfg = mimi_config_from_kwargs(tiny_config["kwargs"])
     assert cfg == MimiConfig.tiny()
     model = Mimi(cfg).eval()
     state_dict = {k: torch.from_numpy(v) for k, v in tiny_weights.items()}
@@ -117,8 +132,8 @@ def test_per_row_reset(mimi: Mimi, signal: np.ndarray) -> None:
     sig0 = signal[:n]
     sig1 = signal[n:2 * n]
     rng = np.random.default_rng(0)
-    codes0 = rng.integers(0, mimi.cardinality, size=(n, 8))
-    codes1 = rng.integers(0, mimi.cardinality, size=(n, 8))
+    codes0 = rng.integers(0, mimi.cfg.quantizer_bins, size=(n, 8))
+    codes1 = rng.integers(0, mimi.cfg.quantizer_bins, size=(n, 8))
 
     state = mimi.init_state(2)
     enc, dec = [], []
@@ -141,7 +156,7 @@ def test_per_row_reset(mimi: Mimi, signal: np.ndarray) -> None:
 
 
 def test_separate_encoder_decoder_reset(mimi: Mimi, signal: np.ndarray) -> None:
-    """reset_encoder_rows leaves the decoder state alone, and a bool mask works like indices."""
+    """Resetting the encoder's rows leaves the decoder state alone, and the other way round."""
     state = mimi.init_state(2)
     codes = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]] * 2)
     for f in range(3):
@@ -149,13 +164,13 @@ def test_separate_encoder_decoder_reset(mimi: Mimi, signal: np.ndarray) -> None:
         mimi.decode_step(codes, state)
     dec_end = state.decoder.transformer.end.clone()
     tails = [s.tail.clone() for s in state.decoder.seanet if hasattr(s, "tail")]
-    mimi.reset_encoder_rows(state, torch.tensor([False, True]))
+    state.encoder.reset_rows(torch.tensor([False, True]))
     assert state.encoder.transformer.end.tolist() == [6, 0]
     assert state.encoder.downsample.fresh.tolist() == [False, True]
     assert torch.equal(state.decoder.transformer.end, dec_end)
     assert all(torch.equal(a, s.tail) for a, s in
                zip(tails, [s for s in state.decoder.seanet if hasattr(s, "tail")]))
-    mimi.reset_decoder_rows(state, [0])
+    state.decoder.reset_rows(torch.tensor([True, False]))
     assert state.decoder.transformer.end.tolist() == [0, 6]
     assert not state.decoder.upsample.tail[0].any()
 

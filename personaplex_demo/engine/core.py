@@ -1,15 +1,9 @@
 """Batched lockstep over the LM: B conversations stepped together on tokens, one 80 ms frame
-per tick (docs/engine.md).
+per tick, with no host sync (docs/engine.md § The tick).
 
-`LockstepCore` owns an `LMState` (ring KV cache, staging ring, sampling knobs and live rows of
-every row), installs system prompts from the parallel prefill (`prompt.PrefixCache`), and runs
-one tick for the whole batch with no host sync. Every row keeps its own offset `local`: its
-staging column is `local % CT`, its RoPE position and KV ring index count only its own steps,
-so a recycled row is exactly a fresh session.
-
-A tick steps the first n rows of the batch, n one of `buckets` (engine/rows.py): the state's
-first n rows are a batch of their own (`LMState.head`), sharing the storage, so a tick costs what
-its rows cost, not what the slots do (docs/engine.md § Ticks sized by the live calls).
+Every row keeps its own offset `local`: its staging column, RoPE position and KV ring index
+count only its own steps, so a recycled row is exactly a fresh session. A tick steps the first n
+rows, n one of `buckets` (docs/engine.md § Ticks sized by the live calls).
 """
 
 from __future__ import annotations
@@ -131,9 +125,8 @@ class LockstepCore:
         return [self._graphed_listen, self._graphed_speak]
 
     def graph_keys(self) -> tuple[list[int], list[int | None], list[tuple[int, int]]]:
-        """Every key the tick can meet: its batch buckets, the temporal part's visible-slot
-        buckets and the depformer part's (text, audio) top-k buckets; each part has a graph per
-        batch bucket and key of its own (docs/engine.md § CUDA graphs)."""
+        """Every key the tick can meet: batch buckets, visible-slot buckets and (text, audio)
+        top-k buckets (docs/engine.md § CUDA graphs)."""
         visible: list[int | None] = [None]
         if self.attend_filled:
             visible = [*range(VISIBLE_BUCKET, self.context, VISIBLE_BUCKET), None]
@@ -142,9 +135,8 @@ class LockstepCore:
 
     @torch.no_grad()
     def capture_graphs(self) -> int:
-        """Capture the graphs of every key now, before any row is live, so that serving never
-        captures (a capture costs an eager tick, a synchronize and more). With no live row a
-        tick changes nothing a row can see. Returns the number of graphs held."""
+        """Capture the graphs of every key now, before any row is live (then a tick changes nothing
+        a row can see), so that serving never captures. Returns the number of graphs held."""
         if any(r.live for r in self.rows):
             raise RuntimeError("capture_graphs runs before any row is live")
         batches, visible_keys, top_k_keys = self.graph_keys()
@@ -211,9 +203,8 @@ class LockstepCore:
         return self.rows[slot].live
 
     def visible_slots(self) -> int | None:
-        """How many ring slots this tick must attend: the live rows' longest length after the
-        tick's append, rounded up to VISIBLE_BUCKET (one CUDA graph per bucket); None for the
-        whole ring (a row has wrapped, is not tracked, or the option is off)."""
+        """How many ring slots this tick must attend, None for the whole ring
+        (docs/engine.md § Attending the filled ring)."""
         if not self.attend_filled:
             return None
         lengths = [r.length for r in self.rows if r.live]

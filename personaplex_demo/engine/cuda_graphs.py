@@ -1,20 +1,13 @@
-"""CUDA graphs for the per-tick hot path, with a per-key eager fallback.
+"""CUDA graphs for the per-tick hot path, with a per-key eager fallback (docs/engine.md § CUDA graphs).
 
-Why: a tick is hundreds of small kernels, so at small batch sizes the GPU waits on kernel launches;
-replaying a captured graph launches them all at once. Design: docs/engine.md § CUDA graphs.
-
-Contract of the wrapped function: it takes tensors only, keeps every state tensor in place (same
-storage: a graph replays into the addresses it captured), changes no Python-side state (that runs
-once, at capture, never at replay) and makes no host sync (which capture forbids).
+Contract of the wrapped function: it takes tensors only, keeps every state tensor in place (a
+graph replays into the addresses it captured), changes no Python-side state (that runs once, at
+capture) and makes no host sync (which capture forbids).
 
 Keys: the caller names the graph with a hashable `key` (plus the inputs' shapes, dtypes and device)
-and must bound its key set itself: each key holds one graph, and all keys of one wrapper share one
-graph memory pool per device. The first call for a key runs eagerly (warm-up: allocator, cuBLAS
-handles, lazy init); the second captures and replays; later calls copy their inputs into the
-captured ones and replay. Capture runs no kernels, so every call advances the state exactly once.
-
-Fallback: a key whose capture fails (an OOM, an op that cannot be captured) runs eagerly from then
-on, with one warning; the graphs of other keys live on untouched.
+and bounds its key set itself. The first call for a key runs eagerly (warm-up: allocator, cuBLAS
+handles, lazy init); the second captures and replays; capture runs no kernels, so every call
+advances the state exactly once. A key whose capture fails runs eagerly from then on.
 """
 
 from __future__ import annotations
@@ -95,16 +88,12 @@ class CudaGraphed:
         self.fn = fn
         self.name = name
         self._backend = backend if backend is not None else CudaBackend()
-        self._enabled = enabled and self._backend.available()
+        self.enabled = enabled and self._backend.available()
         self._seen: set[Hashable] = set()  # keys warmed up by one eager call
         self._graphs: dict[Hashable, _Captured] = {}
         self._failed: set[Hashable] = set()  # keys whose capture failed: eager for good
         self._pools: dict[torch.device, Any] = {}  # one pool per device, shared by all keys
         self._streams: dict[torch.device, Any] = {}  # one capture stream per device
-
-    @property
-    def enabled(self) -> bool:
-        return self._enabled
 
     @property
     def captured(self) -> int:
@@ -135,13 +124,9 @@ class CudaGraphed:
     def capture(self, *inputs: torch.Tensor, key: Hashable = ()) -> object:
         """Capture the graph of `key` now, so that the first `__call__` for it replays.
 
-        Makes exactly one call of `fn`'s worth of state change, like `__call__`, and returns
-        its output: a key never seen runs its eager warm-up call and is then captured (which
-        runs no kernel; the warm-up's output is returned); a key warmed up but not captured is
-        captured and replayed once; a captured key replays once; a disabled wrapper, ineligible
-        inputs or a failed capture run eagerly once. Nothing is restored: an engine that
-        captures at start-up must do it on scratch state or before any row is live, and reset
-        that state before serving.
+        Makes exactly one call of `fn`'s worth of state change, like `__call__`, and returns its
+        output (a new key: its eager warm-up's). Nothing is restored: an engine that captures at
+        start-up must do it before any row is live.
         """
         full = self._graph_key(inputs, key)
         if full is None or full in self._graphs or full in self._seen:
@@ -152,7 +137,7 @@ class CudaGraphed:
 
     def _graph_key(self, inputs: tuple[torch.Tensor, ...], key: Hashable) -> Hashable | None:
         """The graph's key, or None where this call must run eagerly."""
-        if not self._enabled or not inputs or not all(self._backend.eligible(t) for t in inputs) or any(
+        if not self.enabled or not inputs or not all(self._backend.eligible(t) for t in inputs) or any(
                 t.device != inputs[0].device for t in inputs):
             return None
         full = (key, tuple((t.shape, t.dtype, t.device) for t in inputs))

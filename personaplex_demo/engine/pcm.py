@@ -1,10 +1,5 @@
-"""The PCM engine: B conversations of 24 kHz audio in, agent audio and transcript out, one
-80 ms frame per `step` (docs/engine.md).
-
-`LockstepEngine` wraps the token-level `LockstepCore` with Mimi (PCM in and out), voices, the
-tokenizer and the transcript, and is what the SlotPool drives. The pool speaks of slots; the
-engine keeps each slot's conversation in a row of its batch, the rows in use always the lowest,
-and a tick steps only the batch bucket that holds them (engine/rows.py).
+"""The PCM engine: `LockstepCore` with Mimi, voices, the tokenizer and the transcript; what the
+SlotPool drives (docs/engine.md). The pool speaks of slots, the core of rows (engine/rows.py).
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
 """Which batch row holds which slot's conversation, and how many rows a tick steps
-(docs/engine.md § Ticks sized by the live calls).
-
-The pool names a call by its slot; the engine keeps each slot's conversation in a row of its
-batch, always among the lowest rows, so that a tick steps only the smallest batch bucket that
-holds them: one caller in a 12-slot room steps one row, not twelve. A new conversation takes
-the lowest free row; when conversations end and the highest rows are left beyond the bucket the
-rest would need, they move down into the free rows (`RowPlaces.compaction`).
-
-Torch-free: plain bookkeeping on the engine thread.
+(docs/engine.md § Ticks sized by the live calls). Torch-free bookkeeping on the engine thread.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""Per-row sampling for a batch: temperature, top-k, greedy and a seed per conversation.
+"""Per-row sampling for a batch: temperature, top-k, greedy and a seed per conversation
+(docs/engine.md § Sampling).
 
-The reference sampler divides the logits by the temperature, takes a softmax, keeps the
-top-k and picks argmax(p / q) with q ~ Exp(1) (docs/engine.md § Sampling). Its random draws come from one
-global generator, so a caller's tokens would depend on who else is in the batch. Here each
-draw is a pure function of (row seed, row tick, stream, token id): a counter-based hash that is
-batched, device independent and reproducible per call, with no per-row generator loop.
-
-The noise belongs to the token, not to its rank among the top-k: two tokens of equal probability
-are chosen alike whichever order `topk` lists them in (the order of ties differs between devices).
-The per-(row, tick, stream) part of the hash is computed once per tick for all nine draws.
+The reference draws from one global generator, so a caller's tokens would depend on who else is
+in the batch. Here each draw is a pure function of (row seed, row tick, stream, token id): a
+counter-based hash, batched, device independent and reproducible per call.
 """
 
 from __future__ import annotations
@@ -112,11 +107,8 @@ class TopK:
 
 def sample(logits: torch.Tensor, knobs: TopK, key: torch.Tensor) -> torch.Tensor:
     """logits [B, V] fp32 -> tokens [B], with the row keys `key` [B, 1] of this draw (see
-    `stream_keys`). Greedy rows take the first maximal index.
-
-    A row keeps the candidates at least as probable as its k-th: the cut is by value, so that
-    which of several tokens tied at the k-th place survive does not depend on the order `topk`
-    lists them in, nor on how many candidates the batch ranks."""
+    `stream_keys`). Greedy rows take the first maximal index. The top-k cut is by value, so that
+    ties at the k-th place survive together whatever order `topk` lists them in."""
     greedy = logits.argmax(dim=-1)
     probs = torch.softmax(logits / knobs.temperature, dim=-1)
     top_p, top_i = probs.topk(knobs.k, dim=-1)  # sorted, descending

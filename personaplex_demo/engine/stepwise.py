@@ -1,9 +1,5 @@
-"""The system prompt played one tick at a time, as the reference implementation plays it.
-
-Serving installs a prompt at once from one parallel forward (`prompt.PrefixCache`). This module
-keeps the reference's way as an oracle: the golden tests replay the reference's sessions through
-it tick by tick, prompt included, and a test checks that both ways give the same tokens
-(docs/engine.md § System prompt and prefill).
+"""The system prompt played one tick at a time, as the reference plays it: the oracle that the
+parallel prefill is checked against (docs/engine.md § System prompt and prefill).
 """
 
 from __future__ import annotations

@@ -126,9 +126,7 @@ def return_freed_memory() -> None:
 
 def read_tensors(path: Path, keys: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of a safetensors file, one at a time, read with plain reads into one buffer
-    that each next tensor reuses: a tensor is valid until the next one is asked for, so copy what
-    you keep. (The format: an 8-byte little-endian header length, a JSON header of dtype, shape
-    and data offsets per key, then the data.) One buffer, not one allocation per tensor, leaves
+    that each next tensor reuses (copy what you keep): one allocation, not one per tensor, leaves
     the heap no holes to keep when the big tensors are converted and dropped."""
     with open(path, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))

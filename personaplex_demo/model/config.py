@@ -1,15 +1,11 @@
-"""Model configurations: the full PersonaPlex-7B and the tiny hash-v1 test models.
-
-Field names follow NVIDIA's `LMModel` / `MimiModel` keyword arguments where one exists, so a
-config can be built from the kwargs stored next to a checkpoint (`from_kwargs`).
-"""
+"""Model configurations: the full PersonaPlex-7B and the tiny hash-v1 test models. Field names
+follow NVIDIA's `LMModel` / `MimiModel` keyword arguments where one exists."""
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass
 
 from ..frame import AUDIO_CARD, SAMPLE_RATE, TEXT_CARD
 
@@ -30,16 +26,6 @@ INT8_KEYS = re.compile(r"(transformer|depformer)\.layers\.\d+\.(self_attn\.in_pr
 def quantized_key(key: str) -> bool:
     """Whether `--weights int8` holds the LM checkpoint key's tensor as int8."""
     return INT8_KEYS.fullmatch(key) is not None
-
-
-def lm_weight_bytes(shapes: dict[str, tuple[int, ...]], weights: str, itemsize: int) -> int:
-    """Bytes of the LM's weights as loaded, from the checkpoint's keys and shapes: `itemsize` per
-    element, but for int8 weights one byte per element plus a scale (`itemsize`) per row."""
-    total = 0
-    for key, shape in shapes.items():
-        n = math.prod(shape)
-        total += n + shape[0] * itemsize if weights == "int8" and quantized_key(key) else n * itemsize
-    return total
 
 
 def _feedforward_hidden(dim: int, dim_feedforward: int) -> int:
@@ -102,18 +88,6 @@ class LMConfig:
         return cls(dim=64, num_heads=4, num_layers=2, depformer_dim=32, depformer_num_heads=4,
                    depformer_num_layers=2, depformer_dim_feedforward=int(4.125 * 32))
 
-    @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any]) -> LMConfig:
-        """Build from NVIDIA `LMModel` kwargs; unknown keys are architecture constants here."""
-        names = {f.name for f in fields(cls)}
-        picked = {k: v for k, v in kwargs.items() if k in names}
-        if "delays" in picked:
-            picked["delays"] = tuple(picked["delays"])
-        return cls(**picked)
-
-    def with_context(self, context: int) -> LMConfig:
-        return replace(self, context=context)
-
 
 @dataclass(frozen=True)
 class MimiConfig:
@@ -148,10 +122,7 @@ class MimiConfig:
 
     @property
     def hop_length(self) -> int:
-        n = 1
-        for r in self.ratios:
-            n *= r
-        return n
+        return math.prod(self.ratios)
 
     @classmethod
     def personaplex(cls) -> MimiConfig:
@@ -164,21 +135,6 @@ class MimiConfig:
                    transformer_num_layers=2, transformer_dim_feedforward=128, transformer_context=64,
                    quantizer_dimension=16, quantizer_n_q=8)
 
-    @classmethod
-    def from_kwargs(cls, kw: dict[str, Any]) -> MimiConfig:
-        """Build from the reference `{seanet, quantizer, transformer, model}` kwargs."""
-        s, q, t, m = kw["seanet"], kw["quantizer"], kw["transformer"], kw["model"]
-        return cls(
-            sample_rate=m["sample_rate"], frame_rate=m["frame_rate"], channels=s["channels"],
-            n_filters=s["n_filters"], dimension=s["dimension"], ratios=tuple(s["ratios"]),
-            kernel_size=s["kernel_size"], residual_kernel_size=s["residual_kernel_size"],
-            last_kernel_size=s["last_kernel_size"], compress=s["compress"], transformer_d_model=t["d_model"],
-            transformer_num_heads=t["num_heads"], transformer_num_layers=t["num_layers"],
-            transformer_dim_feedforward=t["dim_feedforward"], transformer_context=t["context"],
-            transformer_max_period=t["max_period"], quantizer_dimension=q["dimension"],
-            quantizer_n_q=q["n_q"], quantizer_bins=q["bins"], num_codebooks=m["num_codebooks"],
-        )
-
 
 @dataclass(frozen=True)
 class ModelFiles:
@@ -189,5 +145,3 @@ class ModelFiles:
     tokenizer: str = "tokenizer_spm_32k_3.model"
     voices: str = "voices.tgz"
 
-
-__all__ = ["LMConfig", "MimiConfig", "ModelFiles", "PERSONAPLEX_DELAYS"]

@@ -1,9 +1,6 @@
-"""hash-v1: deterministic test weights from (key, seed, shape), bit-identical everywhere.
-
-This is the recipe of the golden fixtures (tests/golden/README.md §1): integer hashing in
-numpy, one float64 multiply and add, one round-to-nearest cast to float32. Tiny checkpoints
-and voice prompts made with it are written in the official file layout, so that the tests
-and the offline demo exercise the same loader as the real weights.
+"""hash-v1: deterministic test weights from (key, seed, shape), bit-identical everywhere: the
+recipe of the golden fixtures (tests/golden/README.md §1), integer hashing in numpy, one float64
+multiply and add, one round-to-nearest cast to float32.
 """
 
 from __future__ import annotations
@@ -82,8 +79,7 @@ def tensor_chunks(kind: str, key: str, shape: Sequence[int], seed: int, chunk: i
     n = math.prod(int(s) for s in shape)
     for start in range(0, n, chunk):
         size = min(chunk, n - start)
-        yield np.full(size, offset, dtype=np.float32) if scale == 0.0 else _values(key, seed, size, start, offset,
-                                                                                   scale)
+        yield np.full(size, offset, dtype=np.float32) if scale == 0.0 else _values(key, seed, size, start, offset, scale)
 
 
 def hash_ints(key: str, seed: int, shape: Sequence[int], high: int) -> np.ndarray:

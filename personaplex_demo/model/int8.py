@@ -1,15 +1,9 @@
 """Weight-only int8 for the LM's transformer layers (docs/model.md § Int8 weights).
 
-Each weight matrix W [out, in] is stored as int8 with one scale per output row:
-scale = max |W[row]| / 127, q = round(W / scale). A layer computes x @ (q * scale).T as
-`F.linear(x, q.to(x.dtype)) * scale`: the activations stay in the model dtype, only the weights
-shrink (to about half of bf16). This is gpt-fast's int8 recipe, written out here because the
-depformer slices its attention weights per step (`Attention`'s views), which a library's
-quantized tensor types do not offer (docs/design-notes.md § Int8 weights).
-
-Quantized (`model.config.quantized_key`): every matrix of the temporal transformer's and the
-depformer's layers (attention in and out, feed-forward in and out) and the depformer's input
-projections. Embeddings, norms, the output heads and Mimi keep the model dtype.
+gpt-fast's recipe: one scale per output row, x @ (q * scale).T computed as
+`F.linear(x, q.to(x.dtype)) * scale`. Written out here because the depformer slices its attention
+weights per step (`Attention`'s views), which a library's quantized tensor types do not offer
+(docs/design-notes.md § Int8 weights). Which keys: `model.config.quantized_key`.
 """
 
 from __future__ import annotations
@@ -69,25 +63,3 @@ def attach_scales(lm: nn.Module, scales: dict[str, torch.Tensor]) -> None:
             parent = lm.get_submodule(parent_name)
             setattr(parent, child, Int8Linear(getattr(parent, child).weight, s))
 
-
-def weight_bytes(lm: nn.Module) -> int:
-    """Bytes of the LM's parameters and buffers as loaded (int8 weights and their scales included)."""
-    seen = {t.data_ptr(): t.numel() * t.element_size() for t in [*lm.parameters(), *lm.buffers()]}
-    return sum(seen.values())
-
-
-def quantize_loaded(lm: nn.Module) -> int:
-    """Quantize an LM already loaded with dense weights, in place; how many tensors. The app
-    quantizes while it reads the file instead (`load_checkpoint`); this is for measuring both
-    kinds on one set of weights (bench/gpu_int8.py)."""
-    from .config import quantized_key
-
-    lm.requires_grad_(False)  # an int8 parameter cannot require gradients
-    keys = [k for k in lm.state_dict() if quantized_key(k)]
-    for key in keys:  # one at a time, each dense tensor freed as its int8 one takes its place
-        owner, _, name = key.rpartition(".")
-        module = lm.get_submodule(owner)
-        q, s = quantize_rows(getattr(module, name), getattr(module, name).dtype)
-        setattr(module, name, nn.Parameter(q, requires_grad=False))
-        attach_scales(lm, {key: s})
-    return len(keys)

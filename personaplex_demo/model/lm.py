@@ -1,10 +1,5 @@
 """The PersonaPlex LM: input embeddings, the temporal transformer and the depformer
 (docs/model.md § The LM). Module names reproduce the official `model.safetensors` keys.
-
-Two entry points run the temporal transformer:
-- `temporal_step`: one frame for every batch row, against per-row ring KV caches;
-- `temporal_prefill`: a parallel causal forward over a whole teacher-forced prompt of one row,
-  whose keys and values can be installed into a row's ring (`RingKV.load_row`).
 """
 
 from __future__ import annotations
@@ -48,11 +43,8 @@ class LMLayer(TransformerLayer):
 
 
 def depformer_masks(steps: int, device: torch.device | str) -> torch.Tensor:
-    """[steps, 1, 1, steps] bool: the slots of the frame's depformer ring step s sees.
-
-    The reference keeps the depformer's keys in a ring of `steps` slots, rebuilt every frame,
-    under the ring rule, so step s sees slots 0..s except that the last step cannot see slot 0
-    (it only produces user cb7, which is always replaced; kept for parity)."""
+    """[steps, 1, 1, steps] bool: the slots of the frame's depformer ring step s sees, under the
+    ring rule: slots 0..s, except that the last step cannot see slot 0 (kept for parity)."""
     s = torch.arange(steps, device=device)
     return ring_mask(s[:, None], s + 1, steps, None)
 
@@ -80,10 +72,8 @@ class PersonaPlexLM(nn.Module):
     # ---- inputs -------------------------------------------------------------------------------
 
     def embed_codes(self, column: torch.Tensor) -> torch.Tensor:
-        """column [B, 17] token ids -> [B, 1, D]: audio rows 0..15 summed first, then text.
-
-        The order matters in bf16: it is the reference's (docs/model.md § The LM). Each row is
-        `ZeroableEmbedding`'s lookup, with the clamp and the -1 test done once for all rows."""
+        """column [B, 17] token ids -> [B, 1, D]: audio rows 0..15 summed first, then text (the
+        order matters in bf16, docs/model.md § The LM)."""
         ids, zero = column.clamp(min=0), (column == -1)[..., None]
         x = None
         for i, table in enumerate(self.emb):
@@ -102,22 +92,16 @@ class PersonaPlexLM(nn.Module):
 
     def temporal_step(self, x: torch.Tensor, kv: RingKV, active: torch.Tensor,
                       visible: int | None = None) -> torch.Tensor:
-        """x [B, 1, D] -> out_norm(h) [B, 1, D]. Rows with `active` false do not advance: their
-        key goes to the slot they write first at their next step (see `RingKV.advance`); their
-        output is meaningless.
-
-        `visible`: attend only the first `visible` ring slots. Exact when no active row has
-        wrapped and each holds at most `visible` keys after this step's append (the caller
-        knows the rows' lengths on the host); None attends the whole ring."""
+        """x [B, 1, D] -> out_norm(h) [B, 1, D]. Rows with `active` false do not advance (see
+        `RingKV.advance`); their output is meaningless. `visible`: attend only the first `visible`
+        ring slots, exact while no active row holds more keys (None: the whole ring)."""
         attend = kv.advance(1, self.cfg.context, active, visible)
         return self.out_norm(self.transformer(x, attend, kv))
 
     def temporal_prefill(self, x: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
-        """Parallel causal forward of one row's prompt, x [1, L, D], from a fresh stream.
-
-        Returns the (rotated) keys and values of every layer, [layers, 2, H, L, Dh], equal to
-        what L single steps would have written into a ring of `capacity` (default: the
-        context), ready for `RingKV.load_row` (docs/engine.md § System prompt and prefill)."""
+        """Parallel causal forward of one row's prompt, x [1, L, D], from a fresh stream: the keys
+        and values of every layer [layers, 2, H, L, Dh] that L single steps would have written into
+        a ring of `capacity` (default: the context), for `RingKV.load_row` (docs/engine.md § System prompt and prefill)."""
         cfg = self.cfg
         L = x.shape[1]
         kv = self.new_kv(1, x.device, x.dtype, capacity=L)
@@ -134,13 +118,10 @@ class PersonaPlexLM(nn.Module):
 
     def depformer_frame(self, h: torch.Tensor, text_token: torch.Tensor, forced: torch.Tensor,
                         forced_mask: torch.Tensor, steps: int, choose) -> torch.Tensor:
-        """Run depformer steps 0..steps-1 for one frame (docs/model.md § Depformer).
-
-        h [B, 1, D] post-norm temporal output; text_token [B] (step 0's input); forced [B, steps]
-        and forced_mask [B, steps]: teacher forcing of each step's token as the NEXT step's
-        input; `choose(step, logits [B, card] fp32) -> tokens [B]` samples or takes the argmax.
-        Returns the chosen (not forced) tokens [B, steps].
-        """
+        """Run depformer steps 0..steps-1 for one frame (docs/model.md § Depformer): h [B, 1, D];
+        text_token [B]; forced and forced_mask [B, steps] force each step's token as the NEXT
+        step's input; `choose(step, logits [B, card] fp32) -> tokens [B]`. Returns the chosen
+        (not forced) tokens [B, steps]."""
         cfg = self.cfg
         n = cfg.dep_q
         masks = self._step_masks.get((h.device, h.dtype))

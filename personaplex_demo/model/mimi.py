@@ -1,16 +1,8 @@
 """Native streaming Mimi codec: 24 kHz PCM <-> 12.5 Hz frames of 8 RVQ codes (docs/model.md § Mimi).
 
-One call of `Mimi.encode_step` turns one 80 ms frame (1920 samples) per batch row into 8 codes,
-one call of `Mimi.decode_step` turns 8 codes per row back into 1920 samples. Streaming state is
-explicit: `Mimi.init_state(B)` returns tensors with a leading batch dimension, and any subset of
-rows can be reset to a fresh stream without touching the others (`Mimi.reset_rows`); `head(n)`
-is the first n rows as a smaller batch sharing the storage, and `move_row` moves a stream to
-another row (docs/engine.md § Ticks sized by the live calls).
-
-Module and parameter names reproduce the official checkpoint layout
-(`tokenizer-e351c8d8-checkpoint125.safetensors`, 318 keys), so the file loads with
-`load_state_dict(strict=True)`. The numerics follow the reference's operation order, including
-its ring-position rule (docs/model.md § The ring rule).
+Streaming state is explicit, with a leading batch dimension, so any subset of rows can be reset
+(docs/engine.md § Ticks sized by the live calls). Module names reproduce the official checkpoint's
+318 keys; the numerics follow the reference's operation order (docs/model.md § The ring rule).
 
 Per frame:
     encode  pcm [B, 1, 1920] -> SEANet encoder [B, D, 2] (25 Hz) -> transformer -> downsample
@@ -36,13 +28,6 @@ from .seanet import ConvState, ConvTrState, SEANetDecoder, SEANetEncoder, Stream
 from .transformer import Attention, LayerScale, Transformer, TransformerLayer
 
 logger = logging.getLogger(__name__)
-
-Rows = Tensor | Sequence[int] | Sequence[bool]
-
-
-# --------------------------------------------------------------------------------------------
-# Streaming state
-# --------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -90,10 +75,6 @@ class MimiState:
     encoder: EncoderState
     decoder: DecoderState
 
-    @property
-    def batch_size(self) -> int:
-        return self.encoder.transformer.end.shape[0]
-
     def reset_rows(self, mask: Tensor) -> None:
         self.encoder.reset_rows(mask)
         self.decoder.reset_rows(mask)
@@ -106,27 +87,6 @@ class MimiState:
         """Row `dst` continues row `src`'s streams; `src` is left as it was."""
         self.encoder.move_row(src, dst)
         self.decoder.move_row(src, dst)
-
-
-def _row_mask(rows: Rows, batch_size: int, device: torch.device) -> Tensor:
-    """A bool mask [B] from a bool mask or a list/tensor of row indices."""
-    if isinstance(rows, Tensor):
-        if rows.dtype == torch.bool:
-            assert rows.shape == (batch_size,), (rows.shape, batch_size)
-            return rows.to(device)
-        idx = rows.to(device=device, dtype=torch.long).reshape(-1)
-    else:
-        rows = list(rows)
-        if rows and all(isinstance(r, bool) for r in rows):
-            assert len(rows) == batch_size, (len(rows), batch_size)
-            return torch.tensor(rows, dtype=torch.bool, device=device)
-        idx = torch.tensor(rows, dtype=torch.long, device=device)
-    return torch.zeros(batch_size, dtype=torch.bool, device=device).index_fill_(0, idx, True)
-
-
-# --------------------------------------------------------------------------------------------
-# Streaming transformer (8 layers, ring KV of `context` steps, RoPE)
-# --------------------------------------------------------------------------------------------
 
 
 class MimiLayer(TransformerLayer):
@@ -169,24 +129,12 @@ class ProjectedTransformer(nn.Module):
         return self.transformer(x, attend, kv).transpose(1, 2)
 
 
-# --------------------------------------------------------------------------------------------
-# Resampling 25 Hz <-> 12.5 Hz
-# --------------------------------------------------------------------------------------------
-
-
 class ConvDownsample1d(nn.Module):
     """Learnt causal conv, kernel 2*stride, no bias, replicate left padding on a row's first call."""
 
     def __init__(self, stride: int, dimension: int):
         super().__init__()
-        self.conv = StreamingConv1d(dimension, dimension, 2 * stride, stride=stride, bias=False,
-                                    replicate=True)
-
-    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> ConvState:
-        return self.conv.init_state(batch_size, device, dtype)
-
-    def step(self, x: Tensor, state: ConvState) -> Tensor:
-        return self.conv.step(x, state)
+        self.conv = StreamingConv1d(dimension, dimension, 2 * stride, stride=stride, bias=False, replicate=True)
 
 
 class ConvTrUpsample1d(nn.Module):
@@ -194,19 +142,8 @@ class ConvTrUpsample1d(nn.Module):
 
     def __init__(self, stride: int, dimension: int):
         super().__init__()
-        self.convtr = StreamingConvTranspose1d(dimension, dimension, 2 * stride, stride=stride,
-                                               groups=dimension, bias=False)
-
-    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> ConvTrState:
-        return self.convtr.init_state(batch_size, device, dtype)
-
-    def step(self, x: Tensor, state: ConvTrState) -> Tensor:
-        return self.convtr.step(x, state)
-
-
-# --------------------------------------------------------------------------------------------
-# Mimi
-# --------------------------------------------------------------------------------------------
+        self.convtr = StreamingConvTranspose1d(dimension, dimension, 2 * stride, stride=stride, groups=dimension,
+                                               bias=False)
 
 
 class Mimi(nn.Module):
@@ -229,19 +166,7 @@ class Mimi(nn.Module):
         self.upsample = ConvTrUpsample1d(self.resample_stride, cfg.dimension)
         logger.debug("Mimi: latent %d, %d+%d transformer layers, frame %d samples, %d of %d codebooks",
                      cfg.dimension, cfg.transformer_num_layers, cfg.transformer_num_layers,
-                     self.frame_size, self.num_codebooks, cfg.quantizer_n_q)
-
-    @property
-    def frame_size(self) -> int:
-        return self.cfg.frame_size
-
-    @property
-    def num_codebooks(self) -> int:
-        return self.cfg.num_codebooks
-
-    @property
-    def cardinality(self) -> int:
-        return self.cfg.quantizer_bins
+                     cfg.frame_size, cfg.num_codebooks, cfg.quantizer_n_q)
 
     def _param_device_dtype(self) -> tuple[torch.device, torch.dtype]:
         w = self.encoder.model[0].conv.conv.weight
@@ -256,52 +181,39 @@ class Mimi(nn.Module):
         a = (batch_size, device or d, dtype or t)
         return MimiState(
             EncoderState(self.encoder.init_state(*a), self.encoder_transformer.init_state(*a),
-                         self.downsample.init_state(*a)),
-            DecoderState(self.upsample.init_state(*a), self.decoder_transformer.init_state(*a),
+                         self.downsample.conv.init_state(*a)),
+            DecoderState(self.upsample.convtr.init_state(*a), self.decoder_transformer.init_state(*a),
                          self.decoder.init_state(*a)))
 
-    def reset_encoder_rows(self, state: MimiState | EncoderState, rows: Rows) -> None:
-        enc = state.encoder if isinstance(state, MimiState) else state
-        carry = enc.downsample.carry
-        enc.reset_rows(_row_mask(rows, carry.shape[0], carry.device))
-
-    def reset_decoder_rows(self, state: MimiState | DecoderState, rows: Rows) -> None:
-        dec = state.decoder if isinstance(state, MimiState) else state
-        tail = dec.upsample.tail
-        dec.reset_rows(_row_mask(rows, tail.shape[0], tail.device))
-
-    def reset_rows(self, state: MimiState, rows: Rows) -> None:
-        """Makes `rows` (bool mask [B] or row indices) fresh streams, encoder and decoder side."""
-        state.reset_rows(_row_mask(rows, state.batch_size, state.encoder.transformer.end.device))
+    def reset_rows(self, state: MimiState, rows: Sequence[int]) -> None:
+        """Makes the rows of indices `rows` fresh streams, encoder and decoder side."""
+        end = state.encoder.transformer.end
+        mask = torch.zeros_like(end, dtype=torch.bool)
+        state.reset_rows(mask.index_fill_(0, torch.tensor(rows, dtype=torch.long, device=end.device), True))
 
     # ---- streaming steps ----
 
     @torch.no_grad()
-    def encode_step(self, pcm: Tensor, state: MimiState | EncoderState) -> Tensor:
+    def encode_step(self, pcm: Tensor, state: MimiState) -> Tensor:
         """pcm [B, frame_size] or [B, 1, frame_size] -> codes int64 [B, num_codebooks]."""
-        enc = state.encoder if isinstance(state, MimiState) else state
-        B = pcm.shape[0]
-        x = pcm.reshape(B, 1, -1)
-        assert x.shape[-1] == self.frame_size, (pcm.shape, self.frame_size)
+        enc = state.encoder
+        x = pcm.reshape(pcm.shape[0], 1, -1)
+        assert x.shape[-1] == self.cfg.frame_size, (pcm.shape, self.cfg.frame_size)
         device, dtype = self._param_device_dtype()
-        x = x.to(device=device, dtype=dtype)
-        z = self.encoder.step(x, enc.seanet)  # [B, D, 2]
+        z = self.encoder.step(x.to(device=device, dtype=dtype), enc.seanet)  # [B, D, 2]
         z = self.encoder_transformer.step(z, enc.transformer)  # [B, D, 2]
-        z = self.downsample.step(z, enc.downsample)  # [B, D, 1]
-        return self.quantizer.encode(z, self.num_codebooks)  # [B, K]
+        z = self.downsample.conv.step(z, enc.downsample)  # [B, D, 1]
+        return self.quantizer.encode(z, self.cfg.num_codebooks)  # [B, K]
 
     @torch.no_grad()
-    def decode_step(self, codes: Tensor, state: MimiState | DecoderState) -> Tensor:
-        """codes [B, num_codebooks] (or [B, K, 1]), valid ids < cardinality -> pcm [B, frame_size]."""
-        dec = state.decoder if isinstance(state, MimiState) else state
-        codes = codes.reshape(codes.shape[0], -1).to(device=self._param_device_dtype()[0],
-                                                     dtype=torch.long)
-        assert codes.shape[1] == self.num_codebooks, (codes.shape, self.num_codebooks)
+    def decode_step(self, codes: Tensor, state: MimiState) -> Tensor:
+        """codes [B, num_codebooks] (or [B, K, 1]), valid ids < quantizer_bins -> pcm [B, frame_size]."""
+        dec = state.decoder
+        codes = codes.reshape(codes.shape[0], -1).to(device=self._param_device_dtype()[0], dtype=torch.long)
+        assert codes.shape[1] == self.cfg.num_codebooks, (codes.shape, self.cfg.num_codebooks)
         z = self.quantizer.decode(codes)  # [B, D, 1]
-        z = self.upsample.step(z, dec.upsample)  # [B, D, 2]
+        z = self.upsample.convtr.step(z, dec.upsample)  # [B, D, 2]
         z = self.decoder_transformer.step(z, dec.transformer)  # [B, D, 2]
         y = self.decoder.step(z, dec.seanet)  # [B, 1, frame_size]
         return y[:, 0]
 
-
-__all__ = ["ConvState", "ConvTrState", "DecoderState", "EncoderState", "Mimi", "MimiState"]

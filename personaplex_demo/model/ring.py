@@ -1,11 +1,5 @@
-"""The ring KV cache shared by every streaming transformer here (Mimi's two, the LM's temporal
-transformer and its depformer), and the ring-position rule, written once
-(docs/model.md § The ring rule).
-
-A `RingKV` holds the keys and values of all layers of one transformer, [L, 2, B, H, C, Dh], and
-one end offset per batch row: the number of keys ever written to the row. Key j of a row lives
-in slot j % C. Every layer of a transformer is written, reset and loaded together, so one end
-per row serves all of them, and one `Attend` (mask, slots, positions) serves one forward.
+"""The ring KV cache shared by every streaming transformer here, and the ring-position rule,
+written once (docs/model.md § The ring rule). Key j of a row lives in slot j % C.
 """
 
 from __future__ import annotations
@@ -18,11 +12,8 @@ from torch import Tensor
 
 def ring_positions(end: Tensor, capacity: int, slots: int | None = None) -> Tensor:
     """Stream position held by each slot (the first `slots` of them) of rings of `capacity`
-    after `end` [B] keys were written, -1 where empty: [B, slots].
-
-    The reference's rule: with `delta <= 0`, once a ring has wrapped, the slot just after the
-    newest key reads as a future position, so a query sees capacity - 1 keys, not capacity.
-    Kept for token parity with the reference."""
+    after `end` [B] keys were written, -1 where empty: [B, slots]. With `delta <= 0` a wrapped
+    ring shows capacity - 1 keys, not capacity: the reference's rule, kept for token parity."""
     end = end.view(-1, 1)
     idx = torch.arange(capacity if slots is None else slots, device=end.device).view(1, -1)
     delta = idx - end % capacity
@@ -103,10 +94,8 @@ class RingKV:
         return self.kv.shape[4]
 
     def reset_rows(self, rows: Tensor) -> None:
-        """Make the rows of the bool mask `rows` [B] empty rings.
-
-        Their slots are zeroed, not only hidden by `end = 0`: a hidden value still enters the
-        attention as 0 x value, so a NaN or inf left by an earlier stream would leak into the new one."""
+        """Make the rows of the bool mask `rows` [B] empty rings. Their slots are zeroed, not only
+        hidden by `end = 0`: a hidden NaN or inf would still enter the attention as 0 x value."""
         self.kv.index_fill_(2, rows.nonzero()[:, 0], 0.0)
         self.end.masked_fill_(rows, 0)
 

@@ -1,9 +1,5 @@
-"""Mimi's SEANet encoder and decoder, made of causal convolutions fed one chunk at a time
-(docs/model.md § Mimi).
-
-Each streaming conv keeps its own state (`ConvState`, `ConvTrState`) with a leading batch
-dimension, so that any subset of rows can be reset to a fresh stream.
-"""
+"""Mimi's SEANet encoder and decoder, made of causal convolutions fed one chunk at a time, each
+with its own per-row state (docs/model.md § Mimi)."""
 
 from __future__ import annotations
 
@@ -53,12 +49,6 @@ class ConvTrState:
         self.tail[dst] = self.tail[src]
 
 
-
-# --------------------------------------------------------------------------------------------
-# Causal convolutions
-# --------------------------------------------------------------------------------------------
-
-
 class NormConv1d(nn.Module):
     """Holds the conv. The checkpoint was trained with weight norm, folded before release; the
     wrapper level survives in the key names (`….conv.conv.weight`)."""
@@ -78,12 +68,8 @@ class NormConvTranspose1d(nn.Module):
 
 class StreamingConv1d(nn.Module):
     """Causal conv1d fed chunk by chunk: y = conv(cat(carry, x)), carry = last k_eff - stride inputs.
-
-    A fresh row's carry is zeros, which is exactly the reference's constant left padding. With
-    `replicate=True` (the 25 -> 12.5 Hz downsample) a fresh row's left context is instead copies
-    of its first input frame. Chunk lengths must be multiples of the stride (always true in Mimi),
-    so every chunk is consumed completely.
-    """
+    A fresh row's carry is zeros (the reference's constant left padding), or with `replicate=True`
+    copies of its first input frame. Chunk lengths must be multiples of the stride."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1,
                  dilation: int = 1, groups: int = 1, bias: bool = True, replicate: bool = False):
@@ -122,12 +108,9 @@ MATMUL_MAX_STEPS = 4
 
 
 class StreamingConvTranspose1d(nn.Module):
-    """Causal transposed conv fed chunk by chunk.
-
-    The last k - stride outputs of a call still receive contributions from the next input, so
-    they are held back: y[:, :, :P] += tail; tail = y[:, :, -P:] - bias; emit y[:, :, :-P].
-    The tail is kept without the bias because the next call's output already carries it.
-    """
+    """Causal transposed conv fed chunk by chunk. The last P = k - stride outputs of a call still
+    receive contributions from the next input, so they are held back (without the bias, which the
+    next call's output already carries): y[:, :, :P] += tail; tail = y[:, :, -P:] - bias."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1,
                  groups: int = 1, bias: bool = True):
@@ -160,12 +143,9 @@ class StreamingConvTranspose1d(nn.Module):
         return y[..., : y.shape[-1] - p]
 
     def _step_matmul(self, x: Tensor, state: ConvTrState) -> Tensor:
-        """The same transposed conv as one matmul, for kernel = 2 * stride and few input steps.
-
-        Each input step t yields 2 * stride outputs: the first half lands on its own block of
-        `stride` samples, the second half on the next block. On the CPU, PyTorch runs a transposed
-        conv with a short input through a slow generic kernel; the decoder's first one (1024 ->
-        512 channels, kernel 16, 2 steps per frame) costs several times this matmul."""
+        """The same transposed conv as one matmul, for kernel = 2 * stride and few input steps: each
+        input step's 2 * stride outputs land half on its own block, half on the next. On the CPU,
+        PyTorch runs a short transposed conv through a slow generic kernel, several times this."""
         convtr = self.convtr.convtr
         B, c_in, T = x.shape
         s, c_out = self.stride, self.out_channels
@@ -200,11 +180,6 @@ def _run_layers(layers: nn.Sequential, x: Tensor, states: Iterator) -> Tensor:
         else:
             x = layer(x)
     return x
-
-
-# --------------------------------------------------------------------------------------------
-# SEANet encoder / decoder
-# --------------------------------------------------------------------------------------------
 
 
 class ResidualUnit(nn.Module):

@@ -1,9 +1,6 @@
 """The streaming transformer used by Mimi and the LM: norms, interleaved RoPE, fused-QKV
 attention over a ring KV cache, and one pre-norm residual layer (docs/model.md § Transformers).
-
-Streaming state lives in `RingKV` objects owned by the caller, not in the modules, so that one
-batch row can be reset or overwritten without touching the others. A model's layer subclasses
-`TransformerLayer` with its own norms and feed-forward under the checkpoint's names.
+Streaming state lives in `RingKV` objects owned by the caller, so one row can be reset alone.
 """
 
 from __future__ import annotations
@@ -29,9 +26,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            # One fused kernel where the formula below is six (docs/model.md § Transformers). It
-            # computes in fp32 with the same eps; only the order of the last two products differs,
-            # and a GPU's results never match the CPU's to the bit anyway.
+            # One fused kernel where the formula below is six (docs/model.md § Transformers).
             return F.rms_norm(x, (x.shape[-1],), self.alpha.view(-1), self.eps)
         # Same operation order as the reference, so fp32 results are bit-identical.
         x32 = x.float()
@@ -63,11 +58,8 @@ def rope_angles(positions: torch.Tensor, head_dim: int, max_period: float) -> tu
 
 
 def rotate(x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [B, T, ..., D] by `rope_angles`, in fp32.
-
-    x * cos + swap(x) * (-sin, sin) is the reference's (xr*cos - xi*sin, xr*sin + xi*cos) bit for
-    bit: negating a product is exact and a sum does not depend on its order. Four operators,
-    where the pairwise form takes about twenty (docs/model.md § Transformers)."""
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [B, T, ..., D] by `rope_angles`, in fp32:
+    x * cos + swap(x) * (-sin, sin), the reference's pairwise form bit for bit (docs/model.md § Transformers)."""
     cos, sin = angles
     D = x.shape[-1]
     xf = x.float()
@@ -131,11 +123,8 @@ class SwiGLU(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """The pre-norm residual block: x + attention(norm1(x)), then x + feed_forward(norm2(x)).
-
-    Subclasses register `norm1`, `self_attn`, `norm2`, `layer_scale_1`, `layer_scale_2` (in
-    their checkpoint's order) and define `feed_forward`; Mimi scales each residual branch, the
-    LM does not (its scales are identities)."""
+    """The pre-norm residual block. Subclasses register `norm1`, `self_attn`, `norm2`,
+    `layer_scale_1`, `layer_scale_2` (in their checkpoint's order) and define `feed_forward`."""
 
     norm1: nn.Module
     self_attn: Attention
