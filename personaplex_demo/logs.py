@@ -1,11 +1,5 @@
-"""Logging for every process of the app: one format, and no secret in any line.
-
-Tokens are read by huggingface_hub itself (`HF_TOKEN`, or a stored login) and the TURN key from
-the environment; neither may reach a log line, whichever process writes it. `configure_logging`
-is the one preamble of the app's main process and of each child process (engine processes and
-media workers, via `procs/launcher.py`): the same format, with the process's name in it, and a
-`SecretFilter` on every handler. Standard library only: media workers never import torch.
-"""
+"""Logging for every process of the app (the main one and, via procs/launcher.py, each child): one
+format, and no secret (a Hub token, the TURN key) in any line. Standard library only."""
 
 from __future__ import annotations
 
@@ -22,17 +16,11 @@ _SECRET_PATTERNS = (
 _MIN_SECRET_LEN = 4  # shorter values are not real credentials; masking them would garble logs
 
 
-def log_format(prefix: str = "") -> str:
-    """The app's log line: time, level, the process's name if it is not the main one, logger, message."""
-    process = f"{prefix} " if prefix else ""
-    return f"%(asctime)s %(levelname)s {process}%(name)s: %(message)s"
-
-
 def configure_logging(level: int = logging.INFO, prefix: str = "", fmt: str | None = None) -> None:
-    """`logging.basicConfig` (a no-op for a process that has handlers already) with the app's
-    format, or `fmt` (the offline CLI's terse lines), then a `SecretFilter` on each of the root
-    logger's handlers: whoever set them up, no secret gets through."""
-    logging.basicConfig(level=level, format=fmt or log_format(prefix))
+    """`logging.basicConfig` (a no-op where handlers exist) with the app's format (`prefix`: a child
+    process's name), or `fmt`, then a `SecretFilter` on each of the root logger's handlers."""
+    process = f"{prefix} " if prefix else ""
+    logging.basicConfig(level=level, format=fmt or f"%(asctime)s %(levelname)s {process}%(name)s: %(message)s")
     install_secret_filter()
 
 

@@ -1,9 +1,5 @@
 """PersonaPlex Live: serve the page (`personaplex-live`, or `python app.py` in the repository).
-
-Every setting is a field of `AppConfig` (cli/config.py), declared once with its flag, env var and
-help; `--help` lists them with their defaults. `main` runs four steps: preflight, start the room,
-serve, shut down.
-"""
+Every setting is a field of `AppConfig` (cli/config.py)."""
 
 from __future__ import annotations
 
@@ -104,7 +100,7 @@ def start_room(cfg: AppConfig, server_rtc: dict | None) -> Topology | int:
                            max_slots=cfg.max_slots, hf_repo=cfg.hf_repo, cache_dir=cache_dir,
                            context=context_frames(cfg.context, LMConfig().context)),
             PoolConfig(idle_release_seconds=cfg.idle_release, time_limit_seconds=cfg.time_limit,
-                       max_queue=cfg.max_queue, max_wait_seconds=cfg.max_wait_seconds, admission=cfg.admission,
+                       max_queue=cfg.max_queue, max_wait_seconds=cfg.max_wait or None, admission=cfg.admission,
                        shed_when_overloaded=not cfg.no_shedding),
             devices=tuple(devices),
             media_workers=(cfg.media_workers if cfg.media_workers is not None
@@ -135,14 +131,15 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
                   "so calls from most networks will not connect.")
         log.warning("%s", notice)
     remove_stale_recordings()
-    # Per-call WAV + transcript for the download buttons, deleted on exit (the media workers keep
-    # them when there are any).
+    # Per-call WAV + transcript for the download buttons, deleted on exit (the media workers' own when there are any).
     recordings = topology.recordings or RecordingStore()
     demo = build_ui(runtime, room, PageOptions(time_limit=cfg.time_limit, max_queue=room.config.max_queue or 0,
                                                rtc_configuration=rtc,
                                                server_rtc_configuration=server_rtc, notice=notice), recordings)
-    topology.attach(demo)
-    topology.serve_sockets(door, lambda: demo.server)
+    if topology.media is not None:
+        topology.media.page.attach(webrtc_of(demo))
+        if door is not None:  # the API sockets are served where the media is
+            topology.media.sockets.serve(door, lambda: demo.server)
     stop = StopSignals()
     stop.install()
     try:
@@ -218,8 +215,9 @@ def server_parts(cfg: AppConfig, topology: Topology, door, demo) -> dict[str, li
     room, visitors = topology.room, VisitorCounts()
     limits = VisitorConfig(page_loads_per_minute=cfg.page_loads_per_minute,
                            trust_forwarded_for=cfg.trust_forwarded_for)
-    routes = (status_routes(topology.runtime, room, lambda: status_extra(topology, door, visitors))
-              + metrics_routes(room, [EngineCollector(lambda: topology.status()["engines"]),
+    routes = (status_routes(topology.runtime, room, lambda: {**topology.status(), "visitors": visitors.as_dict(),
+                                                             **(door.status() if door is not None else {})})
+              + metrics_routes(room, [EngineCollector(topology.engine_status),
                                       VisitorCollector(visitors.as_dict), *(door.collectors() if door else [])],
                                doors=(DOOR_PAGE, *(door.doors if door else ())))
               + (door.routes() if door else []))
@@ -230,10 +228,9 @@ def server_parts(cfg: AppConfig, topology: Topology, door, demo) -> dict[str, li
 
 
 def page_second(server) -> None:
-    """Live calls first, on the cores too: with the calls' media in media workers and the engine in
-    a process of its own, this process's web server (the page, its assets and events for every
-    visitor) runs at a lower priority, so that a burst of visitors takes the cores the calls leave
-    and never the other way round. Threads the server starts later (Gradio's workers) inherit it."""
+    """Live calls first, on the cores too: with the media and the engines in processes of their own,
+    the web server's thread runs at a lower priority, so that a burst of visitors takes the cores the
+    calls leave and never the other way round. Threads it starts later (Gradio's workers) inherit it."""
     thread = getattr(server, "thread", None)
     if sys.platform != "linux" or thread is None or thread.native_id is None:
         return  # a thread's own priority is a Linux feature; elsewhere it would lower the whole app
@@ -243,19 +240,11 @@ def page_second(server) -> None:
         log.warning("could not lower the web server's priority: %s", exc)
 
 
-def status_extra(topology: Topology, door, visitors=None) -> dict[str, Any]:
-    """/api/status beyond the room's figures: engines, media workers, the API doors, visitors refused."""
-    return {**topology.status(), "visitors": visitors.as_dict() if visitors is not None else None,
-            **(door.status() if door is not None else {})}
-
-
 def shut_down_app(demo: Any, recordings: RecordingStore, received: str, topology: Topology) -> None:
     """End every call with a message, stop the web server, delete the recordings, stop the processes."""
-    from fastrtc import WebRTC
-
     from ..procs.launcher import kill_children
 
-    rtc_component = next(b for b in demo.blocks.values() if isinstance(b, WebRTC))
+    rtc_component = webrtc_of(demo)
     # A call is a peer connection here, or a connection mirrored from a media worker.
     calls = rtc_component.pcs or rtc_component.connections
     log.info("%s: ending %d call(s) with a message, then exiting", received, len(calls))
@@ -280,12 +269,16 @@ def shut_down_app(demo: Any, recordings: RecordingStore, received: str, topology
               on_timeout=lambda: (recordings.close(), kill_children()))
 
 
+def webrtc_of(demo):
+    """The page's fastrtc WebRTC component."""
+    from fastrtc import WebRTC
+
+    return next(b for b in demo.blocks.values() if isinstance(b, WebRTC))
+
+
 def close_connections(server, timeout: float = 2.0) -> None:
-    """End the web server's open connections and its lifespan on its own loop, before a forced
-    exit: an open tab's event stream sees its client leave and ends as it would then, and the app
-    shuts down. Forced as it is, uvicorn would cancel both instead, and log each cancelled
-    request ("Exception in ASGI application") and the lifespan (a failed shutdown) as an error
-    with a `CancelledError` traceback."""
+    """End the web server's open connections and its lifespan on its own loop before a forced exit:
+    forced, uvicorn would cancel both and log each as an error with a `CancelledError` traceback."""
     import asyncio
     import concurrent.futures
 
@@ -313,10 +306,9 @@ def close_connections(server, timeout: float = 2.0) -> None:
 
 
 class PrintsToLog(io.TextIOBase):
-    """`sys.stdout` of the app's main process: every line printed there becomes a DEBUG log record
-    of the logger "print" (INFO with --verbose). The app itself logs; what prints is a library's
-    chatter (Gradio 5.50 prints the content type of every `component_server` request, one per
-    WebRTC offer), which must not interleave with the log unformatted."""
+    """`sys.stdout` of the app's main process: each printed line becomes a DEBUG record of the logger
+    "print" (INFO with --verbose), so a library's chatter (Gradio 5.50 prints a line per WebRTC
+    offer) never interleaves with the log unformatted."""
 
     def __init__(self, level: int) -> None:
         self.level = level

@@ -1,8 +1,9 @@
 """The app's settings: `AppConfig`, every field declared once with its flag, env var and help
-(cli/options.py turns it into the parser). The offline CLI takes its model flags from here too."""
+(cli/options.py). The offline CLI takes its model flags from here too."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 from collections.abc import Mapping
@@ -12,7 +13,7 @@ from ..model.config import INT8_FLOAT16, WEIGHTS, LMConfig
 from ..runtime.capacity import DEFAULT_MAX_SLOTS, DTYPE_NAMES, FRAME_RATE, MIN_CONTEXT_SECONDS, parse_slots
 from ..runtime.hub import CACHE_DIR_DEFAULT, CACHE_DIR_HELP, DEFAULT_HF_REPO, MODEL_CHOICES
 from ..serving.config import ADMISSIONS, DEFAULT_MAX_WAIT_SECONDS
-from .options import at_least, between, build_parser, config_from, env_help, option, positive
+from .options import add_options, at_least, between, env_help, option, positive
 
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 
@@ -134,20 +135,16 @@ class AppConfig:
     verbose: bool = option(False, "also log each internal HTTP request and Gradio's own startup messages",
                            env="PERSONAPLEX_VERBOSE")
 
-    @property
-    def max_wait_seconds(self) -> float | None:
-        """`--max-wait` as the doors take it: None for no limit."""
-        return self.max_wait or None
-
 
 def parse_config(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> AppConfig:
     """Flags win over env vars, env vars over the defaults of AppConfig."""
     environ = os.environ if environ is None else environ
     presets = ({"host": ("0.0.0.0", "on a Hugging Face Space"), "trust_forwarded_for": (True, "on a Hugging Face "
                 "Space")} if environ.get("SPACE_ID") else {})
-    parser = build_parser(AppConfig, environ, presets, description=DESCRIPTION,
-                          epilog=env_help(AppConfig, OTHER_ENV))
-    cfg = config_from(AppConfig, parser.parse_args(argv))
+    parser = argparse.ArgumentParser(formatter_class=argparse.RawDescriptionHelpFormatter, description=DESCRIPTION,
+                                     epilog=env_help(AppConfig, OTHER_ENV))
+    add_options(parser, AppConfig, environ, presets)
+    cfg = AppConfig(**vars(parser.parse_args(argv)))
     if cfg.weights == "int8" and DTYPE_NAMES.get(cfg.dtype) == "float16":
         parser.error(INT8_FLOAT16)  # one line, exit 2, before anything loads
     if cfg.engines == "ray":

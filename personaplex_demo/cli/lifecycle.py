@@ -1,11 +1,9 @@
 """Stop: a clean exit on SIGTERM or SIGINT.
 
-A Space restarts its app with SIGTERM. Python's default for that signal kills the process at once
-(exit 143): no `finally`, so live callers hear the audio stop without a word and their recordings
-stay in the temp folder. Here both signals end every call with a message, stop the pool, delete
-the recordings and exit 0, all within `SHUTDOWN_SECONDS`; a watchdog exits anyway if some thread
-hangs. A second signal during the clean-up exits at once. (What a crash leaves behind is cleared
-at the next start: web/recording.py's `remove_stale_recordings`.)
+A Space restarts its app with SIGTERM, whose default kills the process at once (exit 143): callers
+hear the audio stop without a word and their recordings stay behind. Here both signals end every
+call with a message, delete the recordings and exit 0 within `SHUTDOWN_SECONDS`; a second signal
+exits at once.
 """
 
 from __future__ import annotations
@@ -54,11 +52,8 @@ class StopSignals:
 
 def shut_down(steps: list[tuple[str, Callable[[], object]]], deadline_seconds: float = SHUTDOWN_SECONDS,
               on_timeout: Callable[[], object] | None = None) -> None:
-    """Run the clean-up steps in order, each one logged, an exception in one not stopping the next.
-
-    A watchdog ends the process (exit 0, after `on_timeout`, e.g. deleting the recordings) if the
-    steps take longer than `deadline_seconds`: a hung engine call or a stuck thread must not turn a
-    restart into a SIGKILL."""
+    """Run the clean-up steps in order, each one logged, an exception in one not stopping the next. A
+    watchdog exits (0, after `on_timeout`) past `deadline_seconds`: a stuck thread must not earn a SIGKILL."""
     finished = threading.Event()
 
     def watchdog() -> None:
@@ -84,9 +79,8 @@ def shut_down(steps: list[tuple[str, Callable[[], object]]], deadline_seconds: f
 
 
 def exit_now(code: int = 0) -> None:
-    """End the process once the clean-up is done, skipping the interpreter's own finalization: with
-    torch, PyAV and aiortc loaded it was measured to take from 1 to over 20 s, past a supervisor's
-    grace period, and there is nothing left for it to do."""
+    """End the process, skipping the interpreter's finalization: with torch, PyAV and aiortc loaded it
+    takes from 1 to over 20 s, past a supervisor's grace period, and has nothing left to do."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -4,11 +4,8 @@ transcript come out, as long as the input (docs/engine.md § System prompt and p
     personaplex-offline --input in.wav --output out.wav --transcript out.json \\
         --voice NATF2 --persona "You enjoy having a good conversation."
 
-The input may be any format soundfile reads (WAV, FLAC, OGG, MP3) or, failing that, anything
-FFmpeg decodes through PyAV (M4A, AAC, Opus in WebM, ...), at any sample rate and channel count.
-It is downmixed to mono, resampled to 24 kHz and fed to slot 0 of a one-slot engine, one 80 ms
-frame at a time. The agent's audio is written as a mono 24 kHz 16-bit WAV exactly as long as the
-input; the transcript is JSON with the text of every frame that produced some.
+The input is anything soundfile reads or, failing that, FFmpeg decodes through PyAV, downmixed to
+mono 24 kHz and fed to slot 0 of a one-slot engine an 80 ms frame at a time.
 
 Exit status: 0 on success, 2 for a bad input, voice, persona, sampling knob or output path,
 1 when the model cannot be loaded, 130 when interrupted.
@@ -23,7 +20,6 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,17 +55,6 @@ class OfflineError(Exception):
 
 
 # ---- reading ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class InputAudio:
-    pcm: np.ndarray  # float32 [N] mono at 24 kHz, N = round(duration * 24000)
-    source_rate: int
-    channels: int
-
-    @property
-    def duration(self) -> float:
-        return len(self.pcm) / SAMPLE_RATE
 
 
 def _read_soundfile(path: Path) -> tuple[np.ndarray, int]:
@@ -113,7 +98,7 @@ def _resample(mono: np.ndarray, rate: int) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
 
 
-def read_input(path: Path) -> InputAudio:
+def read_input(path: Path) -> np.ndarray:
     """Read any common audio file as mono 24 kHz float32, exactly round(duration * 24 kHz) long."""
     if not path.exists():
         raise OfflineError(f"input file not found: {path}")
@@ -141,7 +126,7 @@ def read_input(path: Path) -> InputAudio:
     pcm = _fit(_resample(np.ascontiguousarray(mono, dtype=np.float32), rate), target)
     log.info("input %s: %.2f s, %d Hz, %d channel%s", path, channels.shape[1] / rate, rate, channels.shape[0],
              "" if channels.shape[0] == 1 else "s")
-    return InputAudio(pcm, rate, channels.shape[0])
+    return pcm
 
 
 def _fit(x: np.ndarray, length: int) -> np.ndarray:
@@ -149,15 +134,6 @@ def _fit(x: np.ndarray, length: int) -> np.ndarray:
     if len(x) >= length:
         return x[:length]
     return np.concatenate([x, np.zeros(length - len(x), dtype=x.dtype)])
-
-
-def frames_of(pcm: np.ndarray) -> Iterator[np.ndarray]:
-    """[1, 1920] float32 frames; the last one is padded with zeros."""
-    for start in range(0, len(pcm), FRAME_SIZE):
-        frame = pcm[start:start + FRAME_SIZE]
-        if len(frame) < FRAME_SIZE:
-            frame = np.concatenate([frame, np.zeros(FRAME_SIZE - len(frame), dtype=np.float32)])
-        yield frame[None, :]
 
 
 # ---- writing ------------------------------------------------------------------------------------
@@ -204,10 +180,10 @@ class Conversation:
         return "".join(self.pieces).strip()
 
 
-def converse(engine: LockstepEngine, audio: InputAudio, voice: str, persona: str, sampling: SamplingParams,
+def converse(engine: LockstepEngine, pcm: np.ndarray, voice: str, persona: str, sampling: SamplingParams,
              progress: bool = False) -> Conversation:
-    """Run one session in slot 0 of `engine`, frame by frame."""
-    n_frames = -(-len(audio.pcm) // FRAME_SIZE)
+    """Run one session in slot 0 of `engine`, frame by frame (the last one padded with zeros)."""
+    n_frames = -(-len(pcm) // FRAME_SIZE)
     engine.start_session(0, voice, persona, sampling)
     out = np.zeros(n_frames * FRAME_SIZE, dtype=np.float32)
     pieces: list[str] = []
@@ -215,7 +191,7 @@ def converse(engine: LockstepEngine, audio: InputAudio, voice: str, persona: str
                file=sys.stderr, disable=not progress, leave=False, dynamic_ncols=True,
                bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f} s audio [{elapsed}<{remaining}, {rate_fmt}]")
     try:
-        for i, frame in enumerate(frames_of(audio.pcm)):
+        for i, frame in enumerate(_fit(pcm, n_frames * FRAME_SIZE).reshape(n_frames, 1, FRAME_SIZE)):
             tick = engine.step(frame)
             out[i * FRAME_SIZE:(i + 1) * FRAME_SIZE] = tick.pcm[0]
             pieces.append(tick.text[0])
@@ -225,7 +201,7 @@ def converse(engine: LockstepEngine, audio: InputAudio, voice: str, persona: str
         rest = engine.end_session(0)
     if rest and pieces:
         pieces[-1] += rest  # text the decoder held back (an unfinished UTF-8 sequence)
-    return Conversation(_fit(out, len(audio.pcm)), pieces)
+    return Conversation(_fit(out, len(pcm)), pieces)
 
 
 def transcript_json(conv: Conversation, model: str, voice: str, persona: str, seed: int,
@@ -288,21 +264,18 @@ def _configure_logging(quiet: bool) -> None:
     configure_logging(logging.WARNING if quiet else logging.INFO, fmt="%(levelname)s %(message)s")
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    return a.resolve() == b.resolve()
-
-
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     outputs = [(args.output, "output audio")] + ([(args.transcript, "transcript")] if args.transcript else [])
     for path, what in outputs:
-        if _same_file(path, args.input):
+        if path.resolve() == args.input.resolve():
             raise OfflineError(f"the {what} {path} is the input file; choose another name")
-    if args.transcript and _same_file(args.output, args.transcript):
+    if args.transcript and args.output.resolve() == args.transcript.resolve():
         raise OfflineError("--output and --transcript name the same file")
     for path, what in outputs:
         check_writable(path, what)
-    audio = read_input(args.input)
+    pcm = read_input(args.input)
+    duration = len(pcm) / SAMPLE_RATE
 
     try:
         check_placement(args.device, args.dtype, args.weights)
@@ -336,16 +309,16 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.monotonic()
     progress = not args.quiet and sys.stderr.isatty()
-    conv = converse(engine, audio, args.voice, args.persona, sampling, progress=progress)
+    conv = converse(engine, pcm, args.voice, args.persona, sampling, progress=progress)
     took = time.monotonic() - t0
 
     write_wav(args.output, conv.pcm)
     if args.transcript:
         write_json(args.transcript, transcript_json(conv, runtime.model_name, args.voice, args.persona, seed,
-                                                    sampling, audio.duration))
+                                                    sampling, duration))
     written = f"{args.output}" + (f" and {args.transcript}" if args.transcript else "")
     log.info("wrote %s: %.2f s of audio, %d words, in %.1f s (%.2fx real time, %.1f s in all)", written,
-             audio.duration, len(conv.text.split()), took, audio.duration / max(took, 1e-9),
+             duration, len(conv.text.split()), took, duration / max(took, 1e-9),
              time.monotonic() - started)
     return EXIT_OK
 

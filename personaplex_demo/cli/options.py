@@ -1,11 +1,6 @@
-"""Command-line options declared once, on the fields of a frozen config dataclass.
-
-Each field made with `option(...)` carries its help text, its environment variable and its checks in
-`dataclasses.field(metadata=...)`. `build_parser` turns the dataclass into an argparse parser whose
-defaults are the environment's values where set, so a flag wins over its variable and a variable over
-the field's default; `--help` shows every default and where it came from. A bad value, from a flag or
-from a variable, is a one-line parser error that names it.
-"""
+"""Command-line options declared once, on the fields of a frozen config dataclass: each field made
+with `option(...)` carries its help, its environment variable and its checks. A flag wins over its
+variable, a variable over the field's default; a bad value from either is a one-line parser error."""
 
 from __future__ import annotations
 
@@ -36,14 +31,10 @@ class Option:
     formerly: tuple[str, ...] = ()
 
 
-def option(default: Any, help: str, *, env: str | None = None, choices: tuple[str, ...] | None = None,
-           check: Check | None = None, shown_default: str | None = None, metavar: str | None = None,
-           parse: Callable[[str], Any] | None = None, secret: bool = False, formerly: tuple[str, ...] = ()) -> Any:
+def option(default: Any, help: str, **settings: Any) -> Any:
     """A dataclass field that is also a command-line flag (`--field-name`) and, with `env`, a variable;
-    `formerly`: its old flags (`--old-name`) and variables (`OLD_NAME`), kept as aliases."""
-    return dataclasses.field(default=default,
-                             metadata={"option": Option(help, env, choices, check, shown_default, metavar, parse,
-                                                        secret, formerly)})
+    `settings` are `Option`'s."""
+    return dataclasses.field(default=default, metadata={"option": Option(help, **settings)})
 
 
 def at_least(minimum: float) -> Check:
@@ -129,20 +120,11 @@ def env_help(cls: type, extra: Mapping[str, str] | None = None) -> str:
         f"  {name.ljust(width)}{meaning}" for name, meaning in rows)
 
 
-def build_parser(cls: type, environ: Mapping[str, str], presets: Mapping[str, tuple[Any, str]] | None = None,
-                 **parser_kwargs: Any) -> argparse.ArgumentParser:
-    """An argparse parser for dataclass `cls`. `presets` maps a field to a (default, reason) that stands in
-    for the field's own default (e.g. the host on a hosting platform); its env var still wins over it.
-    An invalid variable in `environ` exits here, with status 2 as argparse does for a bad flag."""
-    parser = argparse.ArgumentParser(formatter_class=argparse.RawDescriptionHelpFormatter, **parser_kwargs)
-    add_options(parser, cls, environ, presets)
-    return parser
-
-
 def add_options(parser: argparse.ArgumentParser, cls: type, environ: Mapping[str, str],
                 presets: Mapping[str, tuple[Any, str]] | None = None, names: tuple[str, ...] | None = None) -> None:
-    """The flags of `cls`'s options (all, or those in `names`) on `parser`, as `build_parser` makes them:
-    so another command (the offline CLI) takes the same flags with the same checks and variables."""
+    """The flags of `cls`'s options (all, or those in `names`) on `parser`. `presets` maps a field to a
+    (default, reason) that stands in for its own default (the host on a Space); its variable still wins.
+    An invalid variable in `environ` exits here, with status 2 as argparse does for a bad flag."""
     for spec in specs(cls):
         if names is not None and spec.name not in names:
             continue
@@ -168,8 +150,3 @@ def add_options(parser: argparse.ArgumentParser, cls: type, environ: Mapping[str
                                               else spec.name.upper())
             parser.add_argument(spec.flag, *old_flags, dest=spec.name, type=spec.convert, default=default,
                                 metavar=metavar, help=help_text)
-
-
-def config_from(cls: type, namespace: argparse.Namespace) -> Any:
-    """An instance of `cls` from the parsed flags."""
-    return cls(**{s.name: getattr(namespace, s.name) for s in specs(cls)})

@@ -1,11 +1,6 @@
-"""Checks before any heavy work: each failure is one line and exit status 2, seconds after the start
-instead of after a multi-minute model load.
-
-- the port is free (Gradio would otherwise fail only once the model is loaded, without naming --port);
-- for the real model, the Hub answers for the files that are not cached yet: a gated, 401 or 403
-  answer says to accept the licence and set HF_TOKEN;
-- the cache folder is writable and has room for what is left to download.
-"""
+"""Checks before any heavy work, each failure one line and exit status 2 seconds after the start
+instead of after a model load: the port is free, the Hub grants access to the real model's files not
+cached yet, and the cache folder is writable with room for them."""
 
 from __future__ import annotations
 
@@ -37,9 +32,6 @@ class PreflightError(RuntimeError):
 START_ERRORS = (PreflightError, ModelDownloadError, NoSlotFitsError)
 
 
-# ---- the port ------------------------------------------------------------------------------------
-
-
 def check_port(host: str, port: int) -> None:
     """Fail unless `port` can be bound on `host` (and on 127.0.0.1, which Gradio also tries)."""
     if not 0 < port < 65536:
@@ -67,16 +59,6 @@ def check_port(host: str, port: int) -> None:
                                      "--port") from None
 
 
-# ---- the cache folder ----------------------------------------------------------------------------
-
-
-def _existing_ancestor(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def check_cache_folder(folder: Path, need_bytes: float, what: str = "the model download") -> None:
     """Fail unless `folder` can be created and written and its disk has `need_bytes` free."""
     folder = Path(folder)
@@ -89,20 +71,11 @@ def check_cache_folder(folder: Path, need_bytes: float, what: str = "the model d
     except OSError as e:
         raise PreflightError(f"the cache folder {folder} is not writable ({e.strerror or e}); point --cache-dir "
                              "(or HF_HOME) at a writable folder") from None
-    free = shutil.disk_usage(_existing_ancestor(folder)).free
+    free = shutil.disk_usage(folder).free  # it exists now
     if free < need_bytes:
         raise PreflightError(f"the cache folder {folder} has {free / GB:.1f} GB free, but {what} needs "
                              f"{need_bytes / GB:.1f} GB; free some space or point --cache-dir (or HF_HOME) "
                              "at a larger disk")
-
-
-# ---- the Hub -------------------------------------------------------------------------------------
-
-
-def hub_cache_folder(cache_dir: Path | None) -> Path:
-    from huggingface_hub import constants
-
-    return Path(cache_dir) if cache_dir else Path(constants.HF_HUB_CACHE)
 
 
 def missing_files(repo: str, cache_dir: Path | None) -> list[str]:
@@ -151,7 +124,9 @@ def check_model_files(model: str, repo: str, cache_dir: Path | None, device: str
         return
     need = download_size(repo, kinds, explicit=model == REAL_MODEL)
     if need is not None:
-        check_cache_folder(hub_cache_folder(cache_dir), need)
+        from huggingface_hub import constants
+
+        check_cache_folder(Path(cache_dir) if cache_dir else Path(constants.HF_HUB_CACHE), need)
 
 
 def cuda_in_use(device: str) -> bool:

@@ -1,15 +1,6 @@
-"""Engine processes: one engine and its SlotPool per device, each in a process of its own.
-
-With `--devices cuda:0,cuda:1` (or `cpu,cpu` on a machine without a GPU) the main process spawns
-one `run_engine` per device (`launcher.Child`). Each loads the model on its device, starts its
-SlotPool and serves it with a `PoolServer`; the callers' handlers (in the main process or in
-media workers) reach all of them through a `PoolRouter`. The main process itself loads no model:
-the page needs only each engine's facts (`page_facts`) and the tokenizer, to count a persona's
-tokens (`RemoteRuntime`).
-
-The control channel (messages.py): the engine says `EngineReady` or `EngineFailed` once; the
-main process says `EndCalls` (the pool ends its calls, the server stays up to tell the callers)
-and then `Stop`. The channel's EOF, when the main process is gone, stops the engine too.
+"""Engine processes: one engine and its SlotPool per device, each in a process of its own, served by
+a `PoolServer` and reached through a `PoolRouter` (docs/processes.md § How they start). The main
+process loads no model: the page needs only each engine's facts and the tokenizer (`RemoteRuntime`).
 """
 
 from __future__ import annotations
@@ -147,13 +138,10 @@ class EngineProcesses:
         return facts
 
     def end_calls(self, join_timeout: float = 3.0) -> None:
-        """Each engine ends its calls with reason "shutdown" and stops ticking (see `run_engine`);
-        `join_timeout` is the engines' own (`END_CALLS_JOIN_SECONDS`)."""
+        """Each engine ends its calls with reason "shutdown" and stops ticking; `join_timeout` is
+        the engines' own (`END_CALLS_JOIN_SECONDS`)."""
         for child in self._children:
             child.send(EndCalls())
-
-    def alive(self) -> list[bool]:
-        return [child.alive for child in self._children]
 
     def close(self) -> None:
         stop_children(self._children, STOP_SECONDS)
@@ -161,9 +149,7 @@ class EngineProcesses:
 
 @dataclass
 class RemoteRuntime:
-    """`build_ui`'s runtime (a `runtime.facts.RuntimeFacts`) when the engines run in other
-    processes: a stand-in here for a `Runtime` that lives in another process, built from that
-    engine's facts."""
+    """The page's `RuntimeFacts` when the engines run in other processes, built from their facts."""
 
     engine: EngineFacts
     model_name: str

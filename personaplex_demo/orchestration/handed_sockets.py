@@ -1,10 +1,6 @@
-"""The main process's record of the API sockets it handed to media workers.
-
-The API doors (api/doors.py) admit a socket (its key, its client's socket count); `HandedSockets`
-passes its connection to the worker with the fewest calls and sockets (socket_handoff.py) and
-keeps, per hand-over, which worker serves it and whose count it holds, until the worker says it
-closed (`SocketClosed`) or the worker stops. The worker's error events come back as `SocketError`,
-so that the door's figures (/api/status, /metrics) count every socket wherever it runs.
+"""The main process's record of the API sockets it handed to media workers (socket_handoff.py): which
+worker serves each and whose socket count it holds, until the worker says it closed or stops. The
+workers' error events come back here, so the door's figures count every socket wherever it runs.
 """
 
 from __future__ import annotations

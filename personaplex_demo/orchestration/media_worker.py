@@ -8,21 +8,7 @@ handlers reach the engine(s) through a `desk_room.DeskRoom` (a `Room`): frames a
 straight to the engines, and with several engines who is seated where is the main process's
 decision (its one queue, queue_desk.py).
 
-Control messages with the main process (messages.py, over one `channel.Channel`):
-
-    main -> worker   Offer            an offer or a trickled ICE candidate
-                     (beside the channel: an API socket's connection, socket_handoff.py)
-                     Input            the page's inputs (the `tick` event)
-                     RecordingQuery   a finished call's recording, for the page's Stop button
-                     Relink           an engine came back at a new address (a restarted Ray actor)
-                     Stop
-                     Grant, QueueNews, Dropped, Refused, QueueLength   the room's queue (desk_room.py)
-    worker -> main   WorkerReady      once connected to the engines (and whether torch got imported)
-                     Admit, Placed, Leave  the room's queue (desk_room.py)
-                     Reply            to an Offer (an OfferAnswer) or a RecordingQuery (RecordingPaths or None)
-                     SocketError, SocketClosed   what the API sockets it serves tell the door's counts
-                     Outputs          a page update (AdditionalOutputs args)
-                     Closed           the connection closed; its last page update
+The messages with the main process: procs/messages.py (docs/processes.md § How they talk).
 """
 
 from __future__ import annotations
@@ -75,7 +61,6 @@ class WorkerSpec:
     engines: tuple[Address, ...]  # each engine's PoolServer: an AF_UNIX path, or TCP for a Ray engine
     authkey: bytes
     recordings_dir: str
-    model_name: str | None = None
     server_rtc_configuration: dict[str, Any] | None = None
     connect_timeout: float = 600.0  # the engines may still be loading their model
     log_level: int = logging.INFO
@@ -211,10 +196,9 @@ class WorkerLoop:
             self.watchdog.watch(engine)
         self.channel = Channel(control, f"media-worker-{spec.index}", self.on_batch, self.on_close)
         self.room = DeskRoom(engines, self.channel.send)
-        model_name = spec.model_name or next(e for e in engines if e.alive).facts.get("model_name")
-        self.host = MediaHost(CallHandler(self.room, self.recordings, model_name=model_name),
-                              spec.server_rtc_configuration, self.channel.send)
         facts = next(e for e in engines if e.alive).facts
+        self.host = MediaHost(CallHandler(self.room, self.recordings, model_name=facts.get("model_name")),
+                              spec.server_rtc_configuration, self.channel.send)
         self.door = api_door(spec, self.room, facts, self.channel.send)
         self.sockets: WorkerSockets | None = None
 

@@ -1,17 +1,7 @@
-"""The main process's side of the media workers: spawn them, place calls, forward the page.
-
-With `--media-workers N` the page, its Gradio events and fastrtc's `WebRTC` component stay on
-the one public port of the main process, but nothing of a call's media does. `MediaWorkers`:
-
-- spawns N `media_worker` processes (`launcher.Child`: no torch in them) and restarts one that
-  dies;
-- relays the page's WebRTC component to the workers that carry its calls (page_relay.py);
-- asks the workers for a finished call's recording (`RemoteRecordings`, for the Stop button);
-- hands each admitted API socket's connection to a worker (handed_sockets.py), which serves it
-  to its end.
-
-A worker that dies takes only its own calls with it: their pages are told, and the engines free
-their slots when the worker's connections drop.
+"""The main process's side of the media workers (`--media-workers N`): spawn them, restart one that
+dies, route their messages to the page (page_relay.py), the queue (queue_desk.py) and the API sockets
+(handed_sockets.py), and find a finished call's recording. The page and the one public port stay
+here; a worker that dies takes only its own calls with it (their pages are told why).
 """
 
 from __future__ import annotations
@@ -26,7 +16,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,30 +57,12 @@ class _Worker:
         return self.ready.is_set() and not self.gone
 
 
-class RestartLimit:
-    """A worker that dies is restarted, unless it died MAX_RESTARTS times within RESTART_WINDOW."""
-
-    def __init__(self) -> None:
-        self._deaths: dict[int, list[float]] = {}  # worker index -> when it was last restarted
-
-    def allow(self, index: int) -> bool:
-        now = time.monotonic()
-        recent = [t for t in self._deaths.get(index, []) if now - t < RESTART_WINDOW]
-        if len(recent) >= MAX_RESTARTS:
-            log.error("media worker %d died %d times within %.0f s; not restarting it", index, len(recent) + 1,
-                      RESTART_WINDOW)
-            return False
-        self._deaths[index] = [*recent, now]
-        return True
-
-
 class MediaWorkers:
-    def __init__(self, count: int, spec: WorkerSpec, *, restart: bool = True) -> None:
+    def __init__(self, count: int, spec: WorkerSpec) -> None:
         """`spec` is the template for every worker (its index and recordings folder are set here)."""
         if count < 1:
             raise ValueError("media workers: at least 1")
         self.count = count
-        self.restart = restart
         # Named like this process's own recordings folder: a crashed app's is removed at the next start.
         self.root = Path(tempfile.mkdtemp(prefix=recordings_prefix()))
         self._spec = spec
@@ -100,7 +72,7 @@ class MediaWorkers:
         self._generations = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None  # the web server's, once a call or socket came
         self._closing = False
-        self._restarts = RestartLimit()
+        self._restarts: dict[int, list[float]] = {}  # worker index -> when it was restarted
         self.recordings = RemoteRecordings(self)
         self.desk: QueueDesk | None = None  # the room's queue, for the workers' callers (several engines)
         self.page = PageRelay(self)  # the page's WebRTC component, its calls in the workers
@@ -145,31 +117,26 @@ class MediaWorkers:
         engines = list(self._spec.engines)
         engines[index] = address
         self._spec = replace(self._spec, engines=tuple(engines))
-        with self._lock:
-            workers = [w for w in self._workers if not w.gone]
-        for worker in workers:
-            worker.child.send(msg.Relink(index, address))
+        self._tell(None, msg.Relink(index, address))
 
     def serve_queue(self, router: PoolRouter) -> None:
         """The workers' callers wait in `router`'s queue, beside everyone else's (queue_desk.py)."""
-        self.desk = QueueDesk(router, self._send_to)
-        router.on_queued = lambda count: self._tell_all(msg.QueueLength(count))
+        self.desk = QueueDesk(router, self._tell)
+        router.on_queued = lambda count: self._tell(None, msg.QueueLength(count))
 
-    def _send_to(self, generation: int, message: msg.WorkerCommand) -> None:
-        self._tell_all(message, generation)
-
-    def _tell_all(self, message: msg.WorkerCommand, generation: int | None = None) -> None:
-        with self._lock:
-            workers = [w for w in self._workers if not w.gone and generation in (None, w.generation)]
-        for worker in workers:
+    def _tell(self, generation: int | None, message: msg.WorkerCommand) -> None:
+        """`message` to the worker of `generation`, or to every running one."""
+        for worker in self.workers(lambda w: not w.gone and generation in (None, w.generation)):
             worker.child.send(message)
+
+    def workers(self, keep: Callable[[_Worker], bool] = lambda w: True) -> list[_Worker]:
+        with self._lock:
+            return [w for w in self._workers if keep(w)]
 
     def status(self) -> list[dict[str, Any]]:
         """Per worker, for /api/status."""
-        with self._lock:
-            workers = list(self._workers)
         return [{"index": w.index, "pid": w.pid, "alive": w.usable, "calls": len(w.calls),
-                 "api_sockets": len(w.sockets), "torch_imported": w.torch_imported} for w in workers]
+                 "api_sockets": len(w.sockets), "torch_imported": w.torch_imported} for w in self.workers()]
 
     def on_loop(self) -> None:
         """Called on the web server's loop by whatever first reaches the workers through it (an
@@ -181,15 +148,12 @@ class MediaWorkers:
         if self._closing:
             return
         self._closing = True
-        with self._lock:
-            workers = list(self._workers)
-        stop_children([w.child for w in workers], STOP_SECONDS)
+        stop_children([w.child for w in self.workers()], STOP_SECONDS)
         shutil.rmtree(self.root, ignore_errors=True)
 
     def least_loaded(self, able: Callable[[_Worker], bool] = lambda w: True) -> _Worker | None:
-        with self._lock:
-            usable = [w for w in self._workers if w.usable and able(w)]
-        return min(usable, key=lambda w: (len(w.calls) + len(w.sockets), w.index), default=None)
+        return min(self.workers(lambda w: w.usable and able(w)), key=lambda w: (len(w.calls) + len(w.sockets), w.index),
+                   default=None)
 
     # ---- messages from the workers -------------------------------------------------------------
 
@@ -253,12 +217,23 @@ class MediaWorkers:
                   worker.pid, worker.child.exitcode, len(worker.calls))
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._end_calls_of, worker)
-        if not (self.restart and worker.ready.is_set() and self._restarts.allow(worker.index)):
+        if not (worker.ready.is_set() and self._may_restart(worker.index)):
             return  # it never worked, or it keeps dying: its share stays off
         replacement = self._spawn(worker.index)
         with self._lock:
             self._workers = [replacement if w is worker else w for w in self._workers]
         log.info("media worker %d: starting a replacement", worker.index)
+
+    def _may_restart(self, index: int) -> bool:
+        """Unless it died MAX_RESTARTS times within RESTART_WINDOW."""
+        now = time.monotonic()
+        recent = [t for t in self._restarts.get(index, []) if now - t < RESTART_WINDOW]
+        if len(recent) >= MAX_RESTARTS:
+            log.error("media worker %d died %d times within %.0f s; not restarting it", index, len(recent) + 1,
+                      RESTART_WINDOW)
+            return False
+        self._restarts[index] = [*recent, now]
+        return True
 
     def _end_calls_of(self, worker: _Worker) -> None:
         if self.desk is not None:  # its callers in the room's queue leave it
@@ -268,31 +243,28 @@ class MediaWorkers:
 
 
 class RemoteRecordings:
-    """The workers' recordings, as the page's Stop button looks them up (`RecordingStore`'s
-    `get(call_id).wait_finished(timeout)`)."""
+    """The workers' recordings, as the page's Stop button looks them up (as in a `RecordingStore`)."""
 
     max_age_seconds = 3600.0  # each worker's RecordingStore keeps its default
 
-    def __init__(self, workers: MediaWorkers) -> None:
-        self.workers = workers
+    def __init__(self, media: MediaWorkers) -> None:
+        self.media = media
 
     def get(self, call_id: str) -> RemoteRecording | None:
-        return RemoteRecording(self.workers, call_id) if call_id else None
+        return RemoteRecording(self.media, call_id) if call_id else None
 
     def close(self) -> None:
         """Each worker deletes its own recordings; `MediaWorkers.close` the folder they share."""
 
 
+@dataclass(frozen=True)
 class RemoteRecording:
-    def __init__(self, workers: MediaWorkers, call_id: str) -> None:
-        self.workers = workers
-        self.call_id = call_id
+    media: MediaWorkers
+    call_id: str
 
     async def wait_finished(self, timeout: float) -> RecordingFiles | None:
-        with self.workers._lock:
-            workers = [w for w in self.workers._workers if w.usable]
-        asks = [self.workers.request(w, lambda rid: msg.RecordingQuery(rid, self.call_id, timeout), timeout + 2.0)
-                for w in workers]
+        asks = [self.media.request(w, lambda rid: msg.RecordingQuery(rid, self.call_id, timeout), timeout + 2.0)
+                for w in self.media.workers(lambda w: w.usable)]
         for found in await asyncio.gather(*asks, return_exceptions=True):
             if isinstance(found, msg.RecordingPaths):
                 return RecordingFiles(Path(found.wav), Path(found.transcript))

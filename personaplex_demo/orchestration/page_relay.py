@@ -1,11 +1,6 @@
-"""The page's WebRTC component, its calls carried by the media workers (orchestration/media_workers.py).
-
-`PageRelay` takes over the component's `offer` server function (and the trickled ICE candidates
-that come through it) and its `set_input` (the page's `tick` event), and forwards each to the
-worker that owns the call; a new call goes to the worker with the fewest calls and sockets. It
-mirrors each worker's page updates and closed connections into the component's own tables
-(`additional_outputs`, `connections`, the handler's `final_updates`), which the page's relay
-reads. Everything here runs on the web server's event loop.
+"""`PageRelay`: the page's WebRTC component with its calls carried by the media workers. Its offers,
+trickled candidates and inputs go to the worker that owns the call (a new call to the least loaded);
+each worker's page updates are mirrored into the component's own tables. Runs on the web server's loop.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Which process runs what: the engine(s), their slot pools and the media path, in one of the
-shapes of docs/processes.md § Shapes. `start_topology` builds the right one; the page then gets
-`.runtime` and `.room` (a SlotPool or a PoolRouter: either is a `Room`), and `.attach(demo)` hands
-the page's WebRTC component to the media workers when there are any. Whatever the shape, the app
-has one room and one queue, in the main process.
-"""
+shapes of docs/processes.md § Shapes. Whatever the shape, the app has one room and one queue, in the
+main process."""
 
 from __future__ import annotations
 
@@ -55,14 +52,10 @@ def resolve_devices(devices: str | None, device: str) -> list[str]:
 
 
 def default_media_workers(devices: list[str], slots_total: int) -> int:
-    """How many processes carry the callers' media when `--media-workers` is not given.
-
-    Live calls come first: in a media worker a caller's packets never wait behind the page's HTTP
-    work (page loads, idle tabs) on one event loop, and the engine's ticker has an interpreter of
-    its own. On a CUDA host one worker per spare core (two cores stay with the page and the
-    engine's own threads); on a CPU, whose engine needs the cores for its arithmetic, one worker
-    per four cores and at least one where there are two. Never more workers than slots; none on a
-    single core, where three processes would only take turns."""
+    """How many processes carry the callers' media when `--media-workers` is not given: in a worker a
+    caller's packets never wait behind the page's HTTP work. On a CUDA host one per spare core (two stay
+    with the page and the engine); on a CPU, whose engine needs the cores, one per four cores and at
+    least one; never more than slots, and none on a single core, where the processes would only take turns."""
     cores = os.cpu_count() or 1
     cuda = any(d.startswith("cuda") for d in devices)
     if not cuda and "auto" in devices:
@@ -95,48 +88,30 @@ class TopologyOptions:
     api: ApiConfig | None = None  # the API sockets' door, served by the media workers when there are any
 
 
+@dataclass
 class Topology:
-    def __init__(self, runtime, room: Room, media: MediaWorkers | None, closers: list[Callable],
-                 end_calls: Callable[[float], None], engine_status: Callable[[], list[dict[str, Any]]]) -> None:
-        self.runtime = runtime
-        self.room = room
-        self.media = media
-        self._closers = closers
-        self._end_calls = end_calls
-        self._engine_status = engine_status  # a row per engine for /api/status
+    """What `start_topology` started. `end_calls(join_timeout)`: every engine ends its calls with reason
+    "shutdown" and stops ticking; the processes keep running until `close`, so the news reaches the pages."""
 
-    def end_calls(self, join_timeout: float = 10.0) -> None:
-        """Every engine ends its calls with reason "shutdown" (the callers hear why) and stops
-        ticking; the processes keep running until `close`, so that the news reaches the pages."""
-        self._end_calls(join_timeout)
+    runtime: Any  # a runtime.facts.RuntimeFacts
+    room: Room
+    media: MediaWorkers | None
+    closers: list[Callable[[], object]]
+    end_calls: Callable[..., None]
+    engine_status: Callable[[], list[dict[str, Any]]]  # a row per engine for /api/status
 
     @property
     def recordings(self):
         """The page's recordings when the calls live in media workers (else None: the page's own)."""
         return self.media.recordings if self.media is not None else None
 
-    def attach(self, demo) -> None:
-        if self.media is None:
-            return
-        from fastrtc import WebRTC
-
-        rtc = next(b for b in demo.blocks.values() if isinstance(b, WebRTC))
-        self.media.page.attach(rtc)
-
-    def serve_sockets(self, door, web_server: Callable[[], Any]) -> None:
-        """The API door's sockets are served where the media is: handed to the media workers
-        (when there are any) once the door has admitted them."""
-        if self.media is not None and door is not None:
-            self.media.sockets.serve(door, web_server)
-
     def status(self) -> dict[str, Any]:
         """Per engine and per media worker, for /api/status (the totals are the pool's)."""
-        return {"engines": self._engine_status(),
-                "media_workers": self.media.status() if self.media is not None else []}
+        return {"engines": self.engine_status(), "media_workers": self.media.status() if self.media is not None else []}
 
     def close(self) -> None:
         """Stop everything this topology started, the media first (idempotent)."""
-        closers, self._closers = self._closers, []
+        closers, self.closers = self.closers, []
         for close in closers:
             try:
                 close()
@@ -225,7 +200,8 @@ def start_ray_topology(options: TopologyOptions, progress: Callable[[str, float]
         if progress is not None:
             progress("loading the engines on the Ray cluster", 0.1)
         router = engines.wait_ready()
-        runtime = RemoteRuntime.from_facts(engines.facts(), engines.other_facts())
+        facts = engines.facts()
+        runtime = RemoteRuntime.from_facts(facts[0], facts[1:])
         router.rules = runtime.engine
         media = None
         if options.media_workers:

@@ -1,10 +1,6 @@
-"""One engine as a Ray actor: what an engine process runs (runtime + SlotPool + PoolServer),
-placed by Ray on a node with a GPU (or a `personaplex_engine` resource) and found by name.
-
-The actor's methods are for control only (its address, ending calls, stopping); the calls'
-frames go over the PoolServer's TCP link. It is a threaded actor (`max_concurrency`) so that
-`until_stopped`, which the page's process keeps waiting on to learn of its death, never holds
-up the others.
+"""One engine as a Ray actor: what an engine process runs (runtime + SlotPool + PoolServer), found by
+name. Its methods are for control only; the frames go over the PoolServer's TCP link. It is threaded
+(`max_concurrency`) so that `until_stopped`, which the page's process waits on, never holds up the others.
 """
 
 from __future__ import annotations

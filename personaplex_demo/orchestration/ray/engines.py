@@ -1,16 +1,9 @@
-"""The page's side of `--engines ray`: start the engine actors on a Ray cluster, link to each,
-and keep the room's list of engines true while actors die and come back.
+"""The page's side of `--engines ray`: start the engine actors on a Ray cluster, link to each, and
+keep the room's list of engines true while actors die and come back.
 
-- `connect`: `ray.init` on the cluster at `--ray-address`, or a Ray of its own on this machine
-  (one CPU engine, or one per GPU) when none is given;
-- `plan`: one engine per GPU in the cluster; without GPUs, one per unit of the
-  `personaplex_engine` resource that CPU nodes offer;
-- `RayEngines`: the actors (named, in a namespace of this app's own), a `EngineLink` linked to
-  each over TCP, a `SilenceWatchdog` on those links, and a monitor thread. The monitor keeps one
-  `until_stopped` call pending on every actor: Ray fails it within milliseconds of the actor's
-  death (a killed process, a removed node), and the engine's calls end with a message. An actor
-  that Ray restarts (`max_restarts`) answers `endpoint` again once its model has loaded, and the
-  monitor links to it afresh: new calls go to it (the old ones' state was gone with it).
+A monitor thread keeps one `until_stopped` call pending on every actor: Ray fails it within
+milliseconds of the actor's death, and the engine's calls end with a message. An actor that Ray
+restarts answers `endpoint` again once its model has loaded, and is linked to afresh.
 """
 
 from __future__ import annotations
@@ -130,17 +123,12 @@ class RayEngines:
         self._monitor.start()
         return self.router
 
-    def facts(self) -> dict[str, Any]:
-        """The first engine's page facts, with the tokenizer as a file on this machine."""
-        facts = dict(self._engines[0].link.facts)
+    def facts(self) -> list[dict[str, Any]]:
+        """Every engine's page facts; the first one's with the tokenizer as a file on this machine."""
+        first = dict(self._engines[0].link.facts)
         path = self._files / "tokenizer.model"
-        path.write_bytes(facts.pop("tokenizer_model"))
-        facts["tokenizer_path"] = str(path)
-        return facts
-
-    def other_facts(self) -> list[dict[str, Any]]:
-        """The page facts of every engine but the first."""
-        return [engine.link.facts for engine in self._engines[1:]]
+        path.write_bytes(first.pop("tokenizer_model"))
+        return [{**first, "tokenizer_path": str(path)}, *(engine.link.facts for engine in self._engines[1:])]
 
     def status(self) -> list[dict[str, Any]]:
         """Per engine, for /api/status: the router's figures plus the actor's name and namespace."""
