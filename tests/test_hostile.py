@@ -86,7 +86,7 @@ async def test_unknown_voice_and_oversize_persona_end_the_call_with_the_reason(p
 
 
 async def test_any_rate_and_channels_reach_the_room_as_24_khz_mono(pool, recordings):
-    # The handler's decoded frames pass its resampler (rtc/input_audio.py) before `receive`:
+    # The handler's decoded frames pass its resampler (rtc/audio.py) before `receive`:
     # a browser's 48 kHz stereo comes out as the room's 24 kHz 16-bit mono, and the call goes on.
     import av
 

@@ -353,7 +353,7 @@ def _decoded(seconds: float, packet_ms: int = PACKET_MS, rate: int = 48000):
 def test_the_callers_audio_comes_out_of_the_resampler_as_it_goes_in_and_a_lost_packet_keeps_its_place():
     from av import AudioResampler
 
-    from personaplex_demo.rtc.input_audio import InputResampler
+    from personaplex_demo.rtc.audio import InputResampler
 
     frames = _decoded(2.0)
     ours = InputResampler(24000)

@@ -70,7 +70,7 @@ def preflight(cfg: AppConfig) -> tuple[list | None, dict | None] | int:
         log.error("cannot start: %s", exc)
         return EXIT_PREFLIGHT
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    from ..rtc.settings import apply_media_settings
+    from ..rtc.patches import apply_media_settings
 
     apply_media_settings()  # the media workers apply the same settings
     return rtc, server_rtc

@@ -43,8 +43,7 @@ from ..procs.pool_router import UnreachableEngine
 from ..procs.socket_handoff import WorkerSockets
 from ..procs.watchdog import SilenceWatchdog
 from ..rtc.ice import server_configuration
-from ..rtc.patches import accept_candidates, answer_in_packets
-from ..rtc.settings import apply_media_settings
+from ..rtc.patches import answer_offers, apply_media_settings
 from ..runtime.facts import EngineFacts
 from ..web.handler import CallHandler
 from ..web.recording import RecordingStore
@@ -114,9 +113,7 @@ class MediaHost(WebRTCConnectionMixin):
         self.rtc_configuration = None
         self.server_rtc_configuration = server_configuration(server_rtc_configuration)  # relay-only kept
         self._send = send
-        # As the page's component does: answers ask the browser for 40 ms packets (rtc/audio.py).
-        answer_in_packets(self)
-        accept_candidates(self)  # Firefox's too, and those that come before their offer (rtc/candidates.py)
+        answer_offers(self)  # as the page's component does: 40 ms packets, every browser's ICE candidates
 
     def outputs_to_main(self, webrtc_id: str):
         def relay(outputs: AdditionalOutputs) -> None:

@@ -1,15 +1,23 @@
 """Audio on the wire in 40 ms mono Opus packets both ways, encoded and decoded on the event loop, with
-nothing held on the way that need not be; rtc/patches.py puts these pieces in place. Why each, and what
-it measured: docs/design-notes.md § 40 ms audio packets (and the next section, on Opus on the event
-loop), and docs/design-notes.md § Nothing held on the media path.
+nothing held on the way that need not be; rtc/patches.py puts these pieces in place (written for fastrtc
+0.0.34 and aiortc 1.16). Why each, and what it measured: docs/design-notes.md § 40 ms audio packets (and
+the next section, on Opus on the event loop), and docs/design-notes.md § Nothing held on the media path.
 """
 
 from __future__ import annotations
 
+import asyncio
+import fractions
 import logging
 import math
+import queue
+import threading
+import time
+from collections.abc import Iterator
 
 import numpy as np
+from av import AudioFifo, AudioFrame, AudioResampler, CodecContext
+from av.frame import Frame
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +27,7 @@ OPUS_INPUT_RATES = (8000, 12000, 16000, 24000, 48000)  # what libopus encodes wi
 # aiortc's receivers drop a packet older than the last one released by more than this many
 # (its MAX_MISORDER): beyond it, the sender's numbering restarted.
 RESTART_DISTANCE = 100
+MAX_FILL_SECONDS = 0.5  # a longer hole in the caller's audio is a paused sender: not filled
 
 
 def output_frame_samples(sample_rate: int) -> int:
@@ -56,10 +65,7 @@ def answering_with_packet_time(handle_offer):
 
 
 def make_encoder_class():
-    import fractions
-
     from aiortc.codecs.opus import OpusEncoder
-    from av import AudioFifo, AudioResampler, CodecContext
 
     class PacketOpusEncoder(OpusEncoder):
         """aiortc's Opus encoder with `PACKET_MS` mono packets, encoding at the frames' own rate so that
@@ -110,8 +116,6 @@ def make_inline_encoding():
     from aiortc import rtcrtpsender as sender
     from aiortc import rtp
     from aiortc.rtcrtpsender import RTCEncodedFrame
-    from av import AudioFrame
-    from av.frame import Frame
 
     async def _next_encoded_frame(self, codec):
         data = await self._RTCRtpSender__track.recv()
@@ -150,8 +154,6 @@ class LoopDecoding:
 
     def install(self) -> None:
         """What arrived before this runs, then every later packet, in order."""
-        import queue
-
         while True:
             try:
                 self.put(self.input_q.get_nowait())
@@ -194,8 +196,6 @@ def make_loop_decoder_worker():
     """In place of aiortc's `decoder_worker` (a thread per receiver, two thread hops per packet, each
     dearer than decoding it): the thread only hands an audio receiver's queue to the loop
     (`LoopDecoding`) and ends. Opus is decoded to mono. Video receivers keep aiortc's thread."""
-    import threading
-
     from aiortc import rtcrtpreceiver as receiver
 
     threaded = receiver.decoder_worker
@@ -227,7 +227,7 @@ def make_jitter_buffer_class():
 
     class ArrivalJitterBuffer(JitterBuffer):
         """aiortc's jitter buffer for video; for audio, each packet released as it arrives. A packet older
-        than one already released is dropped: its place was filled with silence (rtc/input_audio.py)."""
+        than one already released is dropped: its place was filled with silence (`InputResampler`)."""
 
         def __init__(self, capacity: int, prefetch: int = 0, is_video: bool = False) -> None:
             super().__init__(capacity, prefetch, is_video)
@@ -249,9 +249,6 @@ def make_jitter_buffer_class():
 
 
 def make_paced_callback_class():
-    import asyncio
-    import time
-
     from aiortc.mediastreams import MediaStreamError
     from fastrtc.tracks import AudioCallback, CloseStream
     from fastrtc.utils import create_message, current_channel
@@ -293,3 +290,36 @@ def make_paced_callback_class():
                 raise MediaStreamError from exc
 
     return PacedAudioCallback
+
+
+class InputResampler:
+    """Decoded frames (any rate and layout) in; s16 mono frames at `rate` out, with no hold. fastrtc's own
+    resampler asks PyAV for frames of a fixed size, which libswresample completes only with the next packet
+    (40 ms late). A hole in the timestamps (a lost packet) is filled with as much silence as it lasted, so
+    the caller's audio keeps its place on the timeline."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self._resampler = AudioResampler(format="s16", layout="mono", rate=rate)
+        self._next_time: fractions.Fraction | None = None  # where the next frame should start (s)
+        self.filled_samples = 0  # silence that stood in for lost packets
+
+    def resample(self, frame: AudioFrame) -> Iterator[AudioFrame]:
+        gap = self._gap(frame)
+        if gap > 0:
+            self.filled_samples += gap
+            silence = AudioFrame.from_ndarray(np.zeros((1, gap), np.int16), format="s16", layout="mono")
+            silence.sample_rate = self.rate
+            yield silence
+        yield from self._resampler.resample(frame)
+
+    def _gap(self, frame: AudioFrame) -> int:
+        """Samples at `rate` missing before `frame`, by its timestamp (0 if none or unknown)."""
+        if frame.pts is None or frame.time_base is None or not frame.sample_rate:
+            return 0
+        start = frame.pts * frame.time_base
+        expected, self._next_time = self._next_time, start + fractions.Fraction(frame.samples, frame.sample_rate)
+        if expected is None or start <= expected:
+            return 0
+        missing = start - expected
+        return round(missing * self.rate) if missing <= MAX_FILL_SECONDS else 0

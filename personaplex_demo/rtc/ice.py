@@ -32,10 +32,6 @@ class IceConfigError(ValueError):
     """ICE settings in the environment that cannot work; the message says which and why."""
 
 
-def _flag(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _check_url(url: Any, where: str) -> str:
     if not isinstance(url, str) or not url.strip():
         raise IceConfigError(f"{where}: each URL must be a non-empty string, got {url!r}")
@@ -127,7 +123,7 @@ def rtc_configs(environ: Mapping[str, str] | None = None) -> tuple[Any, dict[str
     Raises IceConfigError for settings that cannot work, so a typo stops the start instead of
     leaving every remote call unable to connect."""
     env = os.environ if environ is None else environ
-    relay_only = _flag(env.get(RELAY_ONLY_VAR))
+    relay_only = env.get(RELAY_ONLY_VAR, "").strip().lower() in ("1", "true", "yes", "on")
     servers = own_servers(env)
     if servers is not None:
         config = {"iceServers": servers}

@@ -1,16 +1,16 @@
 """Every change this app makes to a pinned library, in one place, each with the version it was written for.
 
 Each replaces a module attribute or setting that the library looks up at run time (or, for fastrtc's
-WebRTC component, one instance, never its class), so the app needs no fork. Each first asks
-`written_for`, which warns when the installed version is not the one the patch was read against: the
-patch still applies, but its premise is then unchecked (tests/test_rtc_audio.py and
-tests/test_gradio_queue.py are the place to look).
+WebRTC component, one instance, never its class), so the app needs no fork. `written_for` warns when the
+installed version is not the one a patch was read against (tests/test_rtc_audio.py and
+tests/test_gradio_queue.py check the premises).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any
@@ -25,6 +25,7 @@ from .audio import (
     make_paced_callback_class,
 )
 from .candidates import accepting_candidates
+from .ice import LOOPBACK_VAR
 
 log = logging.getLogger(__name__)
 
@@ -129,19 +130,13 @@ def receive_audio(pc: Any, on: bool) -> bool:
 # ---- fastrtc (one component or host instance, never the class) -----------------------------------
 
 
-def answer_in_packets(owner: Any) -> None:
-    """`owner.handle_offer` (fastrtc's, on the page's WebRTC component or a media worker's host)
-    wrapped so that its SDP answers ask the browser for `PACKET_MS` packets."""
-    written_for("fastrtc")
-    owner.handle_offer = answering_with_packet_time(owner.handle_offer)
-
-
-def accept_candidates(owner: Any) -> None:
-    """`owner.handle_offer` wrapped so that every browser's trickled ICE candidates reach its peer
-    connections, even one sent before its offer was taken (rtc/candidates.py)."""
+def answer_offers(owner: Any) -> None:
+    """`owner.handle_offer` (fastrtc's, on the page's WebRTC component or a media worker's host) wrapped so
+    that its SDP answers ask the browser for `PACKET_MS` packets, and every browser's trickled ICE
+    candidates reach its peer connections, even one sent before its offer was taken (rtc/candidates.py)."""
     written_for("fastrtc")
     written_for("aiortc")
-    owner.handle_offer = accepting_candidates(lambda: owner.pcs, owner.handle_offer)
+    owner.handle_offer = accepting_candidates(lambda: owner.pcs, answering_with_packet_time(owner.handle_offer))
 
 
 def route_offers(rtc: Any, offer: Any, set_input: Any) -> None:
@@ -208,3 +203,14 @@ def bound_event_log(demo: Any, limit: int = KEEP_EVENTS) -> None:
         return
     queue.event_analytics = BoundedEventLog(limit, entries)
     queue.ANAYLTICS_CACHE_FREQUENCY = _NEVER  # (Gradio's spelling) no pandas table after each event
+
+
+def apply_media_settings() -> None:
+    """The app's WebRTC settings, in every process that holds peers: the app's and each media worker's
+    (which reads PERSONAPLEX_LOOPBACK_ICE=1 from the environment it inherits)."""
+    install_ice_settings(os.environ.get(LOOPBACK_VAR) == "1")
+    install_packet_encoder()  # agent audio in 40 ms Opus packets, each encoded as soon as its audio is there
+    install_loop_codecs()  # Opus encoded and decoded on the event loop: no thread hop per packet
+    install_audio_level()  # each packet's RTP audio level, the same value without a Python loop
+    install_jitter_buffer()  # the callers' packets released as they arrive, never stuck behind a loss
+    install_output_pacing()  # agent packets 40 ms apart, with no anchor that a late first frame sets

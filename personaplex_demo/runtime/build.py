@@ -53,19 +53,19 @@ class Runtime:
     source: ModelSource
     device: torch.device
     dtype: torch.dtype
-    capacity: SlotPlan | None = None  # how the number of slots was decided
-    weights: str = "dense"  # RuntimeOptions.weights
+    capacity: SlotPlan  # how the number of slots was decided
+    weights: str  # RuntimeOptions.weights
 
     @property
     def device_name(self) -> str:
         return str(self.device)
 
-    def capacity_facts(self) -> dict | None:
-        return self.capacity.as_dict() if self.capacity is not None else None
+    def capacity_facts(self) -> dict:
+        return self.capacity.as_dict()
 
     def pool_config(self, config: PoolConfig) -> PoolConfig:
         """`config` with this device's trusted row count for admission before a tick is measured."""
-        if config.headroom_prior_rows is not None or self.capacity is None:
+        if config.headroom_prior_rows is not None:
             return config
         return replace(config, headroom_prior_rows=self.capacity.trusted_rows)
 
@@ -152,6 +152,5 @@ def build_runtime(options: RuntimeOptions, progress: ProgressFn | None = None,
     report("ready", 1.0)
     log.info("engine ready: %s on %s (%s, %s weights), %d slots, context %g s", source.name, device,
              str(dtype).removeprefix("torch."), options.weights, plan.slots, frames / FRAME_RATE)
-    return Runtime(engine, source.name, source.is_tiny, banner, tokenizer, source, device, dtype, plan,
-                   weights=options.weights)
+    return Runtime(engine, source.name, source.is_tiny, banner, tokenizer, source, device, dtype, plan, options.weights)
 

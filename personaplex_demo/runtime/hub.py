@@ -58,14 +58,10 @@ class ModelSource:
     is_tiny: bool
     fallback_reason: str | None = None  # why "auto" ended up on the tiny model
 
-    def path(self, kind: str) -> Path:
-        """Path of one file: kind is "lm", "mimi", "tokenizer" or "voices"."""
-        return self.directory / getattr(ModelFiles(), kind)
-
-    lm_path = property(lambda self: self.path("lm"))
-    mimi_path = property(lambda self: self.path("mimi"))
-    tokenizer_path = property(lambda self: self.path("tokenizer"))
-    voices_path = property(lambda self: self.path("voices"))
+    lm_path = property(lambda self: self.directory / ModelFiles().lm)
+    mimi_path = property(lambda self: self.directory / ModelFiles().mimi)
+    tokenizer_path = property(lambda self: self.directory / ModelFiles().tokenizer)
+    voices_path = property(lambda self: self.directory / ModelFiles().voices)
 
 
 def hub_offline() -> bool:
@@ -94,9 +90,9 @@ def access_denied(exc: BaseException, repo: str) -> str | None:
             f"https://huggingface.co/{repo} and set HF_TOKEN to a read token of that account")
 
 
-def _describe_failure(exc: BaseException, repo: str, offline: bool) -> str:
+def _describe_failure(exc: BaseException, repo: str) -> str:
     """A short, token-free reason for a failed download."""
-    if offline and isinstance(exc, (LocalEntryNotFoundError, FileNotFoundError, ConnectionError)):
+    if hub_offline() and isinstance(exc, (LocalEntryNotFoundError, FileNotFoundError, ConnectionError)):
         return "HF_HUB_OFFLINE=1 is set and the files are not in the local cache"
     if denied := access_denied(exc, repo):
         return denied
@@ -182,13 +178,12 @@ def resolve_model(name: str = "auto", hf_repo: str = DEFAULT_HF_REPO, cache_dir:
     if name == TINY_MODEL:
         return _tiny_source(cache_dir, None, check)
 
-    offline = hub_offline()
     try:
         directory = _download_real(hf_repo, cache_dir, progress, check)
     except CallerError:
         raise
     except Exception as exc:
-        reason = _describe_failure(exc, hf_repo, offline)
+        reason = _describe_failure(exc, hf_repo)
         if name == REAL_MODEL:
             raise ModelDownloadError(
                 f"could not fetch {hf_repo} ({reason}). Set HF_TOKEN to a token whose account has accepted the licence "

@@ -88,12 +88,10 @@ _KIND_BYTE = 1  # a byte-fallback piece: one raw byte of UTF-8
 _KIND_EMPTY = 2  # control or unused piece: renders as nothing
 
 
-def _replace_one_byte(exc: UnicodeError) -> tuple[str, int]:
+def _replace_one_byte(exc: UnicodeDecodeError) -> tuple[str, int]:
     # SentencePiece replaces every undecodable byte with its own U+FFFD, where Python's
     # "replace" handler would use one for a whole truncated sequence; resuming one byte after
     # the error start reproduces SentencePiece exactly.
-    if not isinstance(exc, UnicodeDecodeError):
-        raise exc
     return "\ufffd", exc.start + 1
 
 

@@ -2,7 +2,7 @@
 
 It never touches torch and never blocks the event loop: it only moves numpy arrays to and from its
 call, a `CallHandle` of the room (serving/room.py), whichever back end holds it. fastrtc hands each
-decoded packet to `resample` (rtc/input_audio.py) and what comes out to `receive`, which passes it on
+decoded packet to `resample` (rtc/audio.py) and what comes out to `receive`, which passes it on
 as it is: the room cuts its 80 ms frames at each tick (serving/inbox.py). While the call waits in the
 queue its microphone is held (web/mic_hold.py). Everything but a plain hang-up ends the call with a
 message (`CloseStream`), so nobody waits in silence. Its phases: docs/serving.md, on the handler's phases.
@@ -25,8 +25,7 @@ from fastrtc import AdditionalOutputs, AsyncStreamHandler, CloseStream, get_curr
 
 from ..errors import CallerError
 from ..frame import SAMPLE_RATE
-from ..rtc.audio import output_frame_samples
-from ..rtc.input_audio import InputResampler
+from ..rtc.audio import InputResampler, output_frame_samples
 from ..serving.door import DoorCall, Ended, Frame, Live, Preparing, Queued, Refusal, RefusalKind
 from ..serving.headroom import WaitReason
 from ..serving.loop_lag import ensure_probe
@@ -175,7 +174,7 @@ class CallHandler(AsyncStreamHandler):
 
     # ---- microphone -------------------------------------------------------------------------
 
-    def resample(self, frame):  # fastrtc's hook for each decoded frame (rtc/input_audio.py)
+    def resample(self, frame):  # fastrtc's hook for each decoded frame (rtc/audio.py)
         self.mic.decoded()
         return self._input.resample(frame)
 

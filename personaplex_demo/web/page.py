@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from ..frame import AUDIO_CARD
 from ..rtc.ice import server_configuration
-from ..rtc.patches import accept_candidates, answer_in_packets, bound_event_log
+from ..rtc.patches import answer_offers, bound_event_log
 from ..runtime.facts import RuntimeFacts
 from ..runtime.personas import load_presets
 from ..runtime.voice_names import DEFAULT_VOICE
@@ -228,9 +228,9 @@ class Page:
         self.rtc = rtc = WebRTC(modality="audio", mode="send-receive", label="Call", full_screen=False,
                                 rtc_configuration=options.rtc_configuration,
                                 server_rtc_configuration=options.server_rtc_configuration, elem_id="call")
-        # Ask the browser for 40 ms packets: half the per-packet work per caller (rtc/audio.py).
-        answer_in_packets(rtc)
-        accept_candidates(rtc)  # Firefox's too, and those that come before their offer (rtc/candidates.py)
+        # Ask the browser for 40 ms packets (half the per-packet work per caller, rtc/audio.py), and take
+        # Firefox's ICE candidates too, and those that come before their offer (rtc/candidates.py).
+        answer_offers(rtc)
         # fastrtc's own conversion drops iceTransportPolicy; this one keeps a relay-only setting.
         rtc.server_rtc_configuration = server_configuration(options.server_rtc_configuration)
         self.status = gr.Markdown(f"Ready · {room_line(self.room.snapshot())}", elem_id="status-line")
