@@ -23,8 +23,8 @@ def test_children_leave_stop_signals_to_the_main_process_and_unheard_ones_are_ki
     try:
         assert [inbox.get() for inbox in inboxes] == ["up", "up"]  # past the preamble that sets the signals
         for child in children:
-            os.kill(child.pid, signal.SIGTERM)
-            os.kill(child.pid, signal.SIGINT)
+            os.kill(child.process.pid, signal.SIGTERM)
+            os.kill(child.process.pid, signal.SIGINT)
         time.sleep(0.5)
         assert all(child.alive for child in children)
         began = time.monotonic()
@@ -35,5 +35,5 @@ def test_children_leave_stop_signals_to_the_main_process_and_unheard_ones_are_ki
             if child.alive:
                 child.kill()
     assert not any(child.alive for child in children)
-    assert children[0].exitcode == -signal.SIGKILL
+    assert children[0].process.exitcode == -signal.SIGKILL
     assert 2.0 <= took < 3.5, took  # one deadline for all of them, not 2 s for each in turn

@@ -132,9 +132,9 @@ class EngineProcesses:
                     log.error("%s failed to load:\n%s", spec.name, trace)
                     raise RuntimeError(f"{spec.name} ({spec.device}) failed to load: {error}")
                 case _:  # None: the channel closed without a word
-                    child.join(1.0)
+                    child.process.join(1.0)
                     raise RuntimeError(f"{spec.name} ({spec.device}) exited while loading (exit code "
-                                       f"{child.exitcode})")
+                                       f"{child.process.exitcode})")
         return facts
 
     def end_calls(self, join_timeout: float = 3.0) -> None:

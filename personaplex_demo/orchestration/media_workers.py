@@ -91,7 +91,7 @@ class MediaWorkers:
             while not worker.ready.wait(0.2):
                 if worker.gone:
                     raise RuntimeError(f"media worker {worker.index} exited while starting (exit code "
-                                       f"{worker.child.exitcode}); see its log lines above")
+                                       f"{worker.child.process.exitcode}); see its log lines above")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"media worker {worker.index} did not start within {timeout:.0f} s")
         log.info("%d media worker(s) ready: pids %s", self.count, ", ".join(str(w.pid) for w in self._workers))
@@ -210,11 +210,11 @@ class MediaWorkers:
                 fut.set_exception(ConnectionError(f"media worker {worker.index} stopped"))
         if self._closing:
             return
-        worker.child.join(2.0)
+        worker.child.process.join(2.0)
         if worker.child.alive:  # its channel broke but it lingers: it must not serve half a call
             worker.child.kill()
         log.error("media worker %d (pid %s) stopped (exit code %s); ending its %d call(s)", worker.index,
-                  worker.pid, worker.child.exitcode, len(worker.calls))
+                  worker.pid, worker.child.process.exitcode, len(worker.calls))
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._end_calls_of, worker)
         if not (worker.ready.is_set() and self._may_restart(worker.index)):

@@ -12,12 +12,11 @@ import logging
 from collections.abc import Callable
 
 from ..errors import CallerError
-from ..sampling_params import SamplingParams
 from ..serving.headroom import WaitReason
 from ..serving.metrics import PoolMetrics
-from ..serving.room import DOOR_PAGE, CallHandle, CallState, EndReason, PoolClosedError
+from ..serving.room import CallState, EndReason, PoolClosedError
 from . import messages as msg
-from .engine_link import DEFAULT_SAMPLING, START_TIMEOUT, EngineLink, refusal
+from .engine_link import START_TIMEOUT, EngineLink, refusal
 from .pool_router import EngineSet, UnreachableEngine
 from .routed_call import RoutedCall
 
@@ -42,17 +41,13 @@ class DeskRoom(EngineSet):
         metrics = self.engines_figures()
         return dataclasses.replace(metrics, queue_length=metrics.queue_length + self.queued_in_room)
 
-    async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING,
-                      door: str = DOOR_PAGE) -> CallHandle:
-        """The room contract's `acquire`: a seat, or a place in the main process's one queue."""
-        if len(self.engines) == 1:
-            return await self.engines[0].acquire(voice, persona, sampling, door, queue=True)
-        call = RoutedCall(voice, persona, sampling, door)
+    async def enter(self, call: RoutedCall) -> None:
+        """A place for `call` in the main process's one queue, or a seat: once the desk first answers."""
         rid = next(self._rids)
         call.on_leave = lambda reason: self._leave(rid, reason)
         first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._calls[rid], self._first[rid] = call, first
-        self._send(msg.Admit(rid, voice, persona, dataclasses.asdict(sampling), door))
+        self._send(msg.Admit(rid, call.voice, call.persona, dataclasses.asdict(call.sampling), call.door))
         # The room may offer it a seat on each engine in turn before it answers.
         answer_within = ANSWER_SECONDS * (len(self.engines) + 1)
         try:
@@ -65,7 +60,6 @@ class DeskRoom(EngineSet):
             raise
         finally:
             self._first.pop(rid, None)
-        return call.inner if call.inner is not None else call
 
     def _leave(self, rid: int, reason: str) -> None:
         if self._calls.pop(rid, None) is not None:
@@ -95,7 +89,7 @@ class DeskRoom(EngineSet):
                 self._answered(rid, refusal(kind, text, cause))
 
     async def _take(self, rid: int, call: RoutedCall | None, index: int) -> None:
-        """Start the call on the engine the desk offers, and say how it went."""
+        """Start the call on the engine the desk offers (`Grant`), and say how it went (`Placed`)."""
         if call is None or call.state == CallState.ENDED or not 0 <= index < len(self.engines):
             self._calls.pop(rid, None)
             self._send(msg.Placed(rid, "gone"))

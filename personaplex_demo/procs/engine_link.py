@@ -7,7 +7,6 @@ SlotPool over one `channel.Channel` (served by `pool_server.PoolServer`, on this
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import itertools
@@ -43,12 +42,11 @@ class RemoteCall(CallView, WaitingCall):
 
     def __init__(self, engine: EngineLink, started: msg.Started) -> None:
         CallView.__init__(self, started.call_id)
-        WaitingCall.__init__(self)
+        WaitingCall.__init__(self, outbox_frames=engine.config.output_queue_frames)
         self.engine = engine
         self.rid = started.rid
         self.on_change: Callable[[], None] | None = None  # a `RoutedCall` that holds it listens
         self._deadline: float | None = None
-        self._outbox: collections.deque[SlotOutput] = collections.deque(maxlen=engine.config.output_queue_frames)
         self.update(started.state, started.queue_position, started.slot, started.time_left, None, started.wait_reason)
 
     def __repr__(self) -> str:
@@ -72,11 +70,6 @@ class RemoteCall(CallView, WaitingCall):
             return
         self.engine.send(msg.Release(self.rid, str(reason)))  # a plain string on the wire
         self.update(CallState.ENDED, None, self.slot, None, reason)
-
-    def take_output(self) -> SlotOutput | None:
-        return self._outbox.popleft() if self._outbox else None
-
-    _next_output = take_output
 
     # ---- the engine's side -------------------------------------------------------------------
 
@@ -112,6 +105,18 @@ def refusal(kind: str, message: str, cause: str | None = None) -> Exception:
     if kind in ("busy", "full"):
         return PoolFullError(message, WaitReason(cause) if cause else WaitReason.SLOTS)
     return PoolClosedError(message)
+
+
+Refusable = CallerError | PoolFullError | PoolClosedError
+
+
+def refused(rid: int, exc: Refusable, full: msg.RefusalKind = "full") -> msg.Refused:
+    """`exc` on the wire, for `refusal` on the other side; `full` names a PoolFullError."""
+    if isinstance(exc, CallerError):
+        return msg.Refused(rid, "caller", str(exc))
+    if isinstance(exc, PoolFullError):
+        return msg.Refused(rid, full, str(exc), str(exc.cause))
+    return msg.Refused(rid, "closed", str(exc))
 
 
 class EngineLink:
@@ -206,21 +211,20 @@ class EngineLink:
             self._on_loop(self._dispatch, rest)
 
     def _dispatch(self, messages: list[msg.ServerMessage]) -> None:
-        """The loop: a call's news, or the answer to a start."""
         for message in messages:
             match message:
                 case msg.Out(rid=rid):
                     if (call := self._calls.get(rid)) is not None:
                         call.deliver(SlotOutput(message.pcm, message.text, message.tick, message.latency,
                                                 message.input_drops))
+                case msg.Started():  # before StateChange: a Started is one
+                    self._started(message)
                 case msg.StateChange(rid=rid):
                     if (call := self._calls.get(rid)) is not None:
                         call.update(message.state, message.queue_position, message.slot, message.time_left,
                                     message.end_reason, message.wait_reason)
                         if call.state == CallState.ENDED:
                             self._calls.pop(rid, None)
-                case msg.Started():
-                    self._started(message)
                 case msg.Refused(rid=rid, kind=kind, message=text, cause=cause):
                     fut = self._pending.get(rid)
                     if fut is not None and not fut.done():

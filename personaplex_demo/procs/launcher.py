@@ -60,25 +60,13 @@ class Child:
         return self
 
     def send(self, message: Any) -> None:
-        """Queue one message for the child (`Channel.send`)."""
         if self.channel is None:
             raise RuntimeError(f"{self.name} has not been started")
         self.channel.send(message)
 
     @property
-    def pid(self) -> int | None:
-        return self.process.pid
-
-    @property
     def alive(self) -> bool:
         return self.process.is_alive()
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.process.exitcode
-
-    def join(self, timeout: float | None = None) -> None:
-        self.process.join(timeout)
 
     def kill(self) -> None:
         """SIGKILL (a child ignores SIGTERM: `_child_main`), then up to `KILL_WAIT` s for it to exit."""
@@ -97,7 +85,7 @@ def stop_children(children: Sequence[Child], join_timeout: float) -> None:
         child.send(Stop())
     deadline = time.monotonic() + join_timeout
     for child in children:
-        child.join(max(0.0, deadline - time.monotonic()))
+        child.process.join(max(0.0, deadline - time.monotonic()))
         if child.alive:
             log.warning("%s did not stop within %.0f s; killing it", child.name, join_timeout)
             child.kill()

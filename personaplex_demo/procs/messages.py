@@ -62,14 +62,21 @@ RefusalKind = Literal["caller", "busy", "full", "closed"]  # a bad request | no 
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)  # by name: two neighbouring `int | None` fields
-class Started:
+class StateChange:
     rid: int
-    call_id: str
     state: str  # a CallState value
     queue_position: int | None
     slot: int | None
     time_left: float | None
+    end_reason: str | None = None  # once ended
     wait_reason: str | None = None  # while queued: why
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Started(StateChange):
+    """The answer to a `Start`: the call's first state, and its id."""
+
+    call_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,17 +85,6 @@ class Refused:
     kind: RefusalKind
     message: str  # for the caller's page
     cause: str | None = None  # busy or full: what is short (a serving.headroom.WaitReason value)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StateChange:
-    rid: int
-    state: str  # a CallState value
-    queue_position: int | None
-    slot: int | None
-    time_left: float | None
-    end_reason: str | None  # once ended
-    wait_reason: str | None = None  # while queued: why
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,6 +99,18 @@ class EngineSet:
     def slots_total(self) -> int:
         return sum(e.slots_total for e in self.engines if e.alive)
 
+    async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING,
+                      door: str = DOOR_PAGE) -> CallHandle:
+        """The room contract's `acquire`: a seat, or a place in the room's one queue (`enter`)."""
+        if len(self.engines) == 1:  # its own queue is the one queue, shared with every other door and worker
+            return await self.engines[0].acquire(voice, persona, sampling, door, queue=True)
+        call = RoutedCall(voice, persona, sampling, door)
+        await self.enter(call)
+        return call.inner if call.inner is not None else call
+
+    async def enter(self, call: RoutedCall) -> None:
+        raise NotImplementedError
+
     def engines_figures(self) -> PoolMetrics:
         return combine_metrics([e.snapshot() for e in self.engines if e.alive])
 
@@ -108,7 +120,7 @@ class EngineSet:
             engine.add_tick_listener(listener)
 
     def replace(self, old: EngineLink | UnreachableEngine, new: EngineLink) -> None:
-        """An engine linked to again (a restarted Ray actor, or one that answers at last) in place of its lost link."""
+        """A new link in place of a lost one (a restarted Ray actor, or one that answers at last)."""
         for listener in self._tick_listeners:
             new.add_tick_listener(listener)
         # A new list, not an edit: the doors' loops iterate the old one meanwhile.
@@ -159,14 +171,9 @@ class PoolRouter(EngineSet):
 
     async def acquire(self, voice: str, persona: str, sampling: SamplingParams = DEFAULT_SAMPLING,
                       door: str = DOOR_PAGE) -> CallHandle:
-        """The room contract's `acquire`, across the engines that run; raises what `SlotPool.acquire` does."""
         if not any(e.alive for e in self.engines):
             raise PoolClosedError("no engine is running")
-        if len(self.engines) == 1:  # its own queue is the one queue, shared with every other door and worker
-            return await self.engines[0].acquire(voice, persona, sampling, door, queue=True)
-        call = RoutedCall(voice, persona, sampling, door)
-        await self.enter(call)
-        return call.inner if call.inner is not None else call
+        return await super().acquire(voice, persona, sampling, door)
 
     async def enter(self, call: RoutedCall) -> None:
         """Seat `call` on an engine now, or give it its place in the queue, whatever door or process it came

@@ -28,6 +28,7 @@ from ..serving.pool import SlotPool
 from ..serving.room import CallEnded, CallState, EndReason, PoolClosedError, PoolFullError
 from . import messages as msg
 from .channel import Channel, daemon_threads
+from .engine_link import refused
 from .links import Address, accept_link, listen
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class _Client:
         self.send: Callable[[msg.ServerMessage], None] = self.channel.send
 
     def on_batch(self, batch: list[msg.ClientMessage]) -> None:
-        """The channel's reader thread: frames and releases at once, starts through the pool."""
+        """On the channel's reader thread."""
         for message in batch:
             match message:
                 case msg.Push(rid=rid, samples=samples):
@@ -79,17 +80,11 @@ class _Client:
         try:
             call = self.server.pool.admit(start.voice, start.persona, SamplingParams(**start.sampling),
                                           queue=start.may_queue, door=start.door)
-        except CallerError as exc:
-            self.send(msg.Refused(rid, "caller", str(exc)))
-            return
         except TypeError as exc:  # not a SamplingParams dict: a client of another version
             self.send(msg.Refused(rid, "caller", f"bad sampling settings: {exc}"))
             return
-        except PoolFullError as exc:
-            self.send(msg.Refused(rid, "full" if start.may_queue else "busy", str(exc), str(exc.cause)))
-            return
-        except PoolClosedError as exc:
-            self.send(msg.Refused(rid, "closed", str(exc)))
+        except (CallerError, PoolFullError, PoolClosedError) as exc:
+            self.send(refused(rid, exc, "full" if start.may_queue else "busy"))
             return
         with self.lock:
             self.calls[rid] = call
@@ -108,10 +103,8 @@ class _Client:
         try:
             while True:
                 if call.state.waiting:
-                    try:
+                    with contextlib.suppress(TimeoutError):
                         await call.wait_live(timeout=STATE_POLL_SECONDS)
-                    except TimeoutError:
-                        pass
                 else:
                     out = await call.next_output(timeout=1.0)
                     if out is not None:
@@ -120,8 +113,7 @@ class _Client:
                 if now != sent and call.state != CallState.ENDED:
                     sent = now
                     self.send(msg.StateChange(rid=rid, state=call.state.value, queue_position=call.queue_position,
-                                              slot=call.slot, time_left=call.time_left(), end_reason=None,
-                                              wait_reason=call.wait_reason))
+                                              slot=call.slot, time_left=call.time_left(), wait_reason=call.wait_reason))
         except CallEnded as ended:
             end_reason = str(ended.reason)  # a plain string on the wire: the receiver needs no class of ours
         except Exception:
@@ -180,10 +172,6 @@ class PoolServer:
         with self._lock:
             return len(self._clients)
 
-    def hello(self) -> msg.Hello:
-        return msg.Hello(self.name, self.pool.slots_total, asdict(self.pool.config), self.pool.snapshot().as_dict(),
-                     self.facts)
-
     def forget(self, client: _Client) -> None:
         with self._lock:
             if client in self._clients:
@@ -231,7 +219,9 @@ class PoolServer:
 
     def _admit(self, sock: socket.socket) -> None:
         try:
-            conn = accept_link(sock, self._authkey, self.hello())  # the Hello alone, before the channel's batches
+            hello = msg.Hello(self.name, self.pool.slots_total, asdict(self.pool.config),
+                              self.pool.snapshot().as_dict(), self.facts)
+            conn = accept_link(sock, self._authkey, hello)  # the Hello alone, before the channel's batches
         except (OSError, EOFError, AuthenticationError) as exc:  # a stranger without the key, or gone
             if not self.closing:
                 log.warning("%s: refused a connection (%s)", self.name, type(exc).__name__)

@@ -14,7 +14,7 @@ from ..sampling_params import SamplingParams
 from ..serving.headroom import WaitReason
 from ..serving.room import CallState, EndReason, PoolClosedError, PoolFullError
 from . import messages as msg
-from .engine_link import START_TIMEOUT, EngineLink
+from .engine_link import START_TIMEOUT, EngineLink, Refusable, refused
 from .pool_router import PoolRouter
 from .routed_call import RoutedCall
 
@@ -107,26 +107,21 @@ class QueueDesk:
         self._entries[(worker, admit.rid)] = entry
         try:
             await self.router.enter(entry)
-        except CallerError as exc:
-            self._refuse(entry, "caller", str(exc))
-        except PoolFullError as exc:
-            self._refuse(entry, "full", str(exc), str(exc.cause))
-        except PoolClosedError as exc:
-            self._refuse(entry, "closed", str(exc))
+        except (CallerError, PoolFullError, PoolClosedError) as exc:
+            self._refuse(entry, exc)
         except Exception as exc:  # a bug here must not leave the worker's caller without an answer
             log.exception("media worker %d: placing call %s failed", worker, entry.id)
             entry.end(EndReason.error(type(exc).__name__))
-            self._refuse(entry, "closed", f"the room failed to place the call ({type(exc).__name__})")
+            self._refuse(entry, PoolClosedError(f"the room failed to place the call ({type(exc).__name__})"))
         else:
             if entry.state != CallState.QUEUED:
                 self._entries.pop((worker, admit.rid), None)
 
-    def _refuse(self, entry: DeskEntry, kind: msg.RefusalKind, text: str, cause: str | None = None) -> None:
+    def _refuse(self, entry: DeskEntry, exc: Refusable) -> None:
         self._entries.pop((entry.worker, entry.rid), None)
-        self.send(entry.worker, msg.Refused(entry.rid, kind, text, cause))
+        self.send(entry.worker, refused(entry.rid, exc))
 
     async def grant(self, entry: DeskEntry, engine: int) -> msg.Placed:
-        """Offer `entry` a seat on engine number `engine`; the worker's answer."""
         key = (entry.worker, entry.rid)
         if entry.worker in self._gone:
             return msg.Placed(entry.rid, "gone")

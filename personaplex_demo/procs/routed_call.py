@@ -1,8 +1,6 @@
-"""A call waiting in the room's one queue, in front of every engine (`pool_router.PoolRouter`).
-
-A slot that frees on any engine goes to the head of this queue, and the caller sees one position, the same
-wherever the slot will be. Until an engine seats it the call is a `RoutedCall` in state QUEUED; from then
-on every question goes to the engine's own call (`RemoteCall`). Everything happens on the door's loop.
+"""A call waiting in the room's one queue, in front of every engine (`pool_router.PoolRouter`): one
+position, whichever engine frees a slot; once seated, the engine's own call (`RemoteCall`) answers for
+it. Everything happens on the door's loop.
 """
 
 from __future__ import annotations
@@ -121,5 +119,5 @@ class RoutedCall(WaitingCall):
                 self.on_leave(str(reason))
 
     def _next_output(self) -> SlotOutput | None:
-        return self.inner.take_output() if self.inner is not None else None
+        return self.inner._next_output() if self.inner is not None else None
 

@@ -8,7 +8,6 @@ States: docs/serving.md § Slot lifecycle.
 
 from __future__ import annotations
 
-import collections
 import threading
 import uuid
 from collections.abc import Callable
@@ -68,7 +67,7 @@ class Call(CallView, WaitingCall):
     def __init__(self, ctx: CallContext, voice: str, persona: str, sampling: SamplingParams,
                  door: str = DOOR_PAGE) -> None:
         CallView.__init__(self, uuid.uuid4().hex[:12], door)
-        WaitingCall.__init__(self, guard=ctx.lock)
+        WaitingCall.__init__(self, guard=ctx.lock, outbox_frames=ctx.config.output_queue_frames)
         self.voice = voice
         self.persona = persona
         self.sampling = sampling
@@ -76,7 +75,6 @@ class Call(CallView, WaitingCall):
         self._ctx = ctx
         self._inbox = Inbox(InboxConfig(frame=ctx.frame_size, bound_seconds=ctx.config.input_buffer_seconds,
                                         margin_seconds=ctx.config.input_margin_seconds))
-        self._outbox: collections.deque[SlotOutput] = collections.deque()
         self.queued_at = ctx.clock.monotonic()
         self.live_since: float | None = None
         self._last_input: float | None = None
@@ -107,9 +105,6 @@ class Call(CallView, WaitingCall):
 
     def release(self, reason: str = EndReason.HANGUP) -> None:
         self._ctx.release(self, reason)
-
-    def _next_output(self) -> SlotOutput | None:
-        return self._outbox.popleft() if self._outbox else None
 
     # ---- the pool's side: the caller holds the context's lock --------------------------------
 
@@ -166,8 +161,7 @@ class Call(CallView, WaitingCall):
         a slow reader loses audio, never the ticker's time."""
         if self.state != CallState.LIVE:
             return False  # released during the step: its output has no reader
-        if len(self._outbox) >= self._ctx.config.output_queue_frames:
-            self._outbox.popleft()
+        if len(self._outbox) == self._outbox.maxlen:  # the append drops the oldest
             self.counters.output_drops += 1
             self._ctx.counters.output_drops += 1
         out.input_drops = self.counters.input_drops

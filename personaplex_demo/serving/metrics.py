@@ -85,7 +85,7 @@ def tell_listeners(listeners: list[TickListener], samples: list[tuple[float, lis
 
 class PoolWindows:
     """The most recent tick times and frame latencies (`add_tick`: under the pool's lock), and
-    the listeners told of every tick (`notify`: outside it)."""
+    the listeners told of every tick (outside it)."""
 
     def __init__(self) -> None:
         self.ticks: collections.deque[float] = collections.deque(maxlen=TICK_WINDOW)
@@ -100,9 +100,6 @@ class PoolWindows:
         self.ticks.append(seconds)
         self.latencies.extend(latencies)
         self.added.extend(latency - step_seconds for latency in latencies)
-
-    def notify(self, seconds: float, latencies: list[float]) -> None:
-        tell_listeners(self.listeners, [(seconds, latencies)])
 
     def sample(self) -> WindowSample:
         """A copy to compute percentiles from outside the lock."""

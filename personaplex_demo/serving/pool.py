@@ -125,7 +125,6 @@ class SlotPool:
     # ---- figures -------------------------------------------------------------------------------
 
     def add_tick_listener(self, listener: TickListener) -> None:
-        """See `PoolWindows.listeners`."""
         self._windows.listeners.append(listener)
 
     def snapshot(self) -> PoolMetrics:

@@ -17,7 +17,7 @@ import numpy as np
 
 from .admission import Admission
 from .call import Call, CallContext
-from .metrics import PoolMetrics, PoolWindows
+from .metrics import PoolMetrics, PoolWindows, tell_listeners
 from .pacing import TickPacer
 from .prefill import gap_prefills
 from .room import CallState, EndReason, SlotOutput
@@ -129,7 +129,7 @@ class Ticker:
                     latencies.append(lag)
             self._windows.add_tick(now - start, latencies, step_seconds)
             self._admission.policy.record_tick(now, len(rows), now - start)
-        self._windows.notify(now - start, latencies)
+        tell_listeners(self._windows.listeners, [(now - start, latencies)])
         return len(rows)
 
     def _engine_failed(self, calls: list[Call], exc: Exception, what: str) -> None:

@@ -10,6 +10,7 @@ no wake-up is lost between a look and a wait, and nobody polls.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import threading
 from collections.abc import Callable
@@ -50,28 +51,28 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 
 class WaitingCall:
     """`wait_live` and `next_output` for every back end's call. A subclass keeps `state`, `end_reason`
-    and its outputs (`_next_output`), and calls `_wake` on every change, both under the guard."""
+    and its outputs (`_outbox`, at most `outbox_frames`: a full one loses its oldest), and calls `_wake`
+    on every change, both under the guard."""
 
     state: CallState
     end_reason: str | None
 
-    def __init__(self, guard: threading.Lock | None = None) -> None:
+    def __init__(self, guard: threading.Lock | None = None, outbox_frames: int | None = None) -> None:
         self._guard: contextlib.AbstractContextManager = guard if guard is not None else contextlib.nullcontext()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._outbox: collections.deque[SlotOutput] = collections.deque(maxlen=outbox_frames)
 
     def _next_output(self) -> SlotOutput | None:
         """The oldest output not read yet (under the guard); None when there is none."""
-        return None
+        return self._outbox.popleft() if self._outbox else None
 
     async def wait_live(self, timeout: float | None = None) -> None:
-        """Return once LIVE; CallEnded if it ended first; TimeoutError after `timeout` s."""
         if not await self._until(lambda: not self.state.waiting, _deadline(timeout)):
             raise TimeoutError
         if self.state == CallState.ENDED:
             raise CallEnded(self.end_reason or "ended")
 
     async def next_output(self, timeout: float) -> SlotOutput | None:
-        """The next output frame; None after `timeout` s without one; CallEnded once ended and drained."""
         out: SlotOutput | None = None
 
         def ready() -> bool:
