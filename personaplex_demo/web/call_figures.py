@@ -43,17 +43,13 @@ class PacketCounts:
     lost_out: int = 0  # of those, lost on the way, as the caller's RTCP reports say
     round_trip_time: float | None = None  # seconds there and back, from the caller's RTCP reports
 
-    @staticmethod
-    def loss(lost: int, total: int) -> float | None:
-        return lost / total if total > 0 else None
-
     @property
     def loss_in(self) -> float | None:
-        return self.loss(self.lost_in, self.received + self.lost_in)
+        return self.lost_in / (self.received + self.lost_in) if self.received + self.lost_in > 0 else None
 
     @property
     def loss_out(self) -> float | None:
-        return self.loss(self.lost_out, self.sent)
+        return self.lost_out / self.sent if self.sent > 0 else None
 
 
 async def read_packets(pc) -> PacketCounts | None:
@@ -97,7 +93,7 @@ class CallFigures:
         self._packets_at: float | None = None  # when the packet counts were last asked for
         self._reading = False
         self._shown_at: float | None = None
-        self._shown = ""
+        self.shown = ""  # the line the page shows
         self._shown_shape: tuple[bool, ...] = ()
 
     def mark(self, milestone: str, now: float) -> None:
@@ -131,8 +127,7 @@ class CallFigures:
         """Read the packet counts of `pc` (aiortc) into `packets`."""
         self._reading = True
         try:
-            if (counts := await read_packets(pc)) is not None:
-                self.packets = counts
+            self.packets = await read_packets(pc) or self.packets
         finally:
             self._reading = False
 
@@ -225,14 +220,10 @@ class CallFigures:
         if not news and self._shown_at is not None and now - self._shown_at < FIGURES_SECONDS:
             return None
         line = self.line()
-        if not line or line == self._shown:
+        if not line or line == self.shown:
             return None
-        self._shown, self._shown_at, self._shown_shape = line, now, shape
+        self.shown, self._shown_at, self._shown_shape = line, now, shape
         return line
-
-    @property
-    def shown(self) -> str:
-        return self._shown
 
 
 def _round(value: float | None) -> float | None:

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import gradio as gr
+from starlette.responses import PlainTextResponse
 
 from ..errors import CallerError
 
 MAX_LINK_CHARS = 2000
 MAX_QUERY_BYTES = 8192  # longer query strings are refused before they reach Gradio (RefuseLongQueries)
-SAMPLING = ("text_temperature", "text_top_k", "audio_temperature", "audio_top_k")
-PARAMS = ("voice", "preset", "persona", *SAMPLING, "seed")
+PARAMS = ("voice", "preset", "persona", "text_temperature", "text_top_k", "audio_temperature", "audio_top_k", "seed")
 SEED_RANGE = (-1, 2**32 - 1)  # -1: a new random seed per call, as in the page's seed box
 
 
@@ -128,14 +128,11 @@ class RefuseLongQueries:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
+        app = self.app
         if scope["type"] == "http" and len(scope.get("query_string", b"")) > MAX_QUERY_BYTES:
-            body = (f"This address is too long: its query part is limited to {MAX_QUERY_BYTES} bytes.\n").encode()
-            await send({"type": "http.response.start", "status": 414,
-                        "headers": [(b"content-type", b"text/plain; charset=utf-8"),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
-            return
-        await self.app(scope, receive, send)
+            app = PlainTextResponse(f"This address is too long: its query part is limited to {MAX_QUERY_BYTES} bytes.\n",
+                                    status_code=414)
+        await app(scope, receive, send)
 
 
 def _short(message: str, limit: int = 160) -> str:

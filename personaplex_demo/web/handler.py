@@ -1,17 +1,16 @@
 """The fastrtc call handler: browser audio in, agent audio and transcript out, one per call.
 
 It never touches torch and never blocks the event loop: it only moves numpy arrays to and from its
-call, a `CallHandle` of the room (serving/room.py), whichever back end holds it. fastrtc hands each
-decoded packet to `resample` (rtc/audio.py) and what comes out to `receive`, which passes it on
-as it is: the room cuts its 80 ms frames at each tick (serving/inbox.py). While the call waits in the
-queue its microphone is held (web/mic_hold.py). Everything but a plain hang-up ends the call with a
-message (`CloseStream`), so nobody waits in silence. Its phases: docs/serving.md, on the handler's phases.
+call, a `CallHandle` of the room (serving/room.py), whichever back end holds it; the room cuts its 80 ms
+frames at each tick (serving/inbox.py). Everything but a plain hang-up ends the call with a message
+(`CloseStream`), so nobody waits in silence. Its phases: docs/serving.md, on the handler's phases.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import enum
 import logging
 import threading
@@ -93,14 +92,14 @@ class CallHandler(AsyncStreamHandler):
     Page updates are `AdditionalOutputs(transcript, status, call_id, files, figures)`: `files`, None or
     the recording's (WAV, JSON) paths. `peers`: the fastrtc connection id's aiortc peer (`pcs.get`)."""
 
-    def __init__(self, room: Room, recordings: RecordingStore | None = None, *, model_name: str | None = None,
+    def __init__(self, room: Room, recordings: RecordingStore, *, model_name: str | None = None,
                  peers: Callable[[str], Any] | None = None, room_figures: SharedFigures | None = None,
                  final_updates: FinalUpdates | None = None):
         super().__init__(expected_layout="mono", output_sample_rate=SAMPLE_RATE, input_sample_rate=SAMPLE_RATE)
         # fastrtc paces agent audio in frames of this length; one frame makes one Opus packet (rtc/audio.py).
         self.output_frame_size = output_frame_samples(SAMPLE_RATE)
         self.room = room
-        self.recordings = recordings if recordings is not None else RecordingStore()
+        self.recordings = recordings
         self.model_name = model_name
         self.peers = peers
         self.room_figures = room_figures if room_figures is not None else SharedFigures(room)
@@ -130,9 +129,6 @@ class CallHandler(AsyncStreamHandler):
     def call(self) -> CallHandle | None:
         return self.door_call.call
 
-    def _fail(self, message: str) -> None:
-        self.phase, self.close_message = Phase.FAILING, message
-
     # ---- start-up ---------------------------------------------------------------------------
 
     async def start_up(self) -> None:
@@ -157,7 +153,7 @@ class CallHandler(AsyncStreamHandler):
             self.recording = self.recordings.start(self.call_id, req.recording_meta(self.call_id, self.model_name))
             log.info("call %s: %s, voice %s (room call %s)", self.call_id, call.state, req.voice, call.id)
         else:
-            self._fail(self._refused(refusal))
+            self.phase, self.close_message = Phase.FAILING, self._refused(refusal)
             log.info("call %s refused: %s", self.call_id, refusal.error)
         self._started.set()
 
@@ -197,10 +193,8 @@ class CallHandler(AsyncStreamHandler):
     async def emit(self):
         phase = self.phase
         if phase == Phase.STARTING:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._started.wait(), 0.1)
-            except TimeoutError:
-                pass
             return None
         if phase == Phase.CLOSING:
             # The final page update went out with the previous item: a moment for the page to fetch it.
@@ -217,8 +211,12 @@ class CallHandler(AsyncStreamHandler):
         match await self.door_call.next_event(STATUS_SECONDS if waiting else 0.1):
             case Frame(out=out):
                 return self._output(out)
+            case Ended(reason=EndReason.HANGUP):
+                self.phase = Phase.ENDED
+                self._finish_recording(EndReason.HANGUP)
+                return None
             case Ended(reason=reason):
-                return await self._ended_with(reason)
+                return await self._close(end_message(reason), reason)
             case Queued() | Preparing() | Live() as news:
                 # In the queue the caller's microphone is held; from its prefill on it is heard.
                 self.mic.set(isinstance(news, Queued), self.channel, self.peers, self.webrtc_id)
@@ -232,7 +230,10 @@ class CallHandler(AsyncStreamHandler):
         """One agent frame for fastrtc, with a page update when one is due."""
         self.frames_out += 1
         now = time.monotonic()
-        self._note_output(out, now)
+        if self.figures.output(out, now):
+            log.info("call %s: first sound %s", self.call_id, self.figures.first_sound_text())
+        if self.peers and self.webrtc_id and self.figures.packets_due(now) and (pc := self.peers(self.webrtc_id)):
+            self._packets_task = asyncio.create_task(self.figures.refresh_packets(pc))
         self.echo.agent(out.pcm, now)
         warned = self.echo.detected
         if self.echo.check(now) and not warned:
@@ -244,13 +245,6 @@ class CallHandler(AsyncStreamHandler):
         audio = (SAMPLE_RATE, out.pcm)
         update = self._update(text_changed=bool(out.text), status_due=self.echo.detected and not warned)
         return (audio, update) if update is not None else audio
-
-    def _note_output(self, out, now: float) -> None:
-        """This call's figures: the output itself, and the packet counts when due."""
-        if self.figures.output(out, now):
-            log.info("call %s: first sound %s", self.call_id, self.figures.first_sound_text())
-        if self.peers and self.webrtc_id and self.figures.packets_due(now) and (pc := self.peers(self.webrtc_id)):
-            self._packets_task = asyncio.create_task(self.figures.refresh_packets(pc))
 
     def _update(self, text_changed: bool = False, status_due: bool = False) -> AdditionalOutputs | None:
         """The page update, or None (PageThrottle; the call's figures at most every FIGURES_SECONDS)."""
@@ -265,20 +259,15 @@ class CallHandler(AsyncStreamHandler):
         line = status_line(self.call, self.room_figures)
         return f"{ECHO_WARNING} · {line}" if self.echo.detected else line
 
-    async def _ended_with(self, reason: str):
-        if reason == EndReason.HANGUP:
-            self.phase = Phase.ENDED
-            self._finish_recording(reason)
-            return None
-        return await self._close(end_message(reason), reason)
-
     async def _close(self, message: str, reason: str):
         """End the call with `message`: finish the recording, then (when the page is listening on
         the data channel) send the final status and the downloads, then CloseStream."""
         self.phase = Phase.ENDED  # until the final update below is on its way
         self.door_call.hang_up(reason)
         rec = self.recording
-        files = None if rec is None else await rec.finish_async(reason, self._final_meta())
+        if rec is not None and (writing := rec.finish_soon(reason, self._final_meta())) is not None:
+            await writing
+        files = None if rec is None else rec.files
         log.info("call %s ended: %s", self.call_id, message)
         if self.channel is None:
             return CloseStream(message)  # nobody to show a final update to

@@ -28,11 +28,6 @@ HOLD = "personaplex:hold-microphone"  # the call waits: send no audio
 SEND = "personaplex:send-microphone"  # the call's slot is being prepared: send it again
 
 
-def message(held: bool) -> str:
-    """The data-channel message that tells the page to hold or send its microphone."""
-    return json.dumps({"type": "log", "data": HOLD if held else SEND})
-
-
 class MicHold:
     """One call's side: hold the microphone while the call waits, send it from its prefill on."""
 
@@ -56,7 +51,7 @@ class MicHold:
             receive_audio(pc, not held)
         if channel is not None:
             try:
-                channel.send(message(held))
+                channel.send(json.dumps({"type": "log", "data": HOLD if held else SEND}))
             except Exception as exc:  # a channel closing under us: the call ends anyway
                 log.debug("could not tell the page to %s its microphone: %s", "hold" if held else "send", exc)
 

@@ -1,9 +1,5 @@
-"""The Gradio page: voice, persona, sampling, the call button, transcript, status and downloads.
-
-`build_ui` returns a `gr.Blocks` built around fastrtc's `WebRTC` component (not the generated
-`Stream.ui`). `status_routes` gives the JSON status endpoint (`GET /api/status`) to mount on
-the same server.
-"""
+"""The Gradio page (voice, persona, sampling, the call button, transcript, status and downloads), built
+around fastrtc's `WebRTC` component rather than the generated `Stream.ui`, and `GET /api/status`."""
 
 from __future__ import annotations
 
@@ -29,11 +25,11 @@ from ..sampling_params import SamplingParams
 from ..serving.room import Room
 from .call_figures import TRIP_PENDING
 from .deeplink import SEED_RANGE, LinkRules, NumberRule, add_deep_links, number_rule
-from .handler import CallHandler, FinalUpdates
+from .handler import CallHandler
 from .mic_hold import MIC_HOLD_SCRIPT
 from .page_inputs import PageInputs
 from .recording import RecordingStore
-from .room_figures import ROOM_SCRIPT, RoomFigures, figures_html
+from .room_figures import ROOM_SCRIPT, figures_html, room_routes
 from .status import SharedFigures, limited_by, queue_reason, room_line
 
 DEFAULT_PRESET = "Assistant (teacher)"
@@ -66,12 +62,12 @@ class PageOptions:
 def status_payload(runtime: RuntimeFacts, room: Room) -> dict[str, Any]:
     """What `GET /api/status` returns: the model and the room's live figures, the same fields
     whichever back end holds the room."""
-    metrics = room.snapshot()
+    metrics, capacity = room.snapshot(), runtime.capacity_facts()
     return {"model": runtime.model_name, "tiny": bool(runtime.is_tiny), "banner": runtime.banner,
-            "weights": runtime.weights, "device": runtime.device_name, "capacity": runtime.capacity_facts(),
+            "weights": runtime.weights, "device": runtime.device_name, "capacity": capacity,
             "admission": room.config.admission, "queue_reason": queue_reason(metrics),
-            "limited_by": limited_by(metrics, room.config.media_lag_limit_seconds,
-                                     (runtime.capacity_facts() or {}).get("bound")), **metrics.as_dict()}
+            "limited_by": limited_by(metrics, room.config.media_lag_limit_seconds, (capacity or {}).get("bound")),
+            **metrics.as_dict()}
 
 
 def status_routes(runtime: RuntimeFacts, room: Room, extra: Callable[[], dict[str, Any]] | None = None) -> list[Route]:
@@ -83,7 +79,7 @@ def status_routes(runtime: RuntimeFacts, room: Room, extra: Callable[[], dict[st
             payload.update(extra())
         return JSONResponse(payload, headers={"Cache-Control": "no-store"})
 
-    return [Route("/api/status", status, methods=["GET"]), *RoomFigures(room).routes()]
+    return [Route("/api/status", status, methods=["GET"]), *room_routes(room)]
 
 
 def call_events(demo: gr.Blocks) -> frozenset[int]:
@@ -171,8 +167,7 @@ class Page:
         self.presets = dict(load_presets())
         self.voices = list(self.engine.voice_names)
         self.figures = SharedFigures(room)
-        self.handler = CallHandler(room, recordings, model_name=runtime.model_name, room_figures=self.figures,
-                                   final_updates=FinalUpdates())
+        self.handler = CallHandler(room, recordings, model_name=runtime.model_name, room_figures=self.figures)
 
     def build(self) -> gr.Blocks:
         options = self.options

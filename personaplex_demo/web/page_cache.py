@@ -3,10 +3,9 @@ each instead of Gradio's page rendering or a file read in a thread (docs/serving
 docs/design-notes.md says why it is written here, in the section on visitors' work).
 
 The page names its own address (Gradio's "root", from the Host and X-Forwarded-* headers), so those
-headers and the only query parameters Gradio reads on these routes (`page`, `deep_link`) are part of
-the key; a built file is the same for every host and query, so it is kept once. Requests that arrive
-while the first one for a key is answered wait for it. Text answers are also kept brotli-compressed:
-Gradio's own compression, outside every app middleware, passes an answer that is already encoded.
+headers and the only query parameters Gradio reads on these routes (`page`, `deep_link`) are part of its
+key. Text answers are also kept brotli-compressed: Gradio's own compression, outside every app
+middleware, passes an answer that is already encoded.
 """
 
 from __future__ import annotations

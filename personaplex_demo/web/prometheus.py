@@ -6,7 +6,6 @@ latency histograms are fed by the ticker through `add_tick_listener`, so no samp
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
@@ -22,8 +21,6 @@ from starlette.routing import Route
 
 from ..serving.room import DOOR_PAGE, EndReason, Room
 
-log = logging.getLogger(__name__)
-
 PREFIX = "personaplex"
 # One tick is due every 80 ms; the GPU targets are 15 ms (1 slot) to 45 ms (64 slots).
 TICK_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.045, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
@@ -32,19 +29,17 @@ LATENCY_BUCKETS = (0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.16, 0.2, 0.3, 0.5, 1.0, 
 
 # Listed with 0 before the first of each happens, so rates and alerts work from the start.
 END_REASONS = tuple(reason.value for reason in EndReason)
-GAUGES = (  # (name, PoolMetrics field, help)
-    ("slots", "slots_total", "Conversation slots (batch rows) of the engine."),
-    ("slots_live", "slots_live", "Slots holding a live call."),
-    ("slots_prefilling", "slots_prefill", "Slots preparing a call (voice and persona prompt)."),
-    ("slots_free", "slots_free", "Slots held by no call."),
-    ("queue_length", "queue_length", "Callers waiting for a slot."),
-    ("admitting", "admitting", "1 while a new caller would be seated now (a free slot with headroom in the tick)."),
-)
-# Milliseconds in PoolMetrics, seconds here: (name, field, help).
-SECONDS_GAUGES = (
+GAUGES = (  # (name, PoolMetrics field, help, divisor): milliseconds in PoolMetrics are seconds here
+    ("slots", "slots_total", "Conversation slots (batch rows) of the engine.", 1),
+    ("slots_live", "slots_live", "Slots holding a live call.", 1),
+    ("slots_prefilling", "slots_prefill", "Slots preparing a call (voice and persona prompt).", 1),
+    ("slots_free", "slots_free", "Slots held by no call.", 1),
+    ("queue_length", "queue_length", "Callers waiting for a slot.", 1),
+    ("admitting", "admitting", "1 while a new caller would be seated now (a free slot with headroom in the tick).", 1),
     ("tick_headroom_seconds", "headroom_ms",
-     "Tick budget (80 ms) left if one more call joined, from the measured tick times; negative: over budget."),
-    ("media_lag_seconds", "media_lag_ms", "The worst event-loop lag a door (page or media worker) reported lately."),
+     "Tick budget (80 ms) left if one more call joined, from the measured tick times; negative: over budget.", 1e3),
+    ("media_lag_seconds", "media_lag_ms", "The worst event-loop lag a door (page or media worker) reported lately.",
+     1e3),
 )
 COUNTERS = (
     ("calls_started", "calls_started", "Calls that went live."),
@@ -68,10 +63,8 @@ class PoolCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         m = self.room.snapshot()
-        for name, field, text in GAUGES:
-            yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=getattr(m, field))
-        for name, field, text in SECONDS_GAUGES:
-            yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=getattr(m, field) / 1e3)
+        for name, field, text, divisor in GAUGES:
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", text, value=getattr(m, field) / divisor)
         for name, field, text in COUNTERS:
             yield CounterMetricFamily(f"{PREFIX}_{name}", text, value=getattr(m, field))
         ended = CounterMetricFamily(f"{PREFIX}_calls_ended", "Calls ended, by reason.", labels=["reason"])
@@ -90,10 +83,11 @@ class PoolCollector(Collector):
             yield family
 
 
-ENGINE_GAUGES = (  # (name, /api/status engine field, help): per engine, labelled by engine, node and device
-    ("engine_slots", "slots_total", "Conversation slots of this engine."),
-    ("engine_slots_live", "slots_live", "Slots of this engine holding a live call."),
-    ("engine_queue_length", "queue_length", "Callers waiting for a slot of this engine."),
+ENGINE_GAUGES = (  # (name, /api/status engine field, help, divisor): per engine, labelled by engine, node and device
+    ("engine_slots", "slots_total", "Conversation slots of this engine.", 1),
+    ("engine_slots_live", "slots_live", "Slots of this engine holding a live call.", 1),
+    ("engine_queue_length", "queue_length", "Callers waiting for a slot of this engine.", 1),
+    ("engine_tick_p50_seconds", "tick_p50_ms", "Median tick time of this engine, lately.", 1e3),
 )
 
 
@@ -105,20 +99,16 @@ class EngineCollector(Collector):
         self.status = status
 
     def collect(self) -> Iterable[Metric]:
-        rows = self.status()
         labels = ["engine", "node", "device"]
         up = GaugeMetricFamily(f"{PREFIX}_engine_up", "1 while the engine runs and is linked to this app.",
                                labels=labels)
-        gauges = [GaugeMetricFamily(f"{PREFIX}_{name}", text, labels=labels) for name, _, text in ENGINE_GAUGES]
-        tick = GaugeMetricFamily(f"{PREFIX}_engine_tick_p50_seconds", "Median tick time of this engine, lately.",
-                                 labels=labels)
-        for row in rows:
+        gauges = [GaugeMetricFamily(f"{PREFIX}_{name}", text, labels=labels) for name, _, text, _ in ENGINE_GAUGES]
+        for row in self.status():
             key = [str(row.get("name")), str(row.get("node")), str(row.get("device"))]
             up.add_metric(key, 1.0 if row.get("alive") else 0.0)
-            for family, (_, field, _) in zip(gauges, ENGINE_GAUGES, strict=True):
-                family.add_metric(key, row.get(field, 0))
-            tick.add_metric(key, row.get("tick_p50_ms", 0.0) / 1e3)
-        yield from (up, *gauges, tick)
+            for family, (_, field, _, divisor) in zip(gauges, ENGINE_GAUGES, strict=True):
+                family.add_metric(key, row.get(field, 0) / divisor)
+        yield from (up, *gauges)
 
 
 class VisitorCollector(Collector):
@@ -128,18 +118,17 @@ class VisitorCollector(Collector):
         self.counts = counts
 
     def collect(self) -> Iterable[Metric]:
-        c = self.counts()
         refused = CounterMetricFamily(f"{PREFIX}_visitors_refused", "Visitors' page loads and events refused: over "
                                       "an address's rate (page_loads, events) or with the server behind (busy).",
                                       labels=["why"])
-        for why, key in (("page_loads", "page_loads_refused"), ("events", "events_refused"), ("busy", "busy_refused")):
-            refused.add_metric([why], c.get(key, 0))
+        for key, count in self.counts().items():  # page_loads_refused, events_refused, busy_refused
+            refused.add_metric([key.removesuffix("_refused")], count)
         yield refused
 
 
-def build_registry(room: Room, collectors: Sequence[Collector] = (), doors: Sequence[str] = (DOOR_PAGE,)
-                   ) -> CollectorRegistry:
-    """A registry of this pool's metrics plus the process's (memory, CPU, GC). Its own registry, not
+def metrics_routes(room: Room, collectors: Sequence[Collector] = (), doors: Sequence[str] = (DOOR_PAGE,)
+                   ) -> list[Route]:
+    """This pool's metrics plus the process's (memory, CPU, GC), in a registry of their own, not
     prometheus_client's global one, so several pools (tests) never clash."""
     registry = CollectorRegistry()
     registry.register(PoolCollector(room, doors))
@@ -160,12 +149,6 @@ def build_registry(room: Room, collectors: Sequence[Collector] = (), doors: Sequ
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
-    return registry
-
-
-def metrics_routes(room: Room, collectors: Sequence[Collector] = (), doors: Sequence[str] = (DOOR_PAGE,)
-                   ) -> list[Route]:
-    registry = build_registry(room, collectors, doors)
 
     async def metrics(_: Request) -> Response:
         # A snapshot sorts thousands of samples under the ticker's lock: not on the event loop.

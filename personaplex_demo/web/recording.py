@@ -1,12 +1,9 @@
-"""Per-call recordings for the page's download buttons, each in its own folder under one temporary
-directory: `<name>.wav` (16-bit stereo at 24 kHz, the caller LEFT and the agent RIGHT, both from the
-moment the call goes live) and `<name>.json` (the agent's words with their times in the WAV, and the
-call's settings and end; docs/transcripts.md § Transcripts).
+"""Per-call recordings for the page's download buttons: `<name>.wav` (16-bit stereo at 24 kHz, the
+caller LEFT and the agent RIGHT, from the moment the call goes live) and `<name>.json`
+(docs/transcripts.md § Transcripts), each call in its own folder under one temporary directory.
 
 While a call runs its audio is streamed to two raw files, so memory stays flat however long calls are.
-Recordings go after `max_age_seconds` (they hold the caller's voice), the oldest first
-beyond `max_recordings`. The folder is named
-`personaplex-calls-<pid>-<random>`, so that the next start removes those of exited processes only.
+Recordings hold the caller's voice: they go after `max_age_seconds`, the oldest first beyond `max_recordings`.
 """
 
 from __future__ import annotations
@@ -98,7 +95,6 @@ class CallRecording:
 
     directory: Path
     meta: dict[str, Any] = field(default_factory=dict)
-    sample_rate: int = SAMPLE_RATE
 
     def __post_init__(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -114,15 +110,11 @@ class CallRecording:
         self._started_at = time.time()
         self._finished = threading.Event()
         self._finishing = False
-        self._files: RecordingFiles | None = None
+        self.files: RecordingFiles | None = None  # once `finish` wrote them
 
     @property
     def finished(self) -> bool:
         return self._finished.is_set()
-
-    @property
-    def files(self) -> RecordingFiles | None:
-        return self._files
 
     def add_caller(self, samples: np.ndarray) -> None:
         data = _to_int16(samples)
@@ -139,9 +131,9 @@ class CallRecording:
             if self._agent.closed:
                 return
             if text:
-                start = self._agent_samples / self.sample_rate
+                start = self._agent_samples / SAMPLE_RATE
                 self._segments.append({"frame": self._agent_samples // FRAME_SAMPLES, "start_s": round(start, 3),
-                                       "end_s": round(start + data.size / self.sample_rate, 3), "text": text})
+                                       "end_s": round(start + data.size / SAMPLE_RATE, 3), "text": text})
             self._agent.write(data.tobytes())
             self._agent_samples += data.size
 
@@ -166,7 +158,7 @@ class CallRecording:
         """Close the tracks and write the WAV and the JSON. Idempotent; returns None if nothing was
         recorded (the call never went live)."""
         if not self._close_tracks():  # another thread wrote the files
-            return self._files
+            return self.files
         with self._lock:
             caller_n, agent_n, segments = self._caller_samples, self._agent_samples, list(self._segments)
         try:
@@ -178,16 +170,16 @@ class CallRecording:
             payload = {
                 **self.meta,
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self._started_at)),
-                "duration_seconds": round(max(caller_n, agent_n) / self.sample_rate, 3),
+                "duration_seconds": round(max(caller_n, agent_n) / SAMPLE_RATE, 3),
                 "end_reason": end_reason,
                 "channels": {"left": "caller", "right": "agent"},
-                "sample_rate": self.sample_rate,
+                "sample_rate": SAMPLE_RATE,
                 "text": "".join(s["text"] for s in segments),
                 "segments": segments,
             }
             json_path.write_text(json.dumps(payload, ensure_ascii=False, indent=2), encoding="utf-8")
-            self._files = RecordingFiles(wav_path, json_path)
-            return self._files
+            self.files = RecordingFiles(wav_path, json_path)
+            return self.files
         except OSError:
             logger.exception("could not write the recording in %s", self.directory)
             return None
@@ -202,7 +194,7 @@ class CallRecording:
                 wave.open(str(path), "wb") as out:
             out.setnchannels(2)
             out.setsampwidth(2)
-            out.setframerate(self.sample_rate)
+            out.setframerate(SAMPLE_RATE)
             for _ in range(0, total, _CHUNK_SAMPLES):
                 a = np.frombuffer(left.read(_CHUNK_SAMPLES * 2), dtype=np.int16)
                 b = np.frombuffer(right.read(_CHUNK_SAMPLES * 2), dtype=np.int16)
@@ -212,32 +204,25 @@ class CallRecording:
                 frame[: b.size, 1] = b
                 out.writeframes(frame.tobytes())
 
-    def finish_soon(self, end_reason: str, meta: dict) -> None:
-        """Add `meta` and `finish`, off the running event loop if there is one: writing the WAV of
-        a long call takes a moment."""
+    def finish_soon(self, end_reason: str, meta: dict) -> asyncio.Future | None:
+        """Add `meta` and `finish`, off the running event loop if there is one (writing the WAV of a long
+        call takes a moment): the executor's future, or None where it finished here or before."""
         if self.finished:
-            return
+            return None
         self.meta.update(meta)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             self.finish(end_reason)
-            return
-        loop.run_in_executor(None, self.finish, end_reason)
-
-    async def finish_async(self, end_reason: str, meta: dict) -> RecordingFiles | None:
-        """Add `meta` and `finish` in an executor thread; the files."""
-        if self.finished:
-            return self.files
-        self.meta.update(meta)
-        return await asyncio.get_running_loop().run_in_executor(None, self.finish, end_reason)
+            return None
+        return loop.run_in_executor(None, self.finish, end_reason)
 
     async def wait_finished(self, timeout: float) -> RecordingFiles | None:
         """Wait (without blocking the event loop) until `finish` has run; its files, or None."""
         deadline = time.monotonic() + timeout
         while not self._finished.is_set() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return self._files
+        return self.files
 
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -265,7 +250,7 @@ class RecordingStore:
             old = self._recordings.pop(key, None)
             self._recordings[key] = (time.monotonic(), recording)
         if old is not None:
-            self._delete(old[1])
+            shutil.rmtree(old[1].directory, ignore_errors=True)
         return recording
 
     def get(self, key: str) -> CallRecording | None:
@@ -283,7 +268,7 @@ class RecordingStore:
             doomed += finished[: max(0, excess)]
             removed = [self._recordings.pop(k)[1] for k in doomed]
         for rec in removed:
-            self._delete(rec)
+            shutil.rmtree(rec.directory, ignore_errors=True)
 
     def close(self) -> None:
         """Delete every recording and the directory (the app calls this on exit). A recording still
@@ -294,7 +279,3 @@ class RecordingStore:
         for rec in recordings:
             rec.abandon()
         shutil.rmtree(self.root, ignore_errors=True)
-
-    @staticmethod
-    def _delete(recording: CallRecording) -> None:
-        shutil.rmtree(recording.directory, ignore_errors=True)

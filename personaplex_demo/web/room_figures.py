@@ -38,26 +38,20 @@ def figures_html(m: PoolMetrics) -> str:
     return f'<span class="room-figures">{text}</span>'
 
 
-class RoomFigures:
+def room_routes(room: Room) -> list[Route]:
     """`GET /api/room`: the figures as JSON, the same bytes for every page while the shared
     snapshot (taken at most every ANSWER_SECONDS) is the same one."""
+    figures = SharedFigures(room, ttl=ANSWER_SECONDS)
+    kept: tuple[PoolMetrics, bytes] | None = None  # read and written on the server's loop only
 
-    def __init__(self, room: Room) -> None:
-        self.figures = SharedFigures(room, ttl=ANSWER_SECONDS)
-        self._answer: tuple[PoolMetrics, bytes] | None = None  # read and written on the server's loop only
+    async def answer(_: Request) -> Response:
+        nonlocal kept
+        metrics = figures.get()
+        if kept is None or kept[0] is not metrics:
+            kept = (metrics, json.dumps({"parts": figure_parts(metrics), "refresh_seconds": REFRESH_SECONDS}).encode())
+        return Response(kept[1], media_type="application/json", headers={"Cache-Control": "no-store"})
 
-    def body(self) -> bytes:
-        metrics = self.figures.get()
-        if self._answer is None or self._answer[0] is not metrics:
-            parts = figure_parts(metrics)
-            self._answer = (metrics, json.dumps({"parts": parts, "refresh_seconds": REFRESH_SECONDS}).encode())
-        return self._answer[1]
-
-    async def answer(self, _: Request) -> Response:
-        return Response(self.body(), media_type="application/json", headers={"Cache-Control": "no-store"})
-
-    def routes(self) -> list[Route]:
-        return [Route("/api/room", self.answer, methods=["GET"])]
+    return [Route("/api/room", answer, methods=["GET"])]
 
 
 # The page's side: ask while visible, back off when refused, write text only.

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from starlette.responses import Response
+
 from ..addresses import client_address
 
 log = logging.getLogger(__name__)
@@ -87,7 +89,7 @@ class VisitorLimits:
         if kind == "join":
             body = await read_body(receive)
             if body is None:  # the client went away, or sent far more than any event holds
-                await refuse(send, 413, "This event is larger than any the page sends.", 0, json_body=True)
+                await refusal(413, "This event is larger than any the page sends.", 0, json_body=True)(scope, receive, send)
                 return
             receive = replay(body, receive)
             if fn_index(body) in self.call_events:
@@ -98,12 +100,12 @@ class VisitorLimits:
         wait = self.wait(kind, address)
         if wait:
             self.refused(kind, address)
-            await refuse(send, 429, TOO_MANY[kind], wait, json_body=kind != "page")
+            await refusal(429, TOO_MANY[kind], wait, json_body=kind != "page")(scope, receive, send)
             return
         if self._in_flight >= self.config.in_flight:
             self.counts.busy_refused += 1
             self.refused("busy", address)
-            await refuse(send, 503, BUSY, 2.0, json_body=kind != "page")
+            await refusal(503, BUSY, 2.0, json_body=kind != "page")(scope, receive, send)
             return
         self._in_flight += 1
         try:
@@ -205,16 +207,13 @@ def fn_index(body: bytes) -> int | None:
     return value if isinstance(value, int) else None
 
 
-async def refuse(send, status: int, message: str, retry_after: float, json_body: bool) -> None:
+def refusal(status: int, message: str, retry_after: float, json_body: bool) -> Response:
     seconds = max(1, math.ceil(retry_after))
+    headers = {"retry-after": str(seconds), "cache-control": "no-store"}
     if json_body:
-        body = json.dumps({"detail": f"{message} Try again in {seconds} s."}).encode()
-        kind = b"application/json"
-    else:  # a browser: a page that comes back by itself
-        body = (f"<!doctype html><meta charset=utf-8><meta http-equiv=refresh content={seconds}>"
-                f"<title>PersonaPlex Live</title><p>{message} This page loads again in {seconds} s.</p>").encode()
-        kind = b"text/html; charset=utf-8"
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", kind), (b"content-length", str(len(body)).encode()),
-                            (b"retry-after", str(seconds).encode()), (b"cache-control", b"no-store")]})
-    await send({"type": "http.response.body", "body": body})
+        return Response(json.dumps({"detail": f"{message} Try again in {seconds} s."}), status, headers,
+                        "application/json")
+    # a browser: a page that comes back by itself
+    return Response(f"<!doctype html><meta charset=utf-8><meta http-equiv=refresh content={seconds}>"
+                    f"<title>PersonaPlex Live</title><p>{message} This page loads again in {seconds} s.</p>",
+                    status, headers, "text/html; charset=utf-8")
