@@ -403,6 +403,9 @@ async def test_hostile_input_on_the_gpt_live_door(app):
         assert (await client.error(too_big))["code"] == "message_too_large"
         await client.send({"type": "session.start", "session": {"instructions": "You are terse."}})
         await client.wait("session.started")
+        # Audio is decoded once the call is live (while it is prepared nothing is decoded): its first
+        # output says so.
+        await client.wait("session.output_audio.delta", timeout=30.0)
         assert (await client.error({"type": "session.input_audio.append", "audio": "@@"}))["code"] == "invalid_base64"
         assert (await client.error({"type": "session.start", "session": {}}))["code"] == "session_already_started"
         assert not client.closed.is_set()  # every error left the socket usable
