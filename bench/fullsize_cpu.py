@@ -138,13 +138,13 @@ def write_repo(cache: Path) -> tuple[Path, dict[str, float]]:
     files = ModelFiles()
     took = {}
     t0 = time.perf_counter()
-    write_hash_checkpoint(meta_lm(LMConfig.personaplex_7b()), snapshot / files.lm, "lm", LM_SEED, torch.bfloat16)
+    write_hash_checkpoint(meta_lm(LMConfig()), snapshot / files.lm, "lm", LM_SEED, torch.bfloat16)
     took["lm"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    write_hash_checkpoint(meta_mimi(MimiConfig.personaplex()), snapshot / files.mimi, "mimi", MIMI_SEED)
+    write_hash_checkpoint(meta_mimi(MimiConfig()), snapshot / files.mimi, "mimi", MIMI_SEED)
     took["mimi"] = time.perf_counter() - t0
     build_tiny_tokenizer(snapshot / files.tokenizer)
-    write_voices_archive(snapshot / files.voices, tiny_voice_prompts(LMConfig.personaplex_7b().dim))
+    write_voices_archive(snapshot / files.voices, tiny_voice_prompts(LMConfig().dim))
     for name in (files.lm, files.mimi):
         drop_from_page_cache(snapshot / name)
     return snapshot, took
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
     t_start = time.perf_counter()
     options = RuntimeOptions(model="personaplex-7b-v1", device="cpu", dtype="bfloat16", weights=args.weights,
                              slots=2, cache_dir=workdir,
-                             context=context_frames(args.context, LMConfig.personaplex_7b().context))
+                             context=context_frames(args.context, LMConfig().context))
     res["rss_before"] = 1024 * _status_kb("VmRSS")
     with PeakRSS() as load_mem:
         runtime = build_runtime(options, lambda message, _: phases.setdefault(message, time.perf_counter()))

@@ -109,7 +109,7 @@ def build_hashed(module: torch.nn.Module, kind: str, seed: int, device: torch.de
                  check_below: int = 1 << 20) -> tuple[torch.nn.Module, int]:
     """Assign hash-v1 tensors to a meta-built module; keys up to `check_below` elements are also
     computed by the numpy recipe and must match bit for bit. Returns (module, keys checked)."""
-    from personaplex_demo.model.hashinit import make_tensor
+    from tests.support.signals import make_tensor
 
     state, checked = {}, 0
     for key, t in module.state_dict().items():
@@ -139,8 +139,8 @@ class Setup:
 
         self.device, self.graphs, self.dry_run = device, graphs, dry_run
         self.dtype = torch.bfloat16
-        self.lm_cfg = LMConfig.tiny() if dry_run else LMConfig.personaplex_7b()
-        self.mimi_cfg = MimiConfig.tiny() if dry_run else MimiConfig.personaplex()
+        self.lm_cfg = LMConfig.tiny() if dry_run else LMConfig()
+        self.mimi_cfg = MimiConfig.tiny() if dry_run else MimiConfig()
         t0 = time.perf_counter()
         self.lm, c1 = build_hashed(meta_lm(self.lm_cfg), "lm", LM_SEED, device, self.dtype)
         self.mimi, c2 = build_hashed(meta_mimi(self.mimi_cfg), "mimi", MIMI_SEED, device, torch.float32)
@@ -179,7 +179,7 @@ def plan_run(setup: Setup, a: argparse.Namespace) -> tuple[BatchPlan, tuple[int,
     full-size engine for a card with --free-gib free, by the function the real run uses, and
     measures the tiny configs at B = 1, 2, 4."""
     if a.dry_run:
-        plan = plan_for_card(a.free_gib or DRY_RUN_FREE_GIB, LMConfig.personaplex_7b(), MimiConfig.personaplex(),
+        plan = plan_for_card(a.free_gib or DRY_RUN_FREE_GIB, LMConfig(), MimiConfig(),
                              setup.dtype, setup.voice_t, setup.graphs)
         return plan, DRY_RUN_BATCHES, DRY_RUN_SEARCH_MAX
     plan = plan_on_device(setup.lm, setup.mimi, setup.device, setup.dtype, setup.weights_bytes, setup.voice_t,

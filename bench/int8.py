@@ -109,7 +109,7 @@ def fullsize_errors(path: Path, cfg: LMConfig | None = None, frames: int = 3, ba
     from personaplex_demo.model.ring import RingKV
     from personaplex_demo.model.transformer import rope_angles
 
-    cfg = cfg or LMConfig.personaplex_7b()
+    cfg = cfg or LMConfig()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 2048, (frames, batch, 17), generator=g)
     tables = dict((k, t.float().clone()) for k, t in read_tensors(path, [f"emb.{i}.weight" for i in range(16)]
@@ -205,7 +205,7 @@ def main() -> int:
         err += [[name, *row] for row in errors(cfg, dense, int8)]
     if a.full_size:
         with tempfile.TemporaryDirectory(prefix="pp-int8-") as tmp:
-            path = write_hash_checkpoint(meta_lm(LMConfig.personaplex_7b()), Path(tmp) / "model.safetensors", "lm",
+            path = write_hash_checkpoint(meta_lm(LMConfig()), Path(tmp) / "model.safetensors", "lm",
                                          LM_SEED, torch.bfloat16)
             err += [["PersonaPlex-7B (hash-v1, bf16 file)", *row] for row in fullsize_errors(path)]
     err_t = md_table(["config", "where", "relative error", "lowest cosine"], err)

@@ -104,7 +104,7 @@ def reference_lm(path: Path, cfg: LMConfig):
 
 
 def mimi_rows(batches: list[int], ref, rounds: int, cap_s: float, profile: bool) -> tuple[list, list[str]]:
-    cfg = MimiConfig.personaplex()
+    cfg = MimiConfig()
     path = hash_file("mimi", "mimi-full", lambda: meta_mimi(cfg), MIMI_SEED)
     ours = load_mimi(cfg, path)
     theirs = reference_mimi(path) if ref is not None else None
@@ -162,7 +162,7 @@ def mimi_rows(batches: list[int], ref, rounds: int, cap_s: float, profile: bool)
 def bench_voice(cfg: LMConfig, T: int = VOICE_T, seed: int = 0) -> VoiceTokens:
     g = torch.Generator().manual_seed(seed)
     return VoiceTokens(f"bench-{T}", torch.randn(T, cfg.dim, generator=g),
-                       torch.randint(0, 2048, (17, cfg.ring_columns), generator=g))
+                       torch.randint(0, 2048, (17, max(cfg.delays) + 3), generator=g))  # the staging ring [17, CT]
 
 
 def bench_persona(P: int = PERSONA_P) -> list[int]:

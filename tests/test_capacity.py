@@ -30,7 +30,7 @@ from personaplex_demo.web.page import status_payload
 from .lm_fixtures import real_lm_shapes
 from .support.int8 import lm_weight_bytes
 
-FULL = LMConfig.personaplex_7b()
+FULL = LMConfig()
 BF16 = 2
 MIMI_BYTES = 96_000_000 * 4  # Mimi stays fp32
 REAL_LM = real_lm_shapes()
@@ -43,7 +43,7 @@ def full_size_plan(card_bytes: int, seconds: float | None = None, slots: int | s
     on a card of `card_bytes`, as the loader computes it from the memory free after loading."""
     frames = context_frames(seconds, FULL.context)
     cost = SlotCost(kv=kv_ring_bytes(FULL.num_layers, FULL.num_heads, FULL.head_dim, frames, BF16),
-                    mimi=mimi_state_bytes(meta_mimi(MimiConfig.personaplex())),
+                    mimi=mimi_state_bytes(meta_mimi(MimiConfig())),
                     activations=estimated_tick_bytes(FULL, frames, BF16) * graph_pools(True))
     reserve = prefix_cache_bytes(FULL, BF16, voice_frames=60, entries=8) + safety_margin(card_bytes)
     free = card_bytes - lm_weight_bytes(REAL_LM, weights, BF16) - MIMI_BYTES - CUDA_CONTEXT
@@ -55,7 +55,7 @@ def full_size_plan(card_bytes: int, seconds: float | None = None, slots: int | s
 def test_one_slot_of_the_full_model_holds_1_46_gib_of_ring_kv_at_240_s():
     assert kv_ring_bytes(FULL.num_layers, FULL.num_heads, FULL.head_dim, 3000, BF16) / GiB == pytest.approx(1.4648,
                                                                                                              abs=1e-4)
-    assert mimi_state_bytes(meta_mimi(MimiConfig.personaplex())) / (1 << 20) == pytest.approx(15.7, abs=0.1)
+    assert mimi_state_bytes(meta_mimi(MimiConfig())) / (1 << 20) == pytest.approx(15.7, abs=0.1)
 
 
 def test_a_24_gb_card_does_not_hold_four_slots_at_240_s_but_more_at_a_shorter_context():

@@ -28,7 +28,7 @@ def _manifest_shapes(part: str) -> dict[str, tuple[int, ...]]:
 
 
 def test_full_size_lm_on_meta_matches_the_real_manifest():
-    lm = meta_lm(LMConfig.personaplex_7b())
+    lm = meta_lm(LMConfig())
     shapes = expected_shapes(lm)
     assert shapes == _manifest_shapes("lm")
     assert len(shapes) == 475
@@ -37,7 +37,7 @@ def test_full_size_lm_on_meta_matches_the_real_manifest():
 
 
 def test_full_size_mimi_on_meta_matches_the_real_manifest():
-    assert expected_shapes(meta_mimi(MimiConfig.personaplex())) == _manifest_shapes("mimi")
+    assert expected_shapes(meta_mimi(MimiConfig())) == _manifest_shapes("mimi")
 
 
 def test_truncated_checkpoint_is_a_clear_error(tmp_path):
@@ -79,7 +79,7 @@ def test_loader_casts_to_the_requested_dtype_without_random_init():
 def test_streamed_hash_checkpoint_holds_make_tensor_across_piece_boundaries(tmp_path, dtype):
     from safetensors import safe_open
 
-    from personaplex_demo.model.hashinit import make_tensor
+    from .support.signals import make_tensor
 
     path = write_hash_checkpoint(meta_lm(LMConfig.tiny()), tmp_path / "model.safetensors", "lm", 1242, dtype,
                                  chunk=1000)  # tensors of up to 2 M elements: many pieces each

@@ -81,7 +81,7 @@ def test_a_call_is_token_exact_in_every_batch_bucket_and_when_its_row_moves_down
     alone = [alone_engine.step(x[None]) for x in audio]
 
     engine = make_engine(tiny_cache_dir, 8)
-    assert engine.buckets == [1, 2, 4, 8]
+    assert engine.core.buckets == [1, 2, 4, 8]
     for slot in range(6):
         engine.start_session(slot, str(rng.choice(engine.voice_names)), "You are a chef.", SamplingParams(seed=slot))
     engine.start_session(6, "NATM1", PERSONA, GREEDY)

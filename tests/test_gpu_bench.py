@@ -45,7 +45,7 @@ def test_without_a_gpu_it_stops_at_once_saying_why():
 
 
 def full_size_plan(free_gib: float):
-    return plan_for_card(free_gib, LMConfig.personaplex_7b(), MimiConfig.personaplex(), torch.bfloat16, 50, True)
+    return plan_for_card(free_gib, LMConfig(), MimiConfig(), torch.bfloat16, 50, True)
 
 
 @pytest.mark.parametrize("free_gib", [80, 24, 141])
@@ -59,13 +59,13 @@ def test_the_batches_are_what_the_free_memory_holds(free_gib):
     assert b[-1] * plan.cost.total + plan.reserve_bytes <= plan.free_bytes
     assert 2 * b[-1] > min(plan.fit, MAX_BATCH)
     served = plan_slots("auto", device="cuda", free_bytes=plan.free_bytes, reserve_bytes=plan.reserve_bytes,
-                        cost=plan.cost, context_frames=LMConfig.personaplex_7b().context, max_slots=1 << 20)
+                        cost=plan.cost, context_frames=LMConfig().context, max_slots=1 << 20)
     assert plan.search_max == plan.fit == served.fit
     assert plan.free_bytes < free_gib * GiB - 15 * GiB  # the 8.4 B bf16 weights came off first
 
 
 def test_the_kv_ring_alone_bounds_the_cards():
-    cfg = LMConfig.personaplex_7b()
+    cfg = LMConfig()
     kv = kv_ring_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.context, 2)
     assert 64 * kv > 80 * GiB  # so an 80 GB card cannot hold B = 64 at the whole context...
     assert MAX_BATCH not in full_size_plan(80).batches
@@ -80,7 +80,7 @@ def test_batch_sizes_start_at_one_and_stop_at_the_cap():
 
 
 def test_no_room_after_the_weights_plans_no_slot():
-    plan = plan_batches(LMConfig.personaplex_7b(), 0, free_bytes=0, total_bytes=16 * GiB, itemsize=2,
+    plan = plan_batches(LMConfig(), 0, free_bytes=0, total_bytes=16 * GiB, itemsize=2,
                         voice_frames=50, cuda_graphs=True, source="empty")
     assert plan.fit == 0 and plan.batches == (1,) and plan.search_max == 1
 

@@ -11,10 +11,10 @@ import torch
 from personaplex_demo.engine.core import LockstepCore
 from personaplex_demo.engine.pcm import SamplingParams
 from personaplex_demo.engine.stepwise import StepwiseCore
-from personaplex_demo.model.hashinit import make_tensor
 
 from .conftest import golden
 from .lm_fixtures import LM_SEED, golden_voice, tiny_lm
+from .support.signals import make_tensor
 
 GREEDY = SamplingParams(greedy=True)
 

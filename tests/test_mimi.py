@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from personaplex_demo.model.config import MimiConfig
-from personaplex_demo.model.hashinit import make_tensor
 from personaplex_demo.model.mimi import Mimi
 
-from .support.signals import mimi_input
+from .support.signals import make_tensor, mimi_input
 
 GOLDEN = Path(__file__).parent / "golden"
 PCM_ATOL = 1e-5
@@ -179,7 +178,7 @@ def test_full_size_layout_on_meta() -> None:
     expected = _load("personaplex-7b-v1.keys.json")["mimi"]["tensors"]
     assert len(expected) == 318
     with torch.device("meta"):
-        model = Mimi(MimiConfig.personaplex())
+        model = Mimi(MimiConfig())
         state = model.init_state(2)
     sd = model.state_dict()
     assert all(v.is_meta for v in sd.values())

@@ -15,7 +15,7 @@ import torch
 
 from ..model.config import LMConfig
 from ..model.lm import PersonaPlexLM
-from ..model.ring import RingKV
+from ..model.ring import RingKV, RowStates
 from ..sampling_params import SamplingParams
 from .cuda_graphs import CudaGraphed
 from .prompt import PrefixCache, VoiceTokens
@@ -30,7 +30,7 @@ VISIBLE_BUCKET = 256
 
 
 @dataclass
-class LMState:
+class LMState(RowStates):
     """Everything the lockstep keeps per row on the device; `reset_rows` makes rows fresh."""
 
     kv: RingKV  # temporal keys and values
@@ -46,22 +46,9 @@ class LMState:
                    SamplingState.empty(batch, device), SamplingState.empty(batch, device),
                    torch.zeros(batch, dtype=torch.bool, device=device))
 
-    def reset_rows(self, rows: torch.Tensor) -> None:
-        """Forget everything of the rows of the bool mask `rows` [B]."""
-        for part in (self.kv, self.ring, self.text, self.audio):
-            part.reset_rows(rows)
-        self.live.masked_fill_(rows, False)
-
-    def head(self, rows: int) -> LMState:
-        """The first `rows` rows as a batch of their own, sharing this state's storage."""
-        return LMState(self.kv.head(rows), self.ring.head(rows), self.text.head(rows), self.audio.head(rows),
-                       self.live[:rows])
-
     def move_row(self, src: int, dst: int) -> None:
         """Row `dst` continues row `src`'s conversation; `src` is no longer live."""
-        for part in (self.kv, self.ring, self.text, self.audio):
-            part.move_row(src, dst)
-        self.live[dst] = self.live[src]
+        super().move_row(src, dst)
         self.live[src] = False
 
 
@@ -248,16 +235,6 @@ class LockstepCore:
         values, mask = self._user_staging(user_codes, st)
         rows = st.live.clone()
         return (*self._listen(st, values, mask, rows, visible=self._visible), rows)
-
-    def _tick(self, values: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor,
-              override: tuple[torch.Tensor, torch.Tensor] | None = None, visible: int | None = None) -> CoreStep:
-        """The lockstep tick for every row at once (docs/engine.md § The tick): tensors in,
-        tensors out, no host sync. `rows` [B] step this tick; `override` (embeddings [B, D],
-        mask [B]) replaces the input embedding of some rows; attention reads the first
-        `visible` ring slots (all when None)."""
-        live = self.state.live.clone()
-        h, target, prov = self._listen(self.state, values, mask, rows, override, visible)
-        return self._speak(h, target, prov, rows, live)
 
     def _listen(self, st: LMState, values: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor,
                 override: tuple[torch.Tensor, torch.Tensor] | None = None,

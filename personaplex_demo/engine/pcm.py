@@ -141,11 +141,6 @@ class LockstepEngine:
             self._decode.capture(self._silence.view(1, -1).expand(n, -1).contiguous())
         return held + self._encode.captured + self._decode.captured
 
-    @property
-    def buckets(self) -> list[int]:
-        """The batch sizes a tick runs at (engine/rows.py)."""
-        return list(self.core.buckets)
-
     def bucket(self, rows: int) -> int:
         """The batch a tick of `rows` conversations steps."""
         return batch_bucket(rows, self.core.buckets)

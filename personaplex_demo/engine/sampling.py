@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.ring import RowStates
+
 _M32 = 0xFFFFFFFF
 # How many top-k candidates a tick ranks: the largest top-k in use, rounded up to one of these (or
 # the vocabulary), so that the CUDA graphs of the tick are a few per stream, not one per setting.
@@ -54,7 +56,7 @@ def exponential_noise(key: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class SamplingState:
+class SamplingState(RowStates):
     """Per-row knobs as tensors [B], so one call samples the whole batch."""
 
     temperature: torch.Tensor  # float
@@ -74,14 +76,6 @@ class SamplingState:
         self.top_k.masked_fill_(rows, 1)
         self.greedy.masked_fill_(rows, True)
         self.seed.masked_fill_(rows, 0)
-
-    def head(self, rows: int) -> SamplingState:
-        """The first `rows` rows, sharing this state's storage."""
-        return SamplingState(self.temperature[:rows], self.top_k[:rows], self.greedy[:rows], self.seed[:rows])
-
-    def move_row(self, src: int, dst: int) -> None:
-        for t in (self.temperature, self.top_k, self.greedy, self.seed):
-            t[dst] = t[src]
 
     def set_row(self, row: int, temperature: float, top_k: int, greedy: bool, seed: int) -> None:
         self.temperature[row] = temperature

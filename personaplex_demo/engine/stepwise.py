@@ -77,7 +77,9 @@ class StepwiseCore(LockstepCore):
         st.ring.stage(values, mask & dead.view(-1, 1))
         st.ring.warm_up(dead)
         st.ring.dead_step(dead)
-        res = self._tick(values, mask & ~dead.view(-1, 1), rows, (embeddings, use))
+        live = st.live.clone()
+        h, target, prov = self._listen(st, values, mask & ~dead.view(-1, 1), rows, (embeddings, use))
+        res = self._speak(h, target, prov, rows, live)
         self._count_step()
         for slot in finished:
             del self.prompts[slot]

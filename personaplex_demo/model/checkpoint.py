@@ -57,16 +57,12 @@ def check_keys(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int,
     raise CheckpointError("; ".join(parts))
 
 
-def load_checkpoint(module: nn.Module, path: Path | str, dtype: torch.dtype | None,
-                    device: torch.device | str = "cpu", keep_fp32: Callable[[str], bool] | None = None,
+def load_checkpoint(module: nn.Module, path: Path | str, dtype: torch.dtype, device: torch.device | str = "cpu",
                     int8: Callable[[str], bool] | None = None) -> nn.Module:
-    """Assign the tensors of `path` to `module` (usually built on the meta device).
-
-    Floating tensors are cast to `dtype` (None keeps the file's), except keys for which
-    `keep_fp32(key)` is true. Integer buffers keep their type. Keys for which `int8(key)` is true
-    are quantized as they are read, one at a time (so the load never holds more than one of them
-    at full precision), and get their scales (model/int8.py).
-    """
+    """Assign the tensors of `path` to `module` (usually built on the meta device), floating ones
+    cast to `dtype`. Keys for which `int8(key)` is true are quantized as they are read, one at a
+    time (so the load never holds more than one of them at full precision), and get their scales
+    (model/int8.py)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} does not exist")
@@ -83,11 +79,10 @@ def load_checkpoint(module: nn.Module, path: Path | str, dtype: torch.dtype | No
             tensors = read_tensors(path, list(expected)) if streamed else ((k, f.get_tensor(k)) for k in expected)
             for key, t in tensors:
                 if streamed and int8(key):  # on the device: a GPU rounds 8 B weights in seconds
-                    t, scales[key] = quantize_rows(t.to(device), dtype or t.dtype)
+                    t, scales[key] = quantize_rows(t.to(device), dtype)
                     return_freed_memory()
                 elif t.is_floating_point():
-                    want = torch.float32 if (keep_fp32 and keep_fp32(key)) else (dtype or t.dtype)
-                    t = t.to(want, copy=streamed)  # read_tensors reuses its buffer
+                    t = t.to(dtype, copy=streamed)  # read_tensors reuses its buffer
                 elif streamed:
                     t = t.clone()
                 state[key] = t.to(device)

@@ -37,6 +37,8 @@ def _feedforward_hidden(dim: int, dim_feedforward: int) -> int:
 
 @dataclass(frozen=True)
 class LMConfig:
+    """The LM's shape; the defaults are PersonaPlex-7B's."""
+
     # Temporal transformer
     dim: int = 4096
     num_heads: int = 32
@@ -69,19 +71,6 @@ class LMConfig:
     def depformer_hidden(self) -> int:
         return _feedforward_hidden(self.depformer_dim, self.depformer_dim_feedforward)
 
-    @property
-    def max_delay(self) -> int:
-        return max(self.delays)
-
-    @property
-    def ring_columns(self) -> int:
-        """Staging ring width CT = max_delay + 3 (docs/engine.md § Staging ring and delays)."""
-        return self.max_delay + 3
-
-    @classmethod
-    def personaplex_7b(cls) -> LMConfig:
-        return cls()
-
     @classmethod
     def tiny(cls) -> LMConfig:
         """The golden fixtures' tiny LM (tests/golden/lm-tiny.config.json)."""
@@ -91,6 +80,8 @@ class LMConfig:
 
 @dataclass(frozen=True)
 class MimiConfig:
+    """Mimi's shape; the defaults are PersonaPlex's codec."""
+
     sample_rate: int = SAMPLE_RATE  # Hz
     frame_rate: float = 12.5  # frames per second: 80 ms, 1920 samples
     channels: int = 1
@@ -123,10 +114,6 @@ class MimiConfig:
     @property
     def hop_length(self) -> int:
         return math.prod(self.ratios)
-
-    @classmethod
-    def personaplex(cls) -> MimiConfig:
-        return cls()
 
     @classmethod
     def tiny(cls) -> MimiConfig:

@@ -53,6 +53,8 @@ def hash_u32(key: str, seed: int, n: int, start: int = 0) -> np.ndarray:
 
 def _values(key: str, seed: int, n: int, start: int, offset: float, scale: float) -> np.ndarray:
     # The float64 steps of the recipe, one rounding each, in place: u = h / 2**32; (2u - 1) * scale + offset.
+    if scale == 0.0:
+        return np.full(n, offset, dtype=np.float32)
     v = hash_u32(key, seed, n, start).astype(np.float64)
     v /= 4294967296.0
     v *= 2.0
@@ -66,20 +68,17 @@ def _values(key: str, seed: int, n: int, start: int, offset: float, scale: float
 def hash_tensor(key: str, seed: int, shape: Sequence[int], offset: float, scale: float) -> np.ndarray:
     """float32(offset + (2u - 1) * scale), u uniform in [0, 1)."""
     shape = tuple(int(s) for s in shape)
-    if scale == 0.0:
-        return np.full(shape, offset, dtype=np.float32)
-    return _values(key, seed, int(np.prod(shape)), 0, offset, scale).reshape(shape)
+    return _values(key, seed, math.prod(shape), 0, offset, scale).reshape(shape)
 
 
 def tensor_chunks(kind: str, key: str, shape: Sequence[int], seed: int, chunk: int = 1 << 24
                   ) -> Iterator[np.ndarray]:
-    """`make_tensor(kind, key, shape, seed)` flattened, in float32 pieces of at most `chunk`
+    """The hash-v1 tensor of `key` (its `rule`) flattened, in float32 pieces of at most `chunk`
     elements: for writing large checkpoints without holding a whole tensor."""
     offset, scale = rule(kind, key, shape)
     n = math.prod(int(s) for s in shape)
     for start in range(0, n, chunk):
-        size = min(chunk, n - start)
-        yield np.full(size, offset, dtype=np.float32) if scale == 0.0 else _values(key, seed, size, start, offset, scale)
+        yield _values(key, seed, min(chunk, n - start), start, offset, scale)
 
 
 def hash_ints(key: str, seed: int, shape: Sequence[int], high: int) -> np.ndarray:
@@ -87,8 +86,9 @@ def hash_ints(key: str, seed: int, shape: Sequence[int], high: int) -> np.ndarra
     return (hash_u32(key, seed, int(np.prod(shape))) % np.uint64(high)).astype(np.int64).reshape(shape)
 
 
-def rule(kind: str, key: str, shape: Sequence[int], p: dict[str, float] = RULE_PARAMS) -> tuple[float, float]:
+def rule(kind: str, key: str, shape: Sequence[int]) -> tuple[float, float]:
     """(offset, scale) of a tensor; kind is "lm" or "mimi". First match wins."""
+    p = RULE_PARAMS
     if key.endswith("._initialized"):
         return 1.0, 0.0
     if key.endswith(".cluster_usage"):
@@ -110,7 +110,3 @@ def rule(kind: str, key: str, shape: Sequence[int], p: dict[str, float] = RULE_P
     fan_in = int(np.prod(shape[1:]))
     return 0.0, math.sqrt(p["weight_var"] / fan_in)
 
-
-def make_tensor(kind: str, key: str, shape: Sequence[int], seed: int,
-                p: dict[str, float] = RULE_PARAMS) -> np.ndarray:
-    return hash_tensor(key, seed, shape, *rule(kind, key, shape, p))

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .config import MimiConfig
 from .quantizer import SplitResidualVectorQuantizer
-from .ring import RingKV
+from .ring import RingKV, RowStates
 from .seanet import ConvState, ConvTrState, SEANetDecoder, SEANetEncoder, StreamingConv1d, StreamingConvTranspose1d
 from .transformer import Attention, LayerScale, Transformer, TransformerLayer
 
@@ -31,62 +31,25 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class EncoderState:
+class EncoderState(RowStates):
     seanet: list[ConvState]  # one per conv of the SEANet encoder, in forward order
     transformer: RingKV
     downsample: ConvState  # replicate-padded on each row's first frame
 
-    def reset_rows(self, mask: Tensor) -> None:
-        for s in [*self.seanet, self.transformer, self.downsample]:
-            s.reset_rows(mask)
-
-    def head(self, rows: int) -> EncoderState:
-        return EncoderState([s.head(rows) for s in self.seanet], self.transformer.head(rows),
-                            self.downsample.head(rows))
-
-    def move_row(self, src: int, dst: int) -> None:
-        for s in [*self.seanet, self.transformer, self.downsample]:
-            s.move_row(src, dst)
-
 
 @dataclass
-class DecoderState:
+class DecoderState(RowStates):
     upsample: ConvTrState
     transformer: RingKV
     seanet: list[ConvState | ConvTrState]  # one per (transposed) conv of the decoder, in order
 
-    def reset_rows(self, mask: Tensor) -> None:
-        for s in [self.upsample, self.transformer, *self.seanet]:
-            s.reset_rows(mask)
-
-    def head(self, rows: int) -> DecoderState:
-        return DecoderState(self.upsample.head(rows), self.transformer.head(rows),
-                            [s.head(rows) for s in self.seanet])
-
-    def move_row(self, src: int, dst: int) -> None:
-        for s in [self.upsample, self.transformer, *self.seanet]:
-            s.move_row(src, dst)
-
 
 @dataclass
-class MimiState:
+class MimiState(RowStates):
     """Encoder and decoder streaming state; the two are fully independent."""
 
     encoder: EncoderState
     decoder: DecoderState
-
-    def reset_rows(self, mask: Tensor) -> None:
-        self.encoder.reset_rows(mask)
-        self.decoder.reset_rows(mask)
-
-    def head(self, rows: int) -> MimiState:
-        """The first `rows` rows, sharing this state's storage (a smaller batch to step)."""
-        return MimiState(self.encoder.head(rows), self.decoder.head(rows))
-
-    def move_row(self, src: int, dst: int) -> None:
-        """Row `dst` continues row `src`'s streams; `src` is left as it was."""
-        self.encoder.move_row(src, dst)
-        self.decoder.move_row(src, dst)
 
 
 class MimiLayer(TransformerLayer):

@@ -1,10 +1,12 @@
 """The ring KV cache shared by every streaming transformer here, and the ring-position rule,
-written once (docs/model.md § The ring rule). Key j of a row lives in slot j % C.
+written once (docs/model.md § The ring rule). Key j of a row lives in slot j % C. Also
+`RowStates`, the per-row reset, head and move of every streaming state, model and engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Self
 
 import torch
 from torch import Tensor
@@ -60,6 +62,39 @@ def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     *lead, slots = mask.shape
     rows = torch.zeros(*lead, -(-slots // 16) * 16, dtype=dtype, device=mask.device)
     return rows[..., :slots].masked_fill_(~mask, float("-inf"))
+
+
+class RowStates:
+    """A dataclass of per-row streaming state: each field is a tensor [B, ...], None, a part with
+    `reset_rows`, `head` and `move_row`, or a list of such parts; each method here does every field."""
+
+    def _parts(self) -> list:
+        values = [getattr(self, f.name) for f in fields(self)]
+        return [p for v in values for p in (v if isinstance(v, list) else [v]) if p is not None]
+
+    def reset_rows(self, mask: Tensor) -> None:
+        """Make the rows of the bool mask `mask` [B] fresh: tensors zeroed, parts reset."""
+        for p in self._parts():
+            if isinstance(p, Tensor):
+                p.masked_fill_(mask.view(-1, *[1] * (p.dim() - 1)), 0)
+            else:
+                p.reset_rows(mask)
+
+    def head(self, rows: int) -> Self:
+        """The first `rows` rows, sharing this state's storage (a smaller batch to step)."""
+        def cut(v):
+            if isinstance(v, list):
+                return [cut(p) for p in v]
+            return v[:rows] if isinstance(v, Tensor) else None if v is None else v.head(rows)
+        return replace(self, **{f.name: cut(getattr(self, f.name)) for f in fields(self)})
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row `dst` continues row `src`'s streams; `src` is left as it was."""
+        for p in self._parts():
+            if isinstance(p, Tensor):
+                p[dst] = p[src]
+            else:
+                p.move_row(src, dst)
 
 
 @dataclass

@@ -10,10 +10,11 @@ import torch
 from torch import Tensor, nn
 
 from .config import MimiConfig
+from .ring import RowStates
 
 
 @dataclass
-class ConvState:
+class ConvState(RowStates):
     """Left context of one causal conv: the last `k_eff - stride` input samples of each row."""
 
     carry: Tensor  # [B, C_in, k_eff - stride], zeros for a fresh row
@@ -24,29 +25,12 @@ class ConvState:
         if self.fresh is not None:
             self.fresh.masked_fill_(mask, True)
 
-    def head(self, rows: int) -> ConvState:
-        return ConvState(self.carry[:rows], None if self.fresh is None else self.fresh[:rows])
-
-    def move_row(self, src: int, dst: int) -> None:
-        self.carry[dst] = self.carry[src]
-        if self.fresh is not None:
-            self.fresh[dst] = self.fresh[src]
-
 
 @dataclass
-class ConvTrState:
+class ConvTrState(RowStates):
     """Overlap tail of one transposed conv, stored without the bias (it is added once per call)."""
 
     tail: Tensor  # [B, C_out, k - stride]
-
-    def reset_rows(self, mask: Tensor) -> None:
-        self.tail.masked_fill_(mask[:, None, None], 0.0)
-
-    def head(self, rows: int) -> ConvTrState:
-        return ConvTrState(self.tail[:rows])
-
-    def move_row(self, src: int, dst: int) -> None:
-        self.tail[dst] = self.tail[src]
 
 
 class NormConv1d(nn.Module):
@@ -133,8 +117,6 @@ class StreamingConvTranspose1d(nn.Module):
         convtr = self.convtr.convtr
         y = convtr(x)  # [B, C_out, T * stride + P]
         p = self.overlap
-        if p == 0:
-            return y
         y[..., :p] += state.tail
         tail = y[..., y.shape[-1] - p:]
         if convtr.bias is not None:
@@ -161,13 +143,6 @@ class StreamingConvTranspose1d(nn.Module):
 
 
 _StreamingConv = (StreamingConv1d, StreamingConvTranspose1d)
-
-
-def _init_conv_states(module: nn.Module, batch_size: int, device: torch.device,
-                      dtype: torch.dtype) -> list[ConvState | ConvTrState]:
-    # modules() walks registration order, which is the forward order in these Sequentials.
-    return [m.init_state(batch_size, device, dtype) for m in module.modules()
-            if isinstance(m, _StreamingConv)]
 
 
 def _run_layers(layers: nn.Sequential, x: Tensor, states: Iterator) -> Tensor:
@@ -199,7 +174,20 @@ class ResidualUnit(nn.Module):
         return x + _run_layers(self.block, x, states)
 
 
-class SEANetEncoder(nn.Module):
+class SEANet(nn.Module):
+    """`model`, a Sequential of ELUs, streaming convs and residual units, stepped with one state per conv."""
+
+    model: nn.Sequential
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> list[ConvState | ConvTrState]:
+        # modules() walks registration order, which is the forward order in these Sequentials.
+        return [m.init_state(batch_size, device, dtype) for m in self.model.modules() if isinstance(m, _StreamingConv)]
+
+    def step(self, x: Tensor, states: list[ConvState | ConvTrState]) -> Tensor:
+        return _run_layers(self.model, x, iter(states))
+
+
+class SEANetEncoder(SEANet):
     """[B, 1, T] -> [B, dimension, T / hop]; strides are the ratios reversed (4, 5, 6, 8)."""
 
     def __init__(self, cfg: MimiConfig):
@@ -218,14 +206,8 @@ class SEANetEncoder(nn.Module):
         layers += [nn.ELU(alpha=1.0), StreamingConv1d(mult * nf, cfg.dimension, cfg.last_kernel_size)]
         self.model = nn.Sequential(*layers)
 
-    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> list[ConvState]:
-        return _init_conv_states(self.model, batch_size, device, dtype)  # type: ignore[return-value]
 
-    def step(self, x: Tensor, states: list[ConvState]) -> Tensor:
-        return _run_layers(self.model, x, iter(states))
-
-
-class SEANetDecoder(nn.Module):
+class SEANetDecoder(SEANet):
     """[B, dimension, T] -> [B, 1, T * hop]; no output activation."""
 
     def __init__(self, cfg: MimiConfig):
@@ -242,10 +224,3 @@ class SEANetDecoder(nn.Module):
             mult //= 2
         layers += [nn.ELU(alpha=1.0), StreamingConv1d(nf, cfg.channels, cfg.last_kernel_size)]
         self.model = nn.Sequential(*layers)
-
-    def init_state(self, batch_size: int, device: torch.device,
-                   dtype: torch.dtype) -> list[ConvState | ConvTrState]:
-        return _init_conv_states(self.model, batch_size, device, dtype)
-
-    def step(self, x: Tensor, states: list[ConvState | ConvTrState]) -> Tensor:
-        return _run_layers(self.model, x, iter(states))

@@ -124,8 +124,8 @@ def build_runtime(options: RuntimeOptions, progress: ProgressFn | None = None,
                   "It babbles; every other part of the app is real." if source.fallback_reason else
                   "Running the tiny offline model, a small stand-in with random weights: it babbles; every "
                   "other part of the app is real.")
-    lm_cfg = LMConfig.tiny() if source.is_tiny else LMConfig.personaplex_7b()
-    mimi_cfg = MimiConfig.tiny() if source.is_tiny else MimiConfig.personaplex()
+    lm_cfg = LMConfig.tiny() if source.is_tiny else LMConfig()
+    mimi_cfg = MimiConfig.tiny() if source.is_tiny else MimiConfig()
     report("loading the language model", 0.6)
     lm = load_lm(lm_cfg, source.lm_path, dtype, device, weights=options.weights)
     if options.weights == "int8":
