@@ -19,7 +19,8 @@ from personaplex_demo.api.config import ApiConfig
 from personaplex_demo.api.conversation import Conversation
 from personaplex_demo.api.errors import RealtimeError
 from personaplex_demo.api.feeder import Feeder
-from personaplex_demo.api.live_events import parse_live, start_settings
+from personaplex_demo.api.live_events import KNOWN as LIVE_EVENTS
+from personaplex_demo.api.live_events import start_settings
 from personaplex_demo.api.session import Dialect, SessionSettings, apply_update, join_persona, session_object
 from personaplex_demo.api.turns import TurnTracker
 from personaplex_demo.errors import PersonaTooLongError
@@ -271,7 +272,7 @@ def test_response_create_opens_at_once_with_its_metadata_and_cancel_ends_the_res
     cancelled = turns.cancel()
     assert cancelled[-1]["response"]["status"] == "cancelled"
     assert cancelled[-1]["response"]["status_details"]["reason"] == "client_cancelled"
-    assert turns.cancel() is None
+    assert turns.cancel() == []
     # The model heard the caller and goes on if it wants: its next words are a new response, a new item.
     resumed = turns.frame(LOUD, "y")
     assert types(resumed)[0] == "response.created" and resumed[1]["item"]["id"] != again[-3]["item"]["id"]
@@ -281,9 +282,9 @@ def test_response_create_opens_at_once_with_its_metadata_and_cancel_ends_the_res
 def test_an_open_response_ends_cancelled_with_the_call():
     turns = TurnTracker(Dialect.CURRENT, turn_end_seconds=0.8, speech_dbfs=-40)
     turns.frame(LOUD, "a")
-    done = turns.finish("time_limit")[-1]["response"]
+    done = turns.cancel("time_limit")[-1]["response"]
     assert done["status"] == "cancelled" and done["status_details"]["reason"] == "time_limit"
-    assert turns.finish("time_limit") == []
+    assert turns.cancel("time_limit") == []
 
 
 def test_items_are_acknowledged_by_the_clients_id_and_text_before_the_start_joins_the_persona():
@@ -330,9 +331,9 @@ def test_gpt_live_session_start_is_read_by_the_realtime_rules():
         with pytest.raises(RealtimeError) as info:
             start_settings(bad, Rules(), "e2")
         assert info.value.code == code and info.value.event_id == "e2"
-    assert parse_live('{"type": "session.start", "session": {}}', 4096).type == "session.start"
+    assert parse('{"type": "session.start", "session": {}}', 4096, LIVE_EVENTS, {}).type == "session.start"
     with pytest.raises(RealtimeError) as info:
-        parse_live('{"type": "input_audio_buffer.append"}', 4096)
+        parse('{"type": "input_audio_buffer.append"}', 4096, LIVE_EVENTS, {})
     assert info.value.code == codes.UNKNOWN_EVENT
 
 

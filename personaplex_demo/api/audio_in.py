@@ -44,16 +44,12 @@ class InputAudio:
     def samples(self) -> int:
         return len(self._frames) * FRAME_SAMPLES + self._partial.size
 
-    @property
-    def seconds(self) -> float:
-        return self.samples / SAMPLE_RATE
-
     def append(self, samples: np.ndarray, event_id: str | None = None) -> None:
         """Hold `samples`, or refuse all of them (RealtimeError) when they would pass the bound."""
         if self.samples + samples.size > self.limit:
-            raise RealtimeError(e.INPUT_BUFFER_FULL, f"{self.seconds:.1f} s of audio are waiting to be heard; this "
-                                f"server holds at most {self.limit / SAMPLE_RATE:g} s ahead of real time. This chunk "
-                                "was dropped: send audio at the pace it plays", param="audio", event_id=event_id)
+            raise RealtimeError(e.INPUT_BUFFER_FULL, f"{self.samples / SAMPLE_RATE:.1f} s of audio are waiting to be "
+                                f"heard; this server holds at most {self.limit / SAMPLE_RATE:g} s ahead of real time. "
+                                "This chunk was dropped: send audio at the pace it plays", param="audio", event_id=event_id)
         joined = np.concatenate([self._partial, samples])
         whole = joined.size // FRAME_SAMPLES * FRAME_SAMPLES
         self._frames.extend(joined[:whole].reshape(-1, FRAME_SAMPLES))

@@ -1,15 +1,13 @@
-"""One `/api/chat` WebSocket: NVIDIA's PersonaPlex server protocol on an API socket, so that the
-clients made for the reference server (its web client, LiveKit's PersonaPlex plugin) call the room
-unchanged (docs/realtime.md § The PersonaPlex server protocol). Every message is binary, its first
-byte the kind; the handshake goes out when the call is live, as the reference sends it once its
-prompt has run.
+"""One `/api/chat` WebSocket: NVIDIA's PersonaPlex server protocol, so that the reference server's
+clients (its web client, LiveKit's PersonaPlex plugin) call the room unchanged
+(docs/realtime.md § The PersonaPlex server protocol). The handshake goes out when the call is live,
+as the reference sends it once its prompt has run.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,8 +24,8 @@ from .audio_in import to_pcm16
 from .client_events import ClientEvent
 from .config import ApiConfig
 from .errors import RealtimeError
-from .session import PromptRules, check_persona
-from .socket_base import INVALID_DATA, POLICY, UNSUPPORTED_DATA, ApiSocket
+from .session import PromptRules, SessionSettings, check_persona
+from .socket_base import INVALID_DATA, POLICY, UNSUPPORTED_DATA, ApiSocket, Refused
 from .socket_door import SocketDoor
 from .stats import DoorStats
 
@@ -40,17 +38,7 @@ SAMPLING = {"text_temperature": ("text_temperature", float), "text_topk": ("text
             "audio_temperature": ("audio_temperature", float), "audio_topk": ("audio_top_k", int)}
 
 
-@dataclass(frozen=True)
-class ChatRequest:
-    """The call a `/api/chat` query asks for."""
-
-    voice: str
-    persona: str
-    sampling: SamplingParams
-    room_events: bool
-
-
-def chat_request(query: Any, rules: PromptRules) -> ChatRequest:
+def chat_request(query: Any, rules: PromptRules) -> SessionSettings:
     """The query's call, checked as a page call is; RealtimeError (its message the close reason)."""
     voice = str(query.get("voice_prompt") or "NATF2").removesuffix(".pt")
     if voice not in rules.voice_names:
@@ -69,7 +57,7 @@ def chat_request(query: Any, rules: PromptRules) -> ChatRequest:
         sampling.validate()
     except ValueError as exc:
         raise RealtimeError(e.INVALID_SAMPLING, f"bad seed or sampling: {exc}", param="query") from None
-    return ChatRequest(voice, persona, sampling, query.get("room_events") in ("1", "true"))
+    return SessionSettings(voice, persona, sampling, query.get("room_events") in ("1", "true"))
 
 
 class ChatDoor(SocketDoor):
@@ -116,7 +104,7 @@ class ChatSocket(ApiSocket):
     protocol = "chat"
     start_hint = "the call could not be placed"
 
-    def __init__(self, ws: WebSocket, room: Room, config: ApiConfig, stats: DoorStats, request: ChatRequest) -> None:
+    def __init__(self, ws: WebSocket, room: Room, config: ApiConfig, stats: DoorStats, request: SessionSettings) -> None:
         super().__init__(ws, room, config, stats, ChatDoor.kind, speech=False)
         import sphn  # the reference's Opus streams; imported with the first call of this door
 
@@ -127,45 +115,30 @@ class ChatSocket(ApiSocket):
         self._opus_out = sphn.OpusStreamWriter(SAMPLE_RATE)
 
     def opened(self) -> None:
-        self.spawn(self._start())
-
-    async def _start(self) -> None:
-        try:
-            await self.runner.start(self.request.voice, self.request.persona, self.request.sampling, None)
-        except RealtimeError as err:  # the room refused the request itself (checked before, so rare)
-            await self.refuse(POLICY, err.message)
-
-    def refusal(self, reason: str) -> bytes:
-        return bytes([ERROR]) + reason.encode()  # kind 5, then the close says it again
+        self.spawn(self.start_checked(*self.request.call_fields()))
 
     def parse(self, data: str | bytes | None) -> ClientEvent:
         if not isinstance(data, bytes):
-            return ClientEvent("text", None, {})
+            raise Refused(UNSUPPORTED_DATA, "every message is binary, its first byte the kind (1: audio)")
         return ClientEvent("empty" if not data else str(data[0]), None, {"payload": data[1:]})
 
     async def handle(self, ev: ClientEvent) -> None:
         if ev.type == "empty":
             return  # the reference skips them too
-        if ev.type == "text":
-            await self.refuse(UNSUPPORTED_DATA, "every message is binary, its first byte the kind (1: audio)")
-            return
         if ev.type != str(AUDIO):
-            await self.refuse(UNSUPPORTED_DATA, f"message kind {ev.type} is not taken here (1: Ogg Opus audio)")
-            return
+            raise Refused(UNSUPPORTED_DATA, f"message kind {ev.type} is not taken here (1: Ogg Opus audio)")
         try:
             pcm = self._opus_in.append_bytes(ev.body["payload"])
         except ValueError as exc:
-            await self.refuse(INVALID_DATA, f"the audio is not an Ogg Opus stream: {exc}"[:120])
-            return
-        if pcm.size == 0:
-            return
+            raise Refused(INVALID_DATA, f"the audio is not an Ogg Opus stream: {exc}"[:120]) from None
         try:
-            self.feeder.append_pcm(to_pcm16(pcm))
+            if pcm.size:
+                self.feeder.append_pcm(to_pcm16(pcm))
         except RealtimeError:
-            await self.refuse(POLICY, "audio came faster than real time, past what this server holds")
+            raise Refused(POLICY, "audio came faster than real time, past what this server holds") from None
 
     def error_event(self, err: RealtimeError) -> bytes:
-        return bytes([ERROR]) + err.message.encode()
+        return bytes([ERROR]) + err.message.encode()  # kind 5; a refusal's close says it again
 
     def room_event(self, kind: str, **fields: Any) -> None:
         if self.room_events:

@@ -4,6 +4,7 @@ RealtimeError with the code of the rule it broke (api/errors.py)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +32,9 @@ class ClientEvent:
 
 
 def parse(text: str | bytes | None, max_bytes: int, known: tuple[str, ...] = KNOWN,
-          unsupported: dict[str, str] | None = None) -> ClientEvent:
+          unsupported: Mapping[str, str] = UNSUPPORTED) -> ClientEvent:
     """One WebSocket message as a client event of a protocol that takes `known` and refuses
     `unsupported` (the Realtime API's by default); RealtimeError for anything the door cannot take."""
-    unsupported = UNSUPPORTED if unsupported is None else unsupported
     if text is None or isinstance(text, bytes):
         raise RealtimeError(e.BINARY_MESSAGE, "send each event as a JSON text message, not binary")
     size = len(text) if len(text) > max_bytes or len(text) * 4 <= max_bytes else len(text.encode("utf-8", "replace"))

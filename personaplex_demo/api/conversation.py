@@ -57,12 +57,9 @@ class Conversation:
             raise RealtimeError(e.MISSING_FIELD, "conversation.item.create needs an \"item\" object with a \"type\"",
                                 param="item", event_id=ev.event_id)
         item_id = item.get("id") if isinstance(item.get("id"), str) and item.get("id") else new_id("item")
-        role = item.get("role") if item.get("role") in ("user", "assistant", "system") else None
-        if item.get("role") == "developer":
-            role = "system"  # the Realtime API's roles; a developer message is a system one there
         echoed = {**item, "id": item_id, "object": "realtime.item", "status": "completed"}
-        if role is not None:
-            echoed["role"] = role
+        if item.get("role") == "developer":
+            echoed["role"] = "system"  # the Realtime API's roles; a developer message is a system one there
         text = item_text(item) if item["type"] == "message" and item.get("role") in PERSONA_ROLES else None
         return self.added(echoed), (text or None)
 

@@ -1,7 +1,6 @@
-"""The API doors on the app's one port, beside the page (docs/api.md): one table of socket doors,
-each a module of its own, admitted before a socket is accepted (a refused client gets a plain HTTP
-answer and never reaches the room), served here or by a media worker, reported to /api/status and
-/metrics.
+"""The API doors on the app's one port, beside the page (docs/api.md): one table of socket doors, each
+socket admitted before it is accepted (a refused client gets a plain HTTP answer and never reaches the
+room), then served here or by a media worker.
 """
 
 from __future__ import annotations
@@ -74,11 +73,11 @@ class ApiDoors:
         if address is None:
             return
         try:
-            if self.hand_off is not None and await self.hand_off(ws, door.kind, address):
-                door.stats.opened()
+            handed = self.hand_off is not None and await self.hand_off(ws, door.kind, address)
+            door.stats.opened()
+            if handed:
                 address = None  # the serving process reports the close: `handed_closed`
                 return
-            door.stats.opened()
             try:
                 await self.serve(ws, door.kind)
             finally:

@@ -1,8 +1,5 @@
-"""The client's audio into its call at the room's own pace (docs/realtime.md § Audio in): at most
-`feed_lead_frames` frames beyond the agent frames read back, so audio sent faster than real time
-waits here (bounded) rather than in the room, and a client sending in real time adds no delay.
-After `fill_after_seconds` without audio it plays silence, for up to `fill_silence_seconds`, so the
-model keeps listening and answering through a client's pause.
+"""The client's audio into its call at the room's own pace, and silence through a client's pause
+(docs/realtime.md § Audio in): audio sent faster than real time waits here, bounded, not in the room.
 """
 
 from __future__ import annotations
@@ -33,9 +30,7 @@ class Feeder:
 
     def append(self, audio: str, event_id: str | None) -> None:
         """An appended chunk of base64 PCM16 (RealtimeError when it is not PCM16 or past the bound).
-        A call not live yet is not listening: the chunk is neither decoded nor held, so that a caller
-        waiting in the queue costs the reading of its events and no more. Before any call, a bad
-        chunk is still refused."""
+        A waiting caller's chunks are not even decoded; before any call, a bad one is still refused."""
         if self.door_call.state not in (None, CallState.LIVE):
             return
         self.append_pcm(decode_pcm16(audio, event_id), event_id)

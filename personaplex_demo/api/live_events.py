@@ -1,16 +1,16 @@
-"""OpenAI's GPT-Live protocol as the GPT-Live door reads and writes it (docs/realtime.md § GPT-Live):
-the client events it takes, `session.start` as the call's settings, and the server events. The
-session object is read through the Realtime door's rules (api/session.py), so a voice, a persona or
-a format is judged the same at both doors.
+"""OpenAI's GPT-Live events as the GPT-Live door reads and writes them (docs/realtime.md § GPT-Live).
+`session.start` is read through the Realtime door's rules, so both doors judge a voice, a persona or a
+format alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..frame import SAMPLE_RATE
 from . import errors as e
-from .client_events import ClientEvent, parse, typed
+from .client_events import ClientEvent, typed
 from .errors import RealtimeError
 from .server_events import event
 from .session import PromptRules, SessionSettings, apply_update, join_persona
@@ -25,15 +25,6 @@ TEXT_APPENDS = {"session.commentary.append": "session.commentary.appended",
 # What a session.start may hold that this model has no use for: accepted, ignored, named back.
 IGNORED = ("model", "delegation", "store", "tools", "tool_choice", "context_management")
 PERSONA_ROLES = ("system", "developer")  # `input` messages that become part of the persona
-
-
-def parse_live(text: str | bytes | None, max_bytes: int) -> ClientEvent:
-    return parse(text, max_bytes, KNOWN, {})
-
-
-def _voice(audio_out: dict[str, Any]) -> Any:
-    voice = audio_out.get("voice")
-    return voice.get("id") if isinstance(voice, dict) else voice
 
 
 def _input_texts(items: Any, event_id: str | None) -> tuple[list[str], int]:
@@ -63,6 +54,8 @@ def start_settings(session: Any, rules: PromptRules, event_id: str | None) -> Se
                             event_id=event_id)
     audio = session.get("audio") if isinstance(session.get("audio"), dict) else {}
     audio_out = audio.get("output") if isinstance(audio.get("output"), dict) else {}
+    voice = audio_out.get("voice")
+    voice = voice.get("id") if isinstance(voice, dict) else voice
     texts, ignored_input = _input_texts(session.get("input"), event_id)
     instructions = session.get("instructions")
     if texts:
@@ -71,11 +64,10 @@ def start_settings(session: Any, rules: PromptRules, event_id: str | None) -> Se
     # The Realtime API's (current) session shape, read by the same rules.
     realtime = {"instructions": instructions, "personaplex": session.get("personaplex"),
                 "audio": {"input": {"format": audio.get("format")},
-                          "output": {"format": audio.get("format"), "voice": _voice(audio_out)}}}
+                          "output": {"format": audio.get("format"), "voice": voice}}}
     settings = apply_update(SessionSettings(), realtime, rules, started=False, event_id=event_id)
     ignored = tuple(name for name in IGNORED if session.get(name) not in (None, [], "", {}))
-    return SessionSettings(settings.voice, settings.persona, settings.sampling, settings.room_events,
-                           settings.ignored + ignored + (("input",) if ignored_input else ()))
+    return dataclasses.replace(settings, ignored=settings.ignored + ignored + (("input",) if ignored_input else ()))
 
 
 def session_resource(settings: SessionSettings, session_id: str, model: str, status: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from . import errors as e
 from .client_events import ClientEvent, field
 from .config import ApiConfig
 from .errors import RealtimeError
-from .live_events import TEXT_APPENDS, answer, error_event, parse_live, session_resource, start_settings
+from .live_events import KNOWN, TEXT_APPENDS, answer, error_event, session_resource, start_settings
 from .server_events import event, pcm16_base64
 from .session import PromptRules, SessionSettings
 from .socket_base import ApiSocket
@@ -42,6 +42,7 @@ class LiveDoor(SocketDoor):
 class LiveSocket(ApiSocket):
     protocol = "gpt-live"
     start_hint = "send session.start to start one"
+    known, unsupported = KNOWN, {}
 
     def __init__(self, ws: WebSocket, room: Room, rules: PromptRules, config: ApiConfig, stats: DoorStats) -> None:
         super().__init__(ws, room, config, stats, LiveDoor.kind, speech=False)
@@ -49,9 +50,6 @@ class LiveSocket(ApiSocket):
         self.settings: SessionSettings | None = None
         self._held_text: list[str] = []
         self._held_since = 0
-
-    def parse(self, text: str | bytes | None) -> ClientEvent:
-        return parse_live(text, self.config.max_message_bytes)
 
     def error_event(self, err: RealtimeError) -> dict[str, Any]:
         return error_event(err)

@@ -25,9 +25,8 @@ TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
 
 
 class Outbox:
-    """Events waiting for the writer, as JSON text (or binary messages, for a protocol of bytes);
-    counts the audio frames among them. `frame_bytes`: what one frame of audio weighs on the wire,
-    to read the kernel's queue in frames."""
+    """Messages waiting for the writer; counts the audio frames among them. `frame_bytes`: what one
+    frame of audio weighs on the wire, to read the kernel's queue in frames."""
 
     def __init__(self, frame_bytes: int = AUDIO_EVENT_BYTES) -> None:
         self.frame_bytes = frame_bytes

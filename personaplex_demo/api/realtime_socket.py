@@ -1,10 +1,9 @@
 """One Realtime WebSocket (docs/realtime.md): the OpenAI Realtime protocol on an API socket.
 
-Agent frameworks configure a session in several events (LiveKit: voice and formats, then the
-instructions, then context items) and stream audio from the start, while the voice and persona are
-played into the slot once. So the call starts at the first `response.create`, or once the client
-has configured or sent audio and then changed nothing for `settle_seconds`. What the model cannot
-take later is kept without an `error`: both frameworks treat an error as fatal or log it as one.
+Agent frameworks configure a session in several events and stream audio from the start, while the
+voice and persona are played into the slot once: so the call starts at the first `response.create`,
+or once the client has changed nothing for `settle_seconds`. What the model cannot take later is
+kept without an `error`: both frameworks treat an error as fatal or log it as one.
 """
 
 from __future__ import annotations
@@ -18,11 +17,11 @@ from starlette.websockets import WebSocket
 
 from ..serving.room import Room, SlotOutput
 from .access import BETA_SUBPROTOCOL
-from .client_events import ClientEvent, field, parse
+from .client_events import ClientEvent, field
 from .config import ApiConfig
 from .conversation import Conversation
 from .errors import RealtimeError
-from .server_events import error_event, event, new_id
+from .server_events import event, new_id
 from .session import Dialect, PromptRules, SessionSettings, apply_update, check_persona, join_persona, session_object
 from .socket_base import ApiSocket
 from .socket_door import SocketDoor
@@ -72,12 +71,6 @@ class RealtimeSocket(ApiSocket):
     def opened(self) -> None:
         self.send(event("session.created", session=self._session()))
 
-    def parse(self, text: str | bytes | None) -> ClientEvent:
-        return parse(text, self.config.max_message_bytes)
-
-    def error_event(self, err: RealtimeError) -> dict[str, Any]:
-        return error_event(err)
-
     def _session(self) -> dict[str, Any]:
         return session_object(self.settings, self.dialect, self.session_id, self.config.model_name)
 
@@ -111,13 +104,13 @@ class RealtimeSocket(ApiSocket):
             case "response.cancel":
                 # Nothing open is nothing to cancel, not an error: the response ended already, most
                 # often cancelled by the caller's speech a moment before (LiveKit cancels twice).
-                self.send_all(self.turns.cancel() or [])
+                self.send_all(self.turns.cancel())
             case "conversation.item.create":
                 self._create_item(ev)
             case "conversation.item.truncate":
                 truncated = self.conversation.truncate(ev)
                 if truncated["item_id"] == self.turns.open_item:  # the caller cut the agent off mid-turn
-                    self.send_all(self.turns.cancel() or [])
+                    self.send_all(self.turns.cancel())
                 self.send(truncated)
             case "conversation.item.delete":
                 self.send(self.conversation.delete(ev))
@@ -197,12 +190,12 @@ class RealtimeSocket(ApiSocket):
         if kind == "started":
             self._speech_item = new_id("item")
             self.send(event("input_audio_buffer.speech_started", audio_start_ms=ms, item_id=self._speech_item))
-            self.send_all(self.turns.cancel("turn_detected") or [])
+            self.send_all(self.turns.cancel("turn_detected"))
         elif self._speech_item is not None:
             item_id, self._speech_item = self._speech_item, None
             self.send(event("input_audio_buffer.speech_stopped", audio_end_ms=ms, item_id=item_id))
             self.send_all(self.conversation.user_audio(item_id))
 
     async def on_ended(self, reason: str) -> None:
-        self.send_all(self.turns.finish(reason))
+        self.send_all(self.turns.cancel(reason))
         await super().on_ended(reason)

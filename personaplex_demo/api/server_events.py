@@ -1,7 +1,5 @@
-"""Server events as the door sends them, in the client's dialect (api/session.py `Dialect`): the
-current API's names (`response.output_audio.delta`, `conversation.item.added`) or the beta's
-(`response.audio.delta`, `conversation.item.created`). Plain dicts, JSON-ready; every event gets
-its own `event_id`."""
+"""Server events as the door sends them, in the client's dialect (api/session.py `Dialect`): plain
+dicts, JSON-ready, each with its own `event_id`."""
 
 from __future__ import annotations
 

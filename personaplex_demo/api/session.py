@@ -1,9 +1,5 @@
-"""The session a socket configures with `session.update`, in either shape of the Realtime API (the
-current one and the beta one); every field and what becomes of it: docs/realtime.md § Session.
-The voice, persona and sampling are prefilled into a slot when the call starts, so an update after
-the start keeps them and names them under `personaplex.locked` (no error: agent frameworks treat
-every error as fatal).
-"""
+"""The session a socket configures with `session.update`, in the Realtime API's current shape or the
+beta's; every field and what becomes of it: docs/realtime.md § Session."""
 
 from __future__ import annotations
 
@@ -88,7 +84,8 @@ def _check_modalities(value: Any, where: str, event_id: str | None) -> None:
 def apply_update(current: SessionSettings, session: Any, rules: PromptRules, *, started: bool,
                  event_id: str | None = None) -> SessionSettings:
     """The settings after one `session.update`, or RealtimeError (nothing applied). `started`: the
-    call holds its slot, so voice, persona and sampling keep their values (named in `locked`)."""
+    call holds its slot, so voice, persona and sampling keep their values, named in `locked` (no
+    error: agent frameworks treat every error as fatal)."""
     if not isinstance(session, dict):
         raise RealtimeError(e.INVALID_FIELD, "session.update needs a \"session\" object", param="session",
                             event_id=event_id)

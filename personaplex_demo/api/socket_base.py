@@ -1,12 +1,9 @@
 """What every API socket does, whatever protocol it speaks: client events in, one call in the room,
 server events out, all on the server's event loop and none of it blocking it.
 
-`ApiSocket` is the socket: a reader answers each client event (or sends an `error`), a writer sends
-what was queued and disconnects a client that leaves `send_backlog_seconds` of audio unread. A
-protocol subclass says how events are read (`parse`, `handle`) and written (`error_event`,
-`on_frame`, `on_ended`). `SocketCall` is its call: placed, waited for, then the agent's frames
-handed to the protocol and the client's audio to the room at the room's pace (api/feeder.py).
-The call is released when the socket closes for any reason, so a slot never outlives its socket.
+A protocol subclass says how events are read (`parse`, `handle`) and written (`error_event`,
+`on_frame`, `on_ended`). The call is released when the socket closes for any reason, so a slot never
+outlives its socket.
 """
 
 from __future__ import annotations
@@ -23,12 +20,12 @@ from ..sampling_params import SamplingParams
 from ..serving.door import DoorCall, Ended, Frame, Live, Preparing, Queued, Refusal, RefusalKind
 from ..serving.room import CallHandle, EndReason, Room, SlotOutput, end_message
 from . import errors as e
-from .client_events import ClientEvent
+from .client_events import KNOWN, UNSUPPORTED, ClientEvent, parse
 from .config import ApiConfig
 from .errors import RealtimeError
 from .feeder import Feeder
 from .outbox import Outbox
-from .server_events import event, new_id
+from .server_events import error_event, event, new_id
 from .speech_detector import SpeechConfig, SpeechEvents
 from .stats import DoorStats
 
@@ -44,11 +41,22 @@ CLOSE_CODES = {EndReason.TIME_LIMIT: 1000, EndReason.IDLE: 1000, EndReason.QUEUE
 UNSUPPORTED_DATA, INVALID_DATA, POLICY = 1003, 1007, 1008
 
 
+class Refused(Exception):
+    """Bad input that ends the call: the socket is closed with `code` (see `ApiSocket.refuse`)."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
 class ApiSocket:
-    """The door's side of one accepted socket; `run` returns when it has closed."""
+    """The door's side of one accepted socket; `run` returns when it has closed. By default its
+    events are JSON, read and written as the Realtime API's."""
 
     protocol = "api"  # for the log
     start_hint = "send an event that starts one"  # what a client that starts no call should do
+    known: tuple[str, ...] = KNOWN  # the client events taken, and those refused with a reason
+    unsupported: dict[str, str] = UNSUPPORTED
 
     def __init__(self, ws: WebSocket, room: Room, config: ApiConfig, stats: DoorStats, door: str,
                  speech: bool = True) -> None:
@@ -59,6 +67,7 @@ class ApiSocket:
         self.outbox = Outbox()
         self.room_events = False  # personaplex.* events (queue, live, ended): clients that know them opt in
         self.closing = False
+        self.frames_out = 0
         self._tasks: set[asyncio.Task] = set()
         self._reader: asyncio.Task | None = None
 
@@ -66,23 +75,21 @@ class ApiSocket:
     def call(self) -> CallHandle | None:
         return self.door_call.call
 
-    @property
-    def frames_out(self) -> int:
-        return self.runner.frames_out
-
     # ---- what a protocol says ------------------------------------------------------------------
 
     def opened(self) -> None:
         """The socket was accepted: the first events, if the protocol sends any."""
 
     def parse(self, text: str | bytes | None) -> ClientEvent:
-        raise NotImplementedError
+        """One message as a client event (RealtimeError: sent back; Refused: the socket closed)."""
+        return parse(text, self.config.max_message_bytes, self.known, self.unsupported)
 
     async def handle(self, ev: ClientEvent) -> None:
         raise NotImplementedError
 
-    def error_event(self, err: RealtimeError) -> dict[str, Any]:
-        raise NotImplementedError
+    def error_event(self, err: RealtimeError) -> dict[str, Any] | bytes | None:
+        """The protocol's error message (None: it has none, the error is counted and logged only)."""
+        return error_event(err)
 
     def on_live(self, call: CallHandle) -> None:
         """The call went live: the agent's first frame comes next."""
@@ -109,10 +116,6 @@ class ApiSocket:
         else:
             self.error(RealtimeError(e.CALL_ENDED, f"the call ended ({reason}): {message}", kind="server_error"))
 
-    def refusal(self, reason: str) -> bytes | None:
-        """The protocol's message for a refusal before the close, if it has one."""
-        return None
-
     # ---- the socket's life ---------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -137,6 +140,8 @@ class ApiSocket:
                 return
             try:
                 await self.handle(self.parse(message.get("text", message.get("bytes"))))
+            except Refused as refused:
+                await self.refuse(refused.code, refused.reason)
             except RealtimeError as err:
                 self.error(err)
             except Exception:  # a bug here must not cost the caller the call: say so and go on
@@ -186,23 +191,28 @@ class ApiSocket:
         for ev in events:
             self.send(ev)
 
-    def stopped_reading(self) -> bool:
-        return self.outbox.client_stopped_reading(self.ws.scope, self.config.send_backlog_seconds)
-
     async def refuse(self, code: int, reason: str) -> None:
-        """Bad input that ends the call: counted, said in the protocol's words (`refusal`), the call
-        hung up and the socket closed with `code` and the reason, never disturbing another call."""
+        """Bad input that ends the call: counted, said as the protocol's error, the call hung up and
+        the socket closed with `code` and the reason, never disturbing another call."""
         self.stats.error(str(code))
         log.info("%s %s: closing (%d): %s", self.protocol, self.session_id, code, reason)
-        if (message := self.refusal(reason)) is not None:
+        if (message := self.error_event(RealtimeError(str(code), reason))) is not None:
             self.send(message)
         self.door_call.hang_up()
         await self.close(code, reason)
 
+    async def start_checked(self, voice: str, persona: str, sampling: SamplingParams) -> None:
+        """Start a call the door checked already; the room refusing it all the same closes the socket."""
+        try:
+            await self.runner.start(voice, persona, sampling, None)
+        except RealtimeError as err:
+            await self.refuse(POLICY, err.message)
+
     def error(self, err: RealtimeError) -> None:
         self.stats.error(err.code)
         log.info("%s %s: %s", self.protocol, self.session_id, err)
-        self.send(self.error_event(err))
+        if (message := self.error_event(err)) is not None:
+            self.send(message)
 
     def room_event(self, kind: str, **fields: Any) -> None:
         if self.room_events:
@@ -225,7 +235,6 @@ class SocketCall:
         self.door_call = DoorCall(room, door)
         self.speech = SpeechEvents(speech, socket.on_speech)  # hears each frame the feeder hands the room
         self.feeder = Feeder(socket.config, self.door_call, self.speech.hear)
-        self.frames_out = 0
 
     def release(self) -> None:
         """The socket closed: the call goes with it (a call that ended keeps its reason)."""
@@ -278,14 +287,14 @@ class SocketCall:
                 match event if isinstance(event, Frame) else await self.door_call.next_event(0.25):
                     case Frame(out=out):
                         self.feeder.answered()
-                        self.frames_out += 1
+                        socket.frames_out += 1
                         socket.on_frame(out)
                     case Ended(reason=reason):
                         await socket.on_ended(reason)
                         return
                 event = None
                 self.feeder.feed()
-                if socket.stopped_reading():
+                if socket.outbox.client_stopped_reading(socket.ws.scope, socket.config.send_backlog_seconds):
                     log.warning("%s %s: the client stopped reading; closing", socket.protocol, socket.session_id)
                     self.door_call.hang_up(EndReason.NOT_READING)
                     socket.stats.error("client_not_reading")

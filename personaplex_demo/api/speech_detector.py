@@ -1,14 +1,13 @@
-"""When the caller speaks: silero-vad on the audio the model hears, for the Realtime door's
-`input_audio_buffer.speech_started` / `speech_stopped` (docs/realtime.md § Speech events). The model
-needs none of it, so it runs beside the call, never in the engine's tick nor on the event loop: one
-worker thread runs every socket's detector. silero-vad ships its model in its wheel: nothing is downloaded.
+"""When the caller speaks (docs/realtime.md § Speech events): silero-vad on the audio the model hears.
+The model needs none of it, so it runs beside the call, never in the engine's tick nor on the event
+loop: one worker thread runs every socket's detector.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import threading
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -89,17 +88,10 @@ class SpeechDetector:
         return events
 
 
-_executor: ThreadPoolExecutor | None = None
-_executor_lock = threading.Lock()
-
-
+@functools.cache  # called on the event loop only
 def worker() -> ThreadPoolExecutor:
     """The process's one detector thread, started with the first socket that needs it."""
-    global _executor
-    with _executor_lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(1, thread_name_prefix="speech-detector")
-        return _executor
+    return ThreadPoolExecutor(1, thread_name_prefix="speech-detector")
 
 
 class SpeechEvents:

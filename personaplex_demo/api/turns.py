@@ -1,9 +1,5 @@
-"""How a continuous full-duplex stream becomes the Realtime API's responses
-(docs/realtime.md § Turns and responses): one response is one agent turn, opened at the first frame
-in which the agent speaks and closed after `turn_end_seconds` without speech; the silence between
-turns is not sent. `response.create` opens one at once (completing an open one, so each request gets
-its own: LiveKit waits for the one that echoes its metadata) and waits up to `REQUESTED_WAIT_SECONDS`.
-"""
+"""How a continuous full-duplex stream becomes the Realtime API's responses, one per agent turn
+(docs/realtime.md § Turns and responses)."""
 
 from __future__ import annotations
 
@@ -64,21 +60,16 @@ class TurnTracker:
         return events
 
     def request(self, metadata: Any) -> list[dict[str, Any]]:
-        """`response.create`: a response opened now (its events), after the open one, if any, completed."""
+        """`response.create`: a response opened now, after the open one, if any, completed (each request
+        gets its own: LiveKit waits for the one that echoes its metadata)."""
         events = self._close("completed", None) if self.current is not None else []
         return events + self._open(metadata)
 
-    def cancel(self, reason: str = "client_cancelled") -> list[dict[str, Any]] | None:
-        """The open response ends as cancelled (`reason`: the client's cancel or truncation, or
-        "turn_detected" when the caller began to speak); None when no response is open."""
-        if self.current is None:
-            return None
-        return self._close("cancelled", {"type": "cancelled", "reason": reason})
-
-    def finish(self, reason: str) -> list[dict[str, Any]]:
-        """The call ended: an open response ends as cancelled, the call's end its reason ("incomplete"
+    def cancel(self, reason: str = "client_cancelled") -> list[dict[str, Any]]:
+        """The open response, if any, ends as cancelled. `reason`: the client's cancel or truncation,
+        "turn_detected" when the caller began to speak, or the call's end (not "incomplete": that
         would read as a failure to the clients)."""
-        return self.cancel(reason) or []
+        return self._close("cancelled", {"type": "cancelled", "reason": reason}) if self.current is not None else []
 
     @property
     def open_item(self) -> str | None:

@@ -1,11 +1,9 @@
 """The phone door: Twilio Media Streams into the room, so that a phone number takes as many
 simultaneous callers as the room has slots (docs/phone.md § What happens on a call).
 
-A signed voice webhook (`POST /telephony/twilio`, its query naming the voice and persona) is
-answered with TwiML that connects the call to a stream socket whose URL carries a one-time ticket:
-only a call that came through a signed webhook reaches a slot, and only once. The call's settings
-stay here with the ticket (Twilio limits a stream's parameters) and travel with the socket to the
-process that serves it.
+A signed voice webhook is answered with TwiML that connects the call to a stream socket whose URL
+carries a one-time ticket: only a call that came through a signed webhook reaches a slot, and only
+once. The call's settings stay with the ticket (Twilio limits a stream's parameters).
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ from .client_events import ClientEvent
 from .config import ApiConfig
 from .errors import RealtimeError
 from .session import check_persona
-from .socket_base import INVALID_DATA, POLICY, UNSUPPORTED_DATA, ApiSocket
+from .socket_base import INVALID_DATA, POLICY, UNSUPPORTED_DATA, ApiSocket, Refused
 from .socket_door import Doors, SocketDoor, deny
 from .stats import DoorStats
 
@@ -247,21 +245,21 @@ class TwilioSocket(ApiSocket):
 
     def parse(self, data: str | bytes | None) -> ClientEvent:
         if not isinstance(data, str):
-            return ClientEvent("binary", None, {})
+            raise Refused(UNSUPPORTED_DATA, "Twilio's stream events are JSON text messages")
         if len(data) > self.config.max_message_bytes:
-            return ClientEvent("oversize", None, {})
+            raise Refused(POLICY, f"a message over {self.config.max_message_bytes} bytes")
         try:
             body = json.loads(data)
         except ValueError:
-            return ClientEvent("not_json", None, {})
+            body = None
         if not isinstance(body, dict) or not isinstance(body.get("event"), str):
-            return ClientEvent("not_json", None, {})
+            raise Refused(INVALID_DATA, "a message that is not a JSON object with an event")
         return ClientEvent(body["event"], None, body)
 
     async def handle(self, ev: ClientEvent) -> None:
         match ev.type:
             case "media":
-                await self._media(ev.body.get("media"))
+                self._media(ev.body.get("media"))
             case "start":
                 await self._start(ev.body.get("start"))
             case "stop":
@@ -273,57 +271,40 @@ class TwilioSocket(ApiSocket):
             case "dtmf":
                 digit = (ev.body.get("dtmf") or {}).get("digit")
                 log.info("phone %s: the caller pressed %s", self.session_id, digit)
-            case "binary":
-                await self.refuse(UNSUPPORTED_DATA, "Twilio's stream events are JSON text messages")
-            case "oversize":
-                await self.refuse(POLICY, f"a message over {self.config.max_message_bytes} bytes")
-            case "not_json":
-                await self.refuse(INVALID_DATA, "a message that is not a JSON object with an event")
             case other:  # a newer version of the protocol: carry on without it
                 self.stats.error("unknown_event")
                 log.info("phone %s: ignoring an unknown event %r", self.session_id, other[:40])
 
     async def _start(self, start: Any) -> None:
         if self.stream_sid is not None:
-            await self.refuse(POLICY, "a second start event on one stream")
-            return
+            raise Refused(POLICY, "a second start event on one stream")
         if not isinstance(start, dict) or not isinstance(start.get("streamSid"), str):
-            await self.refuse(POLICY, "a start event without its streamSid")
-            return
+            raise Refused(POLICY, "a start event without its streamSid")
         fmt = start.get("mediaFormat")
         if not isinstance(fmt, dict) or (fmt.get("encoding"), str(fmt.get("sampleRate")), str(fmt.get("channels"))) != (
                 "audio/x-mulaw", str(PHONE_RATE), "1"):
-            await self.refuse(POLICY, f"media format {fmt!r}: this door takes audio/x-mulaw, 8000 Hz, one channel")
-            return
+            raise Refused(POLICY, f"media format {fmt!r}: this door takes audio/x-mulaw, 8000 Hz, one channel")
         self.stream_sid, self.call_sid = start["streamSid"], str(start.get("callSid") or "?")
-        try:
-            await self.runner.start(self.phone_call.voice, self.phone_call.persona, SamplingParams(), None)
-        except RealtimeError as err:  # the webhook checked both; the room refused them all the same
-            await self.refuse(POLICY, err.message)
+        await self.start_checked(self.phone_call.voice, self.phone_call.persona, SamplingParams())
 
-    async def _media(self, media: Any) -> None:
+    def _media(self, media: Any) -> None:
         if self.stream_sid is None:
-            await self.refuse(POLICY, "a media event before the start event")
-            return
+            raise Refused(POLICY, "a media event before the start event")
         payload = media.get("payload") if isinstance(media, dict) else None
         if not isinstance(payload, str) or len(payload) > MAX_PAYLOAD_BYTES * 4 // 3 + 4:
-            await self.refuse(POLICY, f"a media event needs a base64 payload of at most {MAX_PAYLOAD_BYTES} bytes")
-            return
+            raise Refused(POLICY, f"a media event needs a base64 payload of at most {MAX_PAYLOAD_BYTES} bytes")
         try:
             mulaw = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
-            await self.refuse(INVALID_DATA, "a media payload that is not base64")
-            return
+            raise Refused(INVALID_DATA, "a media payload that is not base64") from None
         if not mulaw or media.get("track", "inbound") != "inbound":
             return
         if self.call is None or self.call.state != CallState.LIVE:
             return  # not heard yet: a waiting caller costs no decoding
         self.feeder.append_pcm(self.audio.heard(mulaw))
 
-    def error(self, err: RealtimeError) -> None:
-        """Twilio's protocol has no error message: counted and logged only."""
-        self.stats.error(err.code)
-        log.info("phone %s: %s", self.session_id, err)
+    def error_event(self, err: RealtimeError) -> None:
+        return None  # Twilio's protocol has no error message: counted and logged only
 
     def room_event(self, kind: str, **fields: Any) -> None:
         """The room's news, as marks in the outgoing audio (Twilio names each back once the caller has
