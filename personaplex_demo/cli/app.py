@@ -33,42 +33,41 @@ def setup_logging(verbose: bool = False) -> None:
     sys.stdout = PrintsToLog(logging.INFO if verbose else logging.DEBUG)
 
 
+class NotStarted(Exception):
+    """The app cannot start or serve (the reason is logged); its argument is the exit status."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Check, start, serve until a stop signal, then end every call with a message and exit."""
     cfg = parse_config(argv)
     setup_logging(cfg.verbose)
-    started = preflight(cfg)
-    if isinstance(started, int):
-        return started
-    rtc, server_rtc = started
-    topology = start_room(cfg, server_rtc)
-    if isinstance(topology, int):
-        return topology
-    served = serve(cfg, topology, rtc, server_rtc)
-    if isinstance(served, int):
-        return served
-    shut_down_app(*served, topology)
+    try:
+        rtc, server_rtc = preflight(cfg)
+        topology = start_room(cfg, server_rtc)
+        shut_down_app(*serve(cfg, topology, rtc, server_rtc), topology)
+    except NotStarted as exc:
+        return exc.args[0]
     exit_now(0)
     return 0
 
 
-def preflight(cfg: AppConfig) -> tuple[list | None, dict | None] | int:
+def preflight(cfg: AppConfig) -> tuple[list | None, dict | None]:
     """What can fail in seconds, before a model loads: the port, the ICE settings. The page's and
-    the server's ICE configurations, or an exit status."""
+    the server's ICE configurations."""
     from .preflight import EXIT_PREFLIGHT, START_ERRORS, check_port
 
     try:  # seconds after the start, not after a model load, and before torch is imported
         check_port(cfg.host, cfg.port)
     except START_ERRORS as exc:
         log.error("%s", exc)
-        return EXIT_PREFLIGHT
+        raise NotStarted(EXIT_PREFLIGHT) from None
     from ..rtc.ice import IceConfigError, rtc_configs
 
     try:
         rtc, server_rtc = rtc_configs()  # before the model loads: a typo here should fail fast
     except IceConfigError as exc:
         log.error("cannot start: %s", exc)
-        return EXIT_PREFLIGHT
+        raise NotStarted(EXIT_PREFLIGHT) from None
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     from ..rtc.patches import apply_media_settings
 
@@ -76,8 +75,8 @@ def preflight(cfg: AppConfig) -> tuple[list | None, dict | None] | int:
     return rtc, server_rtc
 
 
-def start_room(cfg: AppConfig, server_rtc: dict | None) -> Topology | int:
-    """The engines, their slot pools and the media workers, or an exit status."""
+def start_room(cfg: AppConfig, server_rtc: dict | None) -> Topology:
+    """The engines, their slot pools and the media workers."""
     from ..errors import CheckpointError
     from ..orchestration.topology import TopologyOptions, default_media_workers, resolve_devices, start_topology
     from ..runtime.build import RuntimeOptions, check_placement
@@ -109,15 +108,15 @@ def start_room(cfg: AppConfig, server_rtc: dict | None) -> Topology | int:
             engines=cfg.engines, ray_address=cfg.ray_address, api=api_config(cfg)), progress)
     except START_ERRORS as exc:  # before any model is loaded, or no room for one slot
         log.error("%s", exc)
-        return EXIT_PREFLIGHT
+        raise NotStarted(EXIT_PREFLIGHT) from None
     except (ValueError, CheckpointError, RuntimeError) as exc:
         log.error("cannot start: %s", exc)
-        return 1
+        raise NotStarted(1) from None
 
 
 def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict | None
-          ) -> tuple[Any, RecordingStore, str] | int:
-    """The page on `cfg.port` until a stop signal: (the page, its recordings, the signal), or an exit status."""
+          ) -> tuple[Any, RecordingStore, str]:
+    """The page on `cfg.port` until a stop signal: (the page, its recordings, the signal)."""
     from ..web.page import PageOptions, build_ui
     from ..web.recording import RecordingStore, remove_stale_recordings
 
@@ -132,7 +131,7 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
         log.warning("%s", notice)
     remove_stale_recordings()
     # Per-call WAV + transcript for the download buttons, deleted on exit (the media workers' own when there are any).
-    recordings = topology.recordings or RecordingStore()
+    recordings = topology.media.recordings if topology.media is not None else RecordingStore()
     demo = build_ui(runtime, room, PageOptions(time_limit=cfg.time_limit, max_queue=room.config.max_queue or 0,
                                                rtc_configuration=rtc,
                                                server_rtc_configuration=server_rtc, notice=notice), recordings)
@@ -152,9 +151,7 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
         except OSError:
             log.error("cannot serve on %s:%d: the port is in use or the address is not this machine's; "
                       "choose another with --port or --host", cfg.host, cfg.port)
-            topology.close()
-            recordings.close()
-            return 1
+            raise NotStarted(1) from None
         log.info("serving on http://%s:%d (status: /api/status, metrics: /metrics%s)", cfg.host, cfg.port,
                  f", Realtime API: ws://{cfg.host}:{cfg.port}/v1/realtime, GPT-Live: ws://{cfg.host}:{cfg.port}"
                  f"/v1/live/sessions, NVIDIA's protocol: ws://{cfg.host}:{cfg.port}/api/chat" if door else "")

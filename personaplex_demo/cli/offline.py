@@ -57,11 +57,6 @@ class OfflineError(Exception):
 # ---- reading ------------------------------------------------------------------------------------
 
 
-def _read_soundfile(path: Path) -> tuple[np.ndarray, int]:
-    data, rate = sf.read(str(path), dtype="float32", always_2d=True)  # [n, channels]
-    return data.T, int(rate)
-
-
 def _read_pyav(path: Path) -> tuple[np.ndarray, int]:
     """Decode the first audio stream with FFmpeg; returns float32 [channels, n] and the rate."""
     with av.open(str(path)) as container:
@@ -107,7 +102,8 @@ def read_input(path: Path) -> np.ndarray:
     if not os.access(path, os.R_OK):
         raise OfflineError(f"cannot read the input file {path}: permission denied")
     try:
-        channels, rate = _read_soundfile(path)
+        data, rate = sf.read(str(path), dtype="float32", always_2d=True)  # [n, channels]
+        channels, rate = data.T, int(rate)
     except (sf.SoundFileError, RuntimeError) as sf_exc:
         log.debug("soundfile cannot read %s (%s); trying FFmpeg", path, sf_exc)
         try:

@@ -132,8 +132,6 @@ def check_model_files(model: str, repo: str, cache_dir: Path | None, device: str
 def cuda_in_use(device: str) -> bool:
     """Whether the start will run on CUDA (imports torch, so it comes after the port check; a CUDA
     device that does not exist is reported by loading.check_placement)."""
-    if device == "cpu":
-        return False
     if device != "auto":
         return device.startswith("cuda")
     import torch

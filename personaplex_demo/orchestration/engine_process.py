@@ -17,7 +17,7 @@ from ..procs.launcher import Child, Inbox, stop_children
 from ..procs.links import Address
 from ..procs.messages import EndCalls, EngineFailed, EngineReady
 from ..procs.pool_server import FIGURES_SECONDS, PoolServer
-from ..runtime.build import Runtime, RuntimeOptions
+from ..runtime.build import Runtime, RuntimeOptions, build_runtime
 from ..runtime.facts import EngineFacts
 from ..serving.config import PoolConfig
 from ..serving.pool import SlotPool
@@ -56,8 +56,6 @@ class ServedEngine:
 
     def __init__(self, options: RuntimeOptions, pool: PoolConfig, device: str, address: Address, authkey: bytes,
                  name: str, facts: dict[str, Any] | None = None, figures_seconds: float = FIGURES_SECONDS) -> None:
-        from ..runtime.build import build_runtime
-
         self.runtime = build_runtime(replace(options, device=device))
         self.pool = SlotPool(self.runtime.engine, self.runtime.pool_config(pool))
         self.server = PoolServer(self.pool, address, authkey, name=name, figures_seconds=figures_seconds,
@@ -138,8 +136,7 @@ class EngineProcesses:
         return facts
 
     def end_calls(self, join_timeout: float = 3.0) -> None:
-        """Each engine ends its calls with reason "shutdown" and stops ticking; `join_timeout` is
-        the engines' own (`END_CALLS_JOIN_SECONDS`)."""
+        """Each engine ends its calls with reason "shutdown" and stops ticking (waiting END_CALLS_JOIN_SECONDS)."""
         for child in self._children:
             child.send(EndCalls())
 

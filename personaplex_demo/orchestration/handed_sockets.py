@@ -9,7 +9,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from ..procs import messages as msg
 from ..procs import socket_handoff
@@ -17,22 +17,13 @@ from ..procs import socket_handoff
 log = logging.getLogger(__name__)
 
 
-class SocketWorker(Protocol):
-    """What a hand-over needs of a media worker's record (media_workers._Worker)."""
-
-    index: int
-    sockets: set[int]
-    handoff: Any  # the worker's end of the hand-over socket pair, seen from here (None: it takes none)
-
-
 class HandedSockets:
-    def __init__(self, least_loaded: Callable[[Callable[[Any], bool]], SocketWorker | None],
-                 on_loop: Callable[[], None]) -> None:
-        """`least_loaded(able)`: the worker to take the next socket; `on_loop()` tells the workers'
-        owner which event loop the sockets come through."""
+    def __init__(self, least_loaded: Callable[[Callable[[Any], bool]], Any], on_loop: Callable[[], None]) -> None:
+        """`least_loaded(able)`: the worker (a media_workers._Worker) to take the next socket; `on_loop()`
+        tells the workers' owner which event loop the sockets come through."""
         self._least_loaded, self._on_loop = least_loaded, on_loop
         self._numbers = itertools.count(1)
-        self._handed: dict[int, tuple[SocketWorker, str, str]] = {}  # number -> (worker, kind, address)
+        self._handed: dict[int, tuple[Any, str, str]] = {}  # number -> (worker, kind, address)
         self._door = None  # api/doors.py ApiDoors
         self._web_server: Callable[[], Any] = lambda: None
 
@@ -75,7 +66,7 @@ class HandedSockets:
         if closed:
             loop.call_soon_threadsafe(lambda: [self._closed(n) for n in closed])
 
-    def worker_gone(self, worker: SocketWorker) -> None:
+    def worker_gone(self, worker) -> None:
         """On the sockets' loop: `worker` stopped, and its sockets' connections with it."""
         if worker.handoff is not None:
             worker.handoff.close()

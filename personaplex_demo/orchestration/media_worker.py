@@ -1,14 +1,9 @@
 """A media worker process: the WebRTC peers of some callers and their CallHandlers, no torch.
 
-The main process (see `media_workers`) keeps the page and the one public port; it hands each
-call's offer to a worker, which answers it with its own ICE candidates, so the browser's media
-goes straight to this process's UDP ports. Here run aiortc (Opus, SRTP, RTP), fastrtc's
-resampling and the handlers, on this process's own event loop and its own share of the CPU. The
-handlers reach the engine(s) through a `desk_room.DeskRoom` (a `Room`): frames and outputs go
-straight to the engines, and with several engines who is seated where is the main process's
-decision (its one queue, queue_desk.py).
-
-The messages with the main process: procs/messages.py (docs/processes.md § How they talk).
+The main process hands it each call's offer; its answer carries this process's own ICE candidates,
+so the browser's media comes straight here. The handlers reach the engines through a `DeskRoom`;
+who is seated where stays the main process's decision (queue_desk.py). The messages: procs/messages.py
+(docs/processes.md § How they talk).
 """
 
 from __future__ import annotations
@@ -86,16 +81,6 @@ class ReportedStats(DoorStats):
         self._send(msg.SocketError(self.kind, code))
 
 
-def api_door(spec: WorkerSpec, room: DeskRoom, facts: dict[str, Any], send: Callable[[msg.WorkerReport], None]
-             ) -> ApiDoors | None:
-    """The API door as this worker serves it: sockets the main process admitted and handed over."""
-    if spec.api is None or spec.handoff is None:
-        return None
-    config = replace(spec.api, model_name=facts.get("model_name", spec.api.model_name))
-    stats = {kind: ReportedStats(kind, send) for kind in KINDS}
-    return ApiDoors(room, EngineFacts(facts), config, stats)
-
-
 class MediaHost(WebRTCConnectionMixin):
     """fastrtc's connection handling (the same code the page's WebRTC component runs), without a
     page: offers come from the main process and page updates go back to it."""
@@ -115,11 +100,8 @@ class MediaHost(WebRTCConnectionMixin):
         self._send = send
         answer_offers(self)  # as the page's component does: 40 ms packets, every browser's ICE candidates
 
-    def outputs_to_main(self, webrtc_id: str):
-        def relay(outputs: AdditionalOutputs) -> None:
-            self._send(msg.Outputs(webrtc_id, tuple(outputs.args)))
-
-        return relay
+    def outputs_to_main(self, webrtc_id: str) -> Callable[[AdditionalOutputs], None]:
+        return lambda outputs: self._send(msg.Outputs(webrtc_id, tuple(outputs.args)))
 
     def clean_up(self, webrtc_id: str):
         known = webrtc_id in self.handlers or webrtc_id in self.pcs or webrtc_id in self.connections
@@ -196,13 +178,15 @@ class WorkerLoop:
         facts = next(e for e in engines if e.alive).facts
         self.host = MediaHost(CallHandler(self.room, self.recordings, model_name=facts.get("model_name")),
                               spec.server_rtc_configuration, self.channel.send)
-        self.door = api_door(spec, self.room, facts, self.channel.send)
         self.sockets: WorkerSockets | None = None
+        if spec.api is not None and spec.handoff is not None:  # the API sockets the main process hands over
+            config = replace(spec.api, model_name=facts.get("model_name", spec.api.model_name))
+            door = ApiDoors(self.room, EngineFacts(facts), config,
+                            {kind: ReportedStats(kind, self.channel.send) for kind in KINDS})
+            self.sockets = WorkerSockets(spec.handoff, Starlette(routes=door.served_routes()),
+                                         lambda meta: self.channel.send(msg.SocketClosed(int(meta["id"]))))
 
     async def run(self) -> None:
-        if self.door is not None and self.spec.handoff is not None:
-            self.sockets = WorkerSockets(self.spec.handoff, Starlette(routes=self.door.served_routes()),
-                                         lambda meta: self.channel.send(msg.SocketClosed(int(meta["id"]))))
         self.channel.start()
         self.channel.send(msg.WorkerReady(os.getpid(), "torch" in sys.modules))
         if self.watchdog is not None:  # engines on other machines may come back

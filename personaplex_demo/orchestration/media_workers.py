@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,21 +36,21 @@ STOP_SECONDS = 5.0  # a worker's time to close its peers and exit after Stop, be
 MAX_RESTARTS, RESTART_WINDOW = 5, 60.0  # a worker that dies more often than this stays down
 
 
+@dataclass(eq=False)
 class _Worker:
     """The main process's record of one worker process."""
 
-    def __init__(self, index: int, generation: int, child: Child) -> None:
-        self.index = index
-        self.generation = generation
-        self.child = child
-        self.ready = threading.Event()
-        self.gone = False
-        self.pid: int | None = None  # as the worker reports it, once ready
-        self.torch_imported: bool | None = None
-        self.calls: set[str] = set()  # webrtc ids
-        self.sockets: set[int] = set()  # API sockets handed to it, by hand-over number
-        self.pending: dict[int, concurrent.futures.Future] = {}
-        self.handoff: socket.socket | None = None  # where API sockets' connections are handed to it
+    index: int
+    generation: int
+    child: Child
+    ready: threading.Event = field(default_factory=threading.Event)
+    gone: bool = False
+    pid: int | None = None  # as the worker reports it, once ready
+    torch_imported: bool | None = None
+    calls: set[str] = field(default_factory=set)  # webrtc ids
+    sockets: set[int] = field(default_factory=set)  # API sockets handed to it, by hand-over number
+    pending: dict[int, concurrent.futures.Future] = field(default_factory=dict)
+    handoff: socket.socket | None = None  # where API sockets' connections are handed to it
 
     @property
     def usable(self) -> bool:
@@ -60,8 +60,6 @@ class _Worker:
 class MediaWorkers:
     def __init__(self, count: int, spec: WorkerSpec) -> None:
         """`spec` is the template for every worker (its index and recordings folder are set here)."""
-        if count < 1:
-            raise ValueError("media workers: at least 1")
         self.count = count
         # Named like this process's own recordings folder: a crashed app's is removed at the next start.
         self.root = Path(tempfile.mkdtemp(prefix=recordings_prefix()))

@@ -96,82 +96,102 @@ class Topology:
     runtime: Any  # a runtime.facts.RuntimeFacts
     room: Room
     media: MediaWorkers | None
-    closers: list[Callable[[], object]]
+    closers: list[Callable[[], object]]  # in the order things started: they stop in reverse, the media first
     end_calls: Callable[..., None]
     engine_status: Callable[[], list[dict[str, Any]]]  # a row per engine for /api/status
-
-    @property
-    def recordings(self):
-        """The page's recordings when the calls live in media workers (else None: the page's own)."""
-        return self.media.recordings if self.media is not None else None
 
     def status(self) -> dict[str, Any]:
         """Per engine and per media worker, for /api/status (the totals are the pool's)."""
         return {"engines": self.engine_status(), "media_workers": self.media.status() if self.media is not None else []}
 
     def close(self) -> None:
-        """Stop everything this topology started, the media first (idempotent)."""
+        """Stop everything this topology started (idempotent)."""
         closers, self.closers = self.closers, []
-        for close in closers:
-            try:
-                close()
-            except Exception:
-                log.exception("shutting down %s failed", getattr(close, "__qualname__", close))
+        _close_all(closers)
 
 
-def start_topology(options: TopologyOptions, progress: Callable[[str, float], None] | None = None) -> Topology:
-    if options.engines == "ray":
-        return start_ray_topology(options, progress)
+def _close_all(closers: list[Callable[[], object]]) -> None:
+    for close in reversed(closers):
+        try:
+            close()
+        except Exception:
+            log.exception("shutting down %s failed", getattr(close, "__qualname__", close))
+
+
+def start_topology(options: TopologyOptions, progress: Callable[[str, float], None]) -> Topology:
+    """Start the engines and the media workers; on a failure, stop whatever had started."""
+    closers: list[Callable[[], object]] = []
+    try:
+        topology, engines = (_start_ray if options.engines == "ray" else _start_local)(options, progress, closers)
+        if topology.media is not None:
+            topology.media.serve_queue(topology.room)
+            topology.media.wait_ready(WORKERS_READY_SECONDS)
+    except BaseException:
+        _close_all(closers)
+        raise
+    log.info("engines: %s; media: %s", engines,
+             f"{options.media_workers} worker process(es)" if topology.media is not None else "in this process")
+    return topology
+
+
+def _start_local(options: TopologyOptions, progress: Callable[[str, float], None], closers: list
+                 ) -> tuple[Topology, str]:
+    """One engine in this process, or an engine process per device; the engines' names."""
     devices = list(options.devices)
-    closers: list[Callable] = []
+    if len(devices) == 1 and not options.media_workers:
+        runtime = build_runtime(replace(options.runtime, device=devices[0]), progress)
+        pool = SlotPool(runtime.engine, runtime.pool_config(options.pool))
+        pool.start()
+        closers.append(pool.shutdown)
+        name = f"engine-0 ({runtime.device})"
+        return Topology(runtime, pool, None, closers, pool.shutdown,
+                        functools.partial(_pool_status, name, str(runtime.device), pool)), name
     ipc_dir = ipc_directory()
+    closers.append(functools.partial(shutil.rmtree, ipc_dir, ignore_errors=True))
     authkey = secrets.token_bytes(32)
     names = [f"engine-{i} ({d})" for i, d in enumerate(devices)]
     addresses = [str(ipc_dir / f"engine-{i}.sock") for i in range(len(devices))]
-    media: MediaWorkers | None = None
-    try:
-        if options.media_workers:
-            # Started first: they import their libraries while the engines load the model.
-            media = _media_workers(options, tuple(addresses), authkey)
-            closers.append(media.close)
-        if len(devices) == 1 and media is None:
-            runtime = build_runtime(replace(options.runtime, device=devices[0]), progress)
-            names = [f"engine-0 ({runtime.device})"]
-            room = SlotPool(runtime.engine, runtime.pool_config(options.pool))
-            room.start()
-            closers.append(room.shutdown)
-            end_calls = room.shutdown
-            engine_status = functools.partial(_pool_status, names[0], str(runtime.device), room)
-        else:
-            # Several CPU engines share the cores; one keeps torch's own choice (or OMP_NUM_THREADS).
-            cpu_engines = sum(1 for d in devices if not d.startswith("cuda"))
-            threads = max(1, (os.cpu_count() or 1) // cpu_engines) if cpu_engines > 1 else None
-            specs = [EngineSpec(name, device, address, authkey, options.runtime, options.pool, threads,
-                                logging.getLogger().getEffectiveLevel())
-                     for name, device, address in zip(names, devices, addresses, strict=True)]
-            engines = EngineProcesses(specs).start()
-            closers.append(engines.close)
-            end_calls = engines.end_calls
-            if progress is not None:
-                progress(f"loading {len(devices)} engine(s)", 0.1)
-            facts = engines.wait_ready()
-            runtime = RemoteRuntime.from_facts(facts[0], facts[1:])
-            room = router = PoolRouter([EngineLink(a, authkey) for a in addresses], rules=runtime.engine)
-            closers.insert(0, router.close)
-            engine_status = router.engine_status
-            if media is not None:
-                media.serve_queue(router)
-        if media is not None:
-            media.wait_ready(WORKERS_READY_SECONDS)
-    except BaseException:
-        for close in closers:
-            close()
-        shutil.rmtree(ipc_dir, ignore_errors=True)
-        raise
-    closers.append(lambda: shutil.rmtree(ipc_dir, ignore_errors=True))
-    log.info("engines: %s; media: %s", ", ".join(names),
-             f"{options.media_workers} worker process(es)" if media is not None else "in this process")
-    return Topology(runtime, room, media, closers, end_calls, engine_status)
+    # Several CPU engines share the cores; one keeps torch's own choice (or OMP_NUM_THREADS).
+    cpu_engines = sum(1 for d in devices if not d.startswith("cuda"))
+    threads = max(1, (os.cpu_count() or 1) // cpu_engines) if cpu_engines > 1 else None
+    engines = EngineProcesses([EngineSpec(name, device, address, authkey, options.runtime, options.pool, threads,
+                                          logging.getLogger().getEffectiveLevel())
+                               for name, device, address in zip(names, devices, addresses, strict=True)]).start()
+    closers.append(engines.close)
+    media = None
+    if options.media_workers:  # they import their libraries while the engines load the model
+        media = _media_workers(options, tuple(addresses), authkey)
+        closers.append(media.close)
+    progress(f"loading {len(devices)} engine(s)", 0.1)
+    facts = engines.wait_ready()
+    runtime = RemoteRuntime.from_facts(facts[0], facts[1:])
+    router = PoolRouter([EngineLink(a, authkey) for a in addresses], rules=runtime.engine)
+    closers.append(router.close)
+    return Topology(runtime, router, media, closers, engines.end_calls, router.engine_status), ", ".join(names)
+
+
+def _start_ray(options: TopologyOptions, progress: Callable[[str, float], None], closers: list
+               ) -> tuple[Topology, str]:
+    """`--engines ray`: the engines are actors on a Ray cluster; this process (and its media
+    workers) link to each over TCP. Ray is imported here only."""
+    from .ray.engines import RayEngines, connect, new_spec
+
+    level = logging.getLogger().getEffectiveLevel()
+    engines = RayEngines(new_spec(options.runtime, options.pool, level), connect(options.ray_address, level))
+    closers.append(engines.close)
+    engines.start()
+    progress("loading the engines on the Ray cluster", 0.1)
+    router = engines.wait_ready()
+    facts = engines.facts()
+    runtime = RemoteRuntime.from_facts(facts[0], facts[1:])
+    router.rules = runtime.engine
+    media = None
+    if options.media_workers:
+        media = _media_workers(options, tuple(e.address for e in router.engines), engines.spec.authkey)
+        closers.append(media.close)
+        engines.on_relink = media.relink
+    names = ", ".join(f"{e.name} on {e.facts['node']}" for e in router.engines)
+    return Topology(runtime, router, media, closers, engines.end_calls, engines.status), f"{names} (Ray actors)"
 
 
 def _pool_status(name: str, device: str, pool: SlotPool) -> list[dict[str, Any]]:
@@ -185,35 +205,3 @@ def _media_workers(options: TopologyOptions, engines: tuple, authkey: bytes) -> 
         index=0, engines=engines, authkey=authkey, recordings_dir="",
         server_rtc_configuration=options.server_rtc_configuration,
         log_level=logging.getLogger().getEffectiveLevel(), api=options.api)).start()
-
-
-def start_ray_topology(options: TopologyOptions, progress: Callable[[str, float], None] | None = None) -> Topology:
-    """`--engines ray`: the engines are actors on a Ray cluster; this process (and its media
-    workers) link to each over TCP. Ray is imported here only."""
-    from .ray.engines import RayEngines, connect, new_spec
-
-    level = logging.getLogger().getEffectiveLevel()
-    engines = RayEngines(new_spec(options.runtime, options.pool, level), connect(options.ray_address, level))
-    closers: list[Callable] = [engines.close]
-    try:
-        engines.start()
-        if progress is not None:
-            progress("loading the engines on the Ray cluster", 0.1)
-        router = engines.wait_ready()
-        facts = engines.facts()
-        runtime = RemoteRuntime.from_facts(facts[0], facts[1:])
-        router.rules = runtime.engine
-        media = None
-        if options.media_workers:
-            media = _media_workers(options, tuple(e.address for e in router.engines), engines.spec.authkey)
-            closers.insert(0, media.close)
-            engines.on_relink = media.relink
-            media.serve_queue(router)
-            media.wait_ready(WORKERS_READY_SECONDS)
-    except BaseException:
-        for close in closers:
-            close()
-        raise
-    log.info("engines: %s (Ray actors); media: %s", ", ".join(f"{e.name} on {e.facts['node']}" for e in router.engines),
-             f"{options.media_workers} worker process(es)" if media is not None else "in this process")
-    return Topology(runtime, router, media, closers, engines.end_calls, engines.status)

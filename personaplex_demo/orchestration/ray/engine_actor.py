@@ -46,22 +46,20 @@ class EngineActor:
                                    facts={"node": node, "node_id": ray.get_runtime_context().get_node_id(),
                                           "pid": os.getpid()},
                                    figures_seconds=HEARTBEAT_SECONDS)
-        self.server = self.engine.server
         # The page's machine may not have the model's files: it counts persona tokens with this copy
         # (in the Hello every link gets).
         self.engine.facts["tokenizer_model"] = Path(self.engine.facts["tokenizer_path"]).read_bytes()
         self._stopped = threading.Event()
         self.engine.start()
-        log.info("%s ready on %s (%s), serving at %s:%d", spec.name, node, device, *self.server.address)
+        log.info("%s ready on %s (%s), serving at %s:%d", spec.name, node, device, *self.engine.server.address)
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines with it
         return self.name
 
     def endpoint(self) -> dict[str, Any]:
-        """Where to link to it, and what it is (the node, the device, the pid)."""
-        host, port = self.server.address
-        return {"host": host, "port": port, "node": self.server.facts["node"], "device": self.server.facts["device"],
-                "pid": os.getpid()}
+        """Where to link to it, and where it runs."""
+        host, port = self.engine.server.address
+        return {"host": host, "port": port, "node": self.engine.facts["node"], "device": self.engine.facts["device"]}
 
     def until_stopped(self) -> bool:
         """Returns when `stop` runs; the caller learns of the actor's death from the error instead."""
