@@ -33,7 +33,7 @@ SECTION = "The engine's causal delay"
 
 def replay(engine, frames: np.ndarray) -> np.ndarray:
     """Row 0's output samples for `frames` [T, frame] after a fresh greedy session's prompt."""
-    from personaplex_demo.sampling_params import SamplingParams
+    from personaplex_demo.call_settings import SamplingParams
 
     engine.start_session(0, "NATF2", "", SamplingParams(seed=1, greedy=True))
     idle = np.zeros((engine.batch_size, engine.frame_size), np.float32)
@@ -72,9 +72,9 @@ def token_delays(trials: int) -> list[int | None]:
 
     from bench.engines import mid_lm_config
     from bench.model import LM_SEED, bench_persona, bench_voice, hash_file
+    from personaplex_demo.call_settings import SamplingParams
     from personaplex_demo.engine.core import LockstepCore
     from personaplex_demo.model.checkpoint import load_lm, meta_lm
-    from personaplex_demo.sampling_params import SamplingParams
 
     cfg = mid_lm_config()
     lm = load_lm(cfg, hash_file("lm", "lm-mid", lambda: meta_lm(cfg), LM_SEED))

@@ -21,7 +21,8 @@ MAX_TOP_LEVEL_MODULES = 6
 TORCH_FREE_FOLDERS = ("serving", "web", "rtc", "procs", "api")
 TORCH_FREE_MODULES = ("orchestration.media_worker", "orchestration.media_workers", "orchestration.page_relay",
                       "orchestration.handed_sockets", "cli.app", "cli.options", "cli.preflight", "cli.lifecycle",
-                      "frame", "errors", "sampling_params", "logs", "addresses", "runtime.voice_names")
+                      "frame", "errors", "call_settings", "logs", "addresses", "runtime.voice_names",
+                      "runtime.facts")
 
 
 def parse(source: str) -> ast.Module:
@@ -162,6 +163,22 @@ def test_the_torch_free_layers_do_not_import_torch():
             "    if 'torch' in sys.modules:\n"
             "        sys.exit(f'importing {name} imported torch')\n")
     out = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_a_media_worker_checks_a_persona_without_loading_torch(tiny_repo):
+    # A socket door checks the caller's persona on the worker's event loop: importing torch there, on
+    # the first call, would stall every call of that worker for seconds.
+    code = ("import sys\n"
+            "from personaplex_demo.runtime.facts import EngineFacts\n"
+            "facts = EngineFacts({'voice_names': ['NATF2'], 'max_persona_tokens': 512, 'tokenizer_path': sys.argv[1]})\n"
+            "assert facts.persona_tokens('You enjoy a good conversation.')\n"
+            "facts.validate_request('NATF2', 'You are a patient librarian.', __import__('personaplex_demo.call_settings',"
+            " fromlist=['SamplingParams']).SamplingParams())\n"
+            "sys.exit('checking a persona imported torch' if 'torch' in sys.modules else 0)\n")
+    tokenizer = next(tiny_repo.glob("tokenizer*.model"))
+    out = subprocess.run([sys.executable, "-c", code, str(tokenizer)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
 
 

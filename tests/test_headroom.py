@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from starlette.applications import Starlette
 
+from personaplex_demo.call_settings import SamplingParams
 from personaplex_demo.engine.pcm import TickOutput
 from personaplex_demo.engine.rows import batch_bucket
 from personaplex_demo.procs.pool_router import PoolRouter
-from personaplex_demo.sampling_params import SamplingParams
 from personaplex_demo.serving.call import Call
 from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.headroom import HeadroomConfig, HeadroomPolicy, WaitReason

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from bench.loopback_app import LOOPBACK_FRAMES, loop_back
+from personaplex_demo.call_settings import SamplingParams
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
-from personaplex_demo.sampling_params import SamplingParams
 
 
 def test_each_caller_hears_their_own_input_two_frames_later(tiny_cache_dir):

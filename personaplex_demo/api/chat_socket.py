@@ -16,8 +16,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Route
 from starlette.websockets import WebSocket
 
+from ..call_settings import SamplingParams
 from ..frame import SAMPLE_RATE
-from ..sampling_params import SamplingParams
 from ..serving.room import CallHandle, Room, SlotOutput
 from . import errors as e
 from .audio_in import to_pcm16

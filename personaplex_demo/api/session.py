@@ -9,10 +9,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..call_settings import SamplingParams
 from ..errors import CallerError, PersonaTooLongError
 from ..frame import SAMPLE_RATE
 from ..runtime.voice_names import DEFAULT_VOICE
-from ..sampling_params import SamplingParams
 from . import errors as e
 from .client_events import typed
 from .errors import RealtimeError

@@ -15,8 +15,8 @@ from typing import Any
 
 from starlette.websockets import WebSocket
 
+from ..call_settings import SamplingParams
 from ..errors import PersonaTooLongError, UnknownVoiceError
-from ..sampling_params import SamplingParams
 from ..serving.door import DoorCall, Ended, Frame, Live, Preparing, Queued, Refusal, RefusalKind
 from ..serving.room import CallHandle, EndReason, Room, SlotOutput, end_message
 from . import errors as e

@@ -29,10 +29,10 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.websockets import WebSocket
 
+from ..call_settings import SamplingParams
 from ..frame import SAMPLE_RATE
 from ..runtime.personas import load_presets
 from ..runtime.voice_names import DEFAULT_VOICE
-from ..sampling_params import SamplingParams
 from ..serving.room import CallState, Room, SlotOutput
 from . import errors as e
 from .audio_in import to_pcm16

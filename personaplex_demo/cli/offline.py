@@ -28,7 +28,8 @@ import numpy as np
 import soundfile as sf
 from tqdm import tqdm
 
-from ..engine.pcm import LockstepEngine, SamplingParams, persona_token_ids
+from ..call_settings import persona_token_ids
+from ..engine.pcm import LockstepEngine, SamplingParams
 from ..errors import CallerError, CheckpointError
 from ..logs import configure_logging
 from ..runtime.build import RuntimeOptions, build_runtime, check_placement

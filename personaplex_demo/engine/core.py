@@ -13,10 +13,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..call_settings import SamplingParams
 from ..model.config import LMConfig
 from ..model.lm import PersonaPlexLM
 from ..model.ring import RingKV, RowStates
-from ..sampling_params import SamplingParams
 from .cuda_graphs import CudaGraphed
 from .prompt import PrefixCache, VoiceTokens
 from .rows import batch_buckets

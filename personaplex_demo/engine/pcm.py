@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import AudioFormatError, CallerError, PersonaTooLongError
+from ..call_settings import MAX_PERSONA_TOKENS, SamplingParams, persona_token_ids
+from ..errors import AudioFormatError
 from ..frame import FRAME_SAMPLES, SAMPLE_RATE
 from ..model.lm import PersonaPlexLM
-from ..sampling_params import SamplingParams
 from .core import LockstepCore
 from .cuda_graphs import CudaGraphed
 from .prompt import VoiceTokens
@@ -23,9 +23,6 @@ from .rows import RowPlaces, batch_bucket
 from .tokens import AGENT_ROWS, AUDIO_INITIAL, SILENCE_CODES, TEXT_PAD
 
 log = logging.getLogger(__name__)
-
-MAX_PERSONA_TOKENS = 512
-
 
 @dataclass
 class TickOutput:
@@ -36,33 +33,6 @@ class TickOutput:
     tokens: np.ndarray | None = None  # int64 [B, 17]: the emitted frame (text, agent, user codes)
     live: np.ndarray | None = None  # bool [B]: slots whose output is a real conversation frame
     rows: int | None = None  # the batch the tick stepped (its bucket); None: every slot
-
-
-_CONTROL = {c for c in range(32) if chr(c) not in "\n\t"} | set(range(127, 160))
-MAX_PERSONA_CHARS = 4000
-
-
-def persona_token_ids(tokenizer, persona: str, max_tokens: int = MAX_PERSONA_TOKENS) -> list[int]:
-    """Token ids of the persona's system prompt; raises a CallerError when it is unusable."""
-    if not isinstance(persona, str):
-        raise CallerError("the persona must be text")
-    if len(persona) > MAX_PERSONA_CHARS:
-        raise PersonaTooLongError(f"the persona is {len(persona)} characters long; the limit is "
-                                  f"{MAX_PERSONA_CHARS} characters ({max_tokens} tokens)")
-    try:
-        persona.encode("utf-8")
-    except UnicodeEncodeError as exc:  # a lone surrogate from JSON's \ud800: the tokenizer cannot take it
-        raise CallerError(f"the persona is not valid Unicode text ({exc.reason} at character {exc.start})") from None
-    persona = persona.replace("\r\n", "\n").replace("\r", "\n")
-    bad = sorted({f"U+{ord(c):04X}" for c in persona if ord(c) in _CONTROL})
-    if bad:
-        raise CallerError(f"the persona contains control characters ({', '.join(bad[:5])}); "
-                          "use plain text, newlines and tabs only")
-    ids = tokenizer.encode_persona(persona)
-    if len(ids) > max_tokens:
-        raise PersonaTooLongError(f"the persona is {len(ids)} tokens long with its <system> tags; the limit "
-                                  f"is {max_tokens} tokens")
-    return ids
 
 
 @dataclass

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling_params import SamplingParams
+from ..call_settings import SamplingParams
 from .core import CoreStep, LockstepCore
 from .prompt import PromptStep, VoiceTokens, prompt_steps, prompt_tokens
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from ..call_settings import SamplingParams
 from ..errors import CallerError
-from ..sampling_params import SamplingParams
 from ..serving.call import checked_audio
 from ..serving.config import PoolConfig
 from ..serving.headroom import WaitReason

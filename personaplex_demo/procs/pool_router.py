@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ..call_settings import SamplingParams
 from ..errors import CallerError
-from ..sampling_params import SamplingParams
 from ..serving.config import PoolConfig
 from ..serving.headroom import WaitReason
 from ..serving.metrics import PoolMetrics, TickListener

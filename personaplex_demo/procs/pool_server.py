@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from ..call_settings import SamplingParams
 from ..errors import CallerError
-from ..sampling_params import SamplingParams
 from ..serving.call import Call
 from ..serving.pool import SlotPool
 from ..serving.room import CallEnded, CallState, EndReason, PoolClosedError, PoolFullError

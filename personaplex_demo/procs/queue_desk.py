@@ -9,8 +9,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from ..call_settings import SamplingParams
 from ..errors import CallerError
-from ..sampling_params import SamplingParams
 from ..serving.headroom import WaitReason
 from ..serving.room import CallState, EndReason, PoolClosedError, PoolFullError
 from . import messages as msg

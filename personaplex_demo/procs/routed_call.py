@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..sampling_params import SamplingParams
+from ..call_settings import SamplingParams
 from ..serving.call import checked_audio
 from ..serving.headroom import WaitReason
 from ..serving.room import CallState, EndReason, PoolClosedError, PoolFullError, SlotOutput

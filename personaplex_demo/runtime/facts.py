@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..call_settings import SamplingParams, persona_token_ids
 from ..errors import UnknownVoiceError
-from ..sampling_params import SamplingParams
 
 
 class RuntimeFacts(Protocol):
@@ -39,8 +39,6 @@ class EngineFacts:
         self.tokenizer = TextTokenizer(Path(facts["tokenizer_path"]))
 
     def persona_tokens(self, persona: str) -> list[int]:
-        from ..engine.pcm import persona_token_ids
-
         return persona_token_ids(self.tokenizer, persona, self.max_persona_tokens)
 
     def validate_request(self, voice: str, persona: str, sampling: SamplingParams) -> None:

@@ -9,8 +9,8 @@ import logging
 
 import torch
 
+from ..call_settings import MAX_PERSONA_TOKENS
 from ..engine.core import VISIBLE_BUCKET, LockstepCore
-from ..engine.pcm import MAX_PERSONA_TOKENS
 from ..engine.tokens import SILENCE_FRAMES
 from ..frame import FRAME_SAMPLES
 from ..model.config import LMConfig

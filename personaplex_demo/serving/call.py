@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..call_settings import SamplingParams
 from ..errors import AudioFormatError
-from ..sampling_params import SamplingParams
 from .clock import Clock
 from .config import PoolConfig
 from .counters import CallCounters, PoolCounters

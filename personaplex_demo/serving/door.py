@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..call_settings import SamplingParams
 from ..errors import CallerError
-from ..sampling_params import SamplingParams
 from .headroom import WaitReason
 from .room import CallEnded, CallHandle, CallState, EndReason, PoolClosedError, PoolFullError, Room, SlotOutput
 

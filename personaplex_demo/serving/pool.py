@@ -11,7 +11,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from ..sampling_params import SamplingParams
+from ..call_settings import SamplingParams
 from .admission import Admission
 from .call import Call, CallContext
 from .clock import Clock, RealClock

@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from ..sampling_params import SamplingParams
+from ..call_settings import SamplingParams
 from .config import PoolConfig
 from .headroom import WaitReason
 from .metrics import PoolMetrics, TickListener

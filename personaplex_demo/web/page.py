@@ -15,13 +15,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from ..call_settings import SamplingParams
 from ..frame import AUDIO_CARD
 from ..rtc.ice import server_configuration
 from ..rtc.patches import answer_offers, bound_event_log
 from ..runtime.facts import RuntimeFacts
 from ..runtime.personas import load_presets
 from ..runtime.voice_names import DEFAULT_VOICE
-from ..sampling_params import SamplingParams
 from ..serving.room import Room
 from .call_figures import TRIP_PENDING
 from .deeplink import SEED_RANGE, LinkRules, NumberRule, add_deep_links, number_rule

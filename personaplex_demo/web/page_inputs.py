@@ -9,9 +9,9 @@ import secrets
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
+from ..call_settings import SamplingParams
 from ..errors import CallerError
 from ..runtime.voice_names import DEFAULT_VOICE
-from ..sampling_params import SamplingParams
 
 
 class PageInputs(NamedTuple):

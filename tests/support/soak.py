@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from personaplex_demo.call_settings import SamplingParams
 from personaplex_demo.errors import CallerError
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
-from personaplex_demo.sampling_params import SamplingParams
 from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.serving.room import CallEnded, CallState, PoolFullError
