@@ -32,9 +32,9 @@ def run(callers: int, seconds: float) -> tuple[float, float]:
         t += 0.04
         began = time.perf_counter()
         for d in detectors:
-            d.caller(mic, t)
+            d.caller.add(mic, t)
             if step % 2:
-                d.agent(agent, t)
+                d.agent.add(agent, t)
         middle = time.perf_counter()
         for d in detectors:
             d.check(t)

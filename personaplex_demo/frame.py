@@ -1,9 +1,5 @@
-"""The numbers every layer shares, defined once: the audio rate, the model's frame, the cards.
-
-PersonaPlex hears and speaks 24 kHz mono audio, 80 ms (1920 samples) at a time; its text
-tokenizer has 32000 pieces and each of Mimi's codebooks 2048 codes (docs/model.md). The card is
-also the id of the "initial" token that starts each stream, which is why it is one past the
-largest real id.
+"""The numbers every layer shares, defined once: the audio rate, the model's frame, the cards. A card
+is also the id of the "initial" token that starts each stream: one past the largest real id.
 """
 
 import math

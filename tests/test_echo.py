@@ -28,8 +28,8 @@ def run_call(mic: np.ndarray, agent: np.ndarray, seconds: float = 10.0) -> EchoD
     for i in range(int(seconds / 0.04)):
         now = 100.0 + (i + 1) * 0.04
         if i % 2 == 1:
-            detector.agent(agent[(i - 1) * CHUNK:(i + 1) * CHUNK], now)
-        detector.caller(mic[i * CHUNK:(i + 1) * CHUNK], now)
+            detector.agent.add(agent[(i - 1) * CHUNK:(i + 1) * CHUNK], now)
+        detector.caller.add(mic[i * CHUNK:(i + 1) * CHUNK], now)
         detector.check(now)
     return detector
 

@@ -13,16 +13,14 @@ import pytest
 from personaplex_demo.addresses import client_address
 from personaplex_demo.api import errors as codes
 from personaplex_demo.api.access import SocketLimiter, key_accepted, presented_key
-from personaplex_demo.api.audio_in import InputAudio, decode_pcm16
 from personaplex_demo.api.client_events import parse
 from personaplex_demo.api.config import ApiConfig
-from personaplex_demo.api.conversation import Conversation
+from personaplex_demo.api.conversation import Conversation, TurnTracker
 from personaplex_demo.api.errors import RealtimeError
-from personaplex_demo.api.feeder import Feeder
-from personaplex_demo.api.live_events import KNOWN as LIVE_EVENTS
-from personaplex_demo.api.live_events import start_settings
+from personaplex_demo.api.feeder import Feeder, InputAudio, decode_pcm16
+from personaplex_demo.api.live_socket import KNOWN as LIVE_EVENTS
+from personaplex_demo.api.live_socket import start_settings
 from personaplex_demo.api.session import Dialect, SessionSettings, apply_update, join_persona, session_object
-from personaplex_demo.api.turns import TurnTracker
 from personaplex_demo.errors import PersonaTooLongError
 from personaplex_demo.frame import FRAME_SAMPLES
 from personaplex_demo.runtime.voice_names import VOICE_NAMES

@@ -20,16 +20,12 @@ def presented_key(headers: Mapping[str, str], subprotocols: Sequence[str]) -> st
     scheme, _, token = auth.partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
-    for proto in subprotocols:
-        if proto.startswith(KEY_SUBPROTOCOL):
-            return proto[len(KEY_SUBPROTOCOL):]
-    return None
+    return next((proto.removeprefix(KEY_SUBPROTOCOL) for proto in subprotocols if proto.startswith(KEY_SUBPROTOCOL)),
+                None)
 
 
 def key_accepted(expected: str | None, presented: str | None) -> bool:
-    if expected is None:
-        return True
-    return presented is not None and hmac.compare_digest(expected.encode(), presented.encode())
+    return expected is None or (presented is not None and hmac.compare_digest(expected.encode(), presented.encode()))
 
 
 class SocketLimiter:

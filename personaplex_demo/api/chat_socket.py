@@ -1,8 +1,5 @@
 """One `/api/chat` WebSocket: NVIDIA's PersonaPlex server protocol, so that the reference server's
-clients (its web client, LiveKit's PersonaPlex plugin) call the room unchanged
-(docs/realtime.md § The PersonaPlex server protocol). The handshake goes out when the call is live,
-as the reference sends it once its prompt has run.
-"""
+clients call the room unchanged (docs/realtime.md § The PersonaPlex server protocol)."""
 
 from __future__ import annotations
 
@@ -20,10 +17,10 @@ from ..call_settings import SamplingParams
 from ..frame import SAMPLE_RATE
 from ..serving.room import CallHandle, Room, SlotOutput
 from . import errors as e
-from .audio_in import to_pcm16
 from .client_events import ClientEvent
 from .config import ApiConfig
 from .errors import RealtimeError
+from .feeder import to_pcm16
 from .session import PromptRules, SessionSettings, check_persona
 from .socket_base import INVALID_DATA, POLICY, UNSUPPORTED_DATA, ApiSocket, Refused
 from .socket_door import SocketDoor

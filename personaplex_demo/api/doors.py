@@ -1,7 +1,6 @@
-"""The API doors on the app's one port, beside the page (docs/api.md): one table of socket doors, each
-socket admitted before it is accepted (a refused client gets a plain HTTP answer and never reaches the
-room), then served here or by a media worker.
-"""
+"""The API doors on the app's one port: each socket is admitted before it is accepted (a refused client
+gets a plain HTTP answer), then served here or by a media worker
+(docs/design-notes.md § A table of doors and the phone door)."""
 
 from __future__ import annotations
 

@@ -1,35 +1,92 @@
-"""One GPT-Live WebSocket (`/v1/live/sessions`): `session.start` places the call, the client's audio
-streams in, and every agent frame streams out as it is made. What pipecat's and LiveKit's clients
-need of it, and why (`session.started` at once, non-speech frames as exact zeros, text only with
-audible audio, no `error` for what is merely unsupported): docs/realtime.md § GPT-Live.
-"""
+"""One GPT-Live WebSocket (`/v1/live/sessions`): `session.start` places the call, then audio streams
+both ways. What pipecat's and LiveKit's clients need of it, and why: docs/realtime.md § GPT-Live.
+`session.start` is read through the Realtime door's rules, so both doors judge a voice, a persona or a
+format alike."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import numpy as np
 from starlette.websockets import WebSocket
 
-from ..frame import FRAME_SECONDS
+from ..frame import FRAME_SECONDS, SAMPLE_RATE
 from ..serving.room import CallHandle, Room, SlotOutput
 from . import errors as e
-from .client_events import ClientEvent, field
+from .client_events import ClientEvent, field, typed
 from .config import ApiConfig
+from .conversation import is_speech
 from .errors import RealtimeError
-from .live_events import KNOWN, TEXT_APPENDS, answer, error_event, session_resource, start_settings
 from .server_events import event, pcm16_base64
-from .session import PromptRules, SessionSettings
+from .session import PromptRules, SessionSettings, apply_update, join_persona
 from .socket_base import ApiSocket
 from .socket_door import SocketDoor
 from .stats import DoorStats
-from .turns import is_speech
 
 log = logging.getLogger(__name__)
 
 USAGE_EVERY_FRAMES = 12  # session.usage.updated about once a second
 HOLD_TEXT_FRAMES = 12  # a transcript piece waits this long for audible audio, then is left out
+# The client events the door takes; what each does: docs/realtime.md § GPT-Live.
+KNOWN = ("session.start", "session.update", "session.input_audio.append", "session.input_audio.mute",
+         "session.input_audio.unmute", "session.commentary.append", "session.thinking.append",
+         "session.instructions.append", "response.item.create", "response.create", "session.close")
+TEXT_APPENDS = {"session.commentary.append": "session.commentary.appended",
+                "session.thinking.append": "session.thinking.appended",
+                "session.instructions.append": "session.instructions.appended"}
+# What a session.start may hold that this model has no use for: accepted, ignored, named back.
+IGNORED = ("model", "delegation", "store", "tools", "tool_choice", "context_management")
+PERSONA_ROLES = ("system", "developer")  # `input` messages that become part of the persona
+
+
+def _input_texts(items: Any, event_id: str | None) -> tuple[list[str], int]:
+    """The text of the `input` messages that join the persona, and how many others were ignored
+    (the model hears no text turns: user and assistant messages cannot be played into it)."""
+    if items is None:
+        return [], 0
+    if not isinstance(items, list):
+        raise RealtimeError(e.INVALID_FIELD, "session.input must be a list of messages", param="session.input",
+                            event_id=event_id)
+    texts, ignored = [], 0
+    for item in items:
+        if not isinstance(item, dict) or item.get("role") not in PERSONA_ROLES:
+            ignored += 1
+            continue
+        content = item.get("content")
+        parts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
+        texts += [part if isinstance(part, str) else str(part.get("text", "")) for part in parts
+                  if isinstance(part, str) or (isinstance(part, dict) and isinstance(part.get("text"), str))]
+    return [text for text in texts if text.strip()], ignored
+
+
+def start_settings(session: Any, rules: PromptRules, event_id: str | None) -> SessionSettings:
+    """The call's settings from a `session.start`'s session object, or RealtimeError."""
+    if not isinstance(session, dict):
+        raise RealtimeError(e.MISSING_FIELD, "session.start needs a \"session\" object", param="session",
+                            event_id=event_id)
+    audio = session.get("audio") if isinstance(session.get("audio"), dict) else {}
+    audio_out = audio.get("output") if isinstance(audio.get("output"), dict) else {}
+    voice = audio_out.get("voice")
+    voice = voice.get("id") if isinstance(voice, dict) else voice
+    texts, ignored_input = _input_texts(session.get("input"), event_id)
+    instructions = session.get("instructions")
+    if texts:
+        base = typed(instructions, str, "session.instructions", event_id) if instructions is not None else ""
+        instructions = join_persona(base, *texts)
+    # The Realtime API's (current) session shape, read by the same rules.
+    realtime = {"instructions": instructions, "personaplex": session.get("personaplex"),
+                "audio": {"input": {"format": audio.get("format")},
+                          "output": {"format": audio.get("format"), "voice": voice}}}
+    settings = apply_update(SessionSettings(), realtime, rules, started=False, event_id=event_id)
+    ignored = tuple(name for name in IGNORED if session.get(name) not in (None, [], "", {}))
+    return dataclasses.replace(settings, ignored=settings.ignored + ignored + (("input",) if ignored_input else ()))
+
+
+def answer(kind: str, ev: ClientEvent, **fields: Any) -> dict[str, Any]:
+    """A server event that answers client event `ev` (its id echoed as `client_event_id`)."""
+    return event(kind, client_event_id=ev.event_id, **fields)
 
 
 class LiveDoor(SocketDoor):
@@ -52,11 +109,19 @@ class LiveSocket(ApiSocket):
         self._held_since = 0
 
     def error_event(self, err: RealtimeError) -> dict[str, Any]:
-        return error_event(err)
+        return event("error", client_event_id=err.event_id,
+                     error={"type": err.kind, "code": err.code, "message": err.message, "param": err.param,
+                            "client_event_id": err.event_id})
 
     def _resource(self, status: str = "active") -> dict[str, Any]:
-        assert self.settings is not None
-        return session_resource(self.settings, self.session_id, self.config.model_name, status)
+        """The session as `session.started`, `session.updated` and `session.closed` show it."""
+        settings = self.settings
+        assert settings is not None
+        return {"id": self.session_id, "object": "live.session", "status": status, "model": self.config.model_name,
+                "instructions": settings.persona,
+                "audio": {"format": {"type": "audio/pcm", "rate": SAMPLE_RATE}, "output": {"voice": settings.voice}},
+                "delegation": None, "personaplex": {"ignored": list(settings.ignored),
+                                                    "room_events": settings.room_events}}
 
     async def handle(self, ev: ClientEvent) -> None:
         if ev.type == "session.start":

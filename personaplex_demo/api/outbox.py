@@ -1,10 +1,6 @@
-"""What waits to be sent to an API client, and how much of it the client has not read.
-
-A WebSocket send only waits once the kernel's send buffer is full, and Linux grows it to megabytes
-(a minute of agent audio) for a client that stopped reading. So the door counts the audio in its
-own queue and asks the kernel: /proc/net/tcp(6) lists each connection's `tx_queue`, bytes sent and
-not yet acknowledged (proc(5)). Elsewhere than Linux the door goes by its own queue alone.
-"""
+"""What waits to be sent to an API client, and how much of it the client has not read. Linux grows a
+socket's send buffer to megabytes for a client that stopped reading, so the door also asks the kernel:
+/proc/net/tcp(6) `tx_queue` (proc(5)). Elsewhere than Linux it goes by its own queue alone."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""One Realtime WebSocket (docs/realtime.md): the OpenAI Realtime protocol on an API socket.
-
-Agent frameworks configure a session in several events and stream audio from the start, while the
-voice and persona are played into the slot once: so the call starts at the first `response.create`,
-or once the client has changed nothing for `settle_seconds`. What the model cannot take later is
-kept without an `error`: both frameworks treat an error as fatal or log it as one.
-"""
+"""One Realtime WebSocket: the OpenAI Realtime protocol on an API socket (docs/realtime.md § Session).
+The voice and persona are played into the slot once, so the call starts at the first `response.create`
+or once the client has changed nothing for `settle_seconds`; later changes are kept without an `error`."""
 
 from __future__ import annotations
 
@@ -19,29 +15,25 @@ from ..serving.room import Room, SlotOutput
 from .access import BETA_SUBPROTOCOL
 from .client_events import ClientEvent, field
 from .config import ApiConfig
-from .conversation import Conversation
+from .conversation import Conversation, TurnTracker
 from .errors import RealtimeError
 from .server_events import event, new_id
 from .session import Dialect, PromptRules, SessionSettings, apply_update, check_persona, join_persona, session_object
 from .socket_base import ApiSocket
 from .socket_door import SocketDoor
 from .stats import DoorStats
-from .turns import TurnTracker
 
 log = logging.getLogger(__name__)
-
-
-def dialect_of(headers: Any, subprotocols: list[str]) -> Dialect:
-    """The beta event names for clients that ask for them (`OpenAI-Beta: realtime=v1`)."""
-    beta = "realtime=v1" in headers.get("openai-beta", "").replace(" ", "") or BETA_SUBPROTOCOL in subprotocols
-    return Dialect.BETA if beta else Dialect.CURRENT
 
 
 class RealtimeDoor(SocketDoor):
     kind, path, label = "realtime", "/v1/realtime", "Realtime API"
 
     def open(self, ws: WebSocket) -> tuple[str, ApiSocket]:
-        dialect = dialect_of(ws.headers, list(ws.scope.get("subprotocols") or []))
+        # The beta event names for clients that ask for them (`OpenAI-Beta: realtime=v1`).
+        beta = ("realtime=v1" in ws.headers.get("openai-beta", "").replace(" ", "")
+                or BETA_SUBPROTOCOL in (ws.scope.get("subprotocols") or []))
+        dialect = Dialect.BETA if beta else Dialect.CURRENT
         socket = RealtimeSocket(ws, self.doors.room, self.doors.rules, self.config, dialect, self.stats)
         return f"realtime ({dialect.value} events)", socket
 
@@ -146,11 +138,6 @@ class RealtimeSocket(ApiSocket):
                      self.session_id)
         self.send_all(events)
 
-    def _persona(self) -> str:
-        """The call's persona: the instructions (a reply's, else the session's), then the context's text."""
-        instructions = self._reply_instructions if self._reply_instructions is not None else self.settings.persona
-        return join_persona(instructions, *self._context)
-
     # ---- the call ------------------------------------------------------------------------------
 
     def _start_soon(self) -> None:
@@ -173,8 +160,11 @@ class RealtimeSocket(ApiSocket):
         if self.call is not None or self._starting or self.update_refused:
             return
         self._starting = True
+        # The persona: the instructions (a reply's, else the session's), then the context's text.
+        instructions = self._reply_instructions if self._reply_instructions is not None else self.settings.persona
         try:
-            await self.runner.start(self.settings.voice, self._persona(), self.settings.sampling, event_id)
+            await self.runner.start(self.settings.voice, join_persona(instructions, *self._context),
+                                    self.settings.sampling, event_id)
         finally:
             self._starting = False
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from .audio_in import to_pcm16
 from .errors import RealtimeError
+from .feeder import to_pcm16
 from .session import Dialect
 
 # Tokens the model reads and writes per 80 ms frame: 8 Mimi codebooks each way and one text

@@ -61,24 +61,27 @@ class SessionSettings:
         return self.voice, self.persona, self.sampling
 
 
-def _check_format(fmt: Any, where: str, event_id: str | None) -> None:
-    """Only 16-bit PCM at 24 kHz: the model's own rate, so nothing is resampled on the way."""
-    # None (unchanged), the beta shape, or the current one: {"type": "audio/pcm", "rate": 24000}
-    if not (fmt is None or fmt == "pcm16" or isinstance(fmt, dict) and fmt.get("type", "audio/pcm") == "audio/pcm"
-            and fmt.get("rate", SAMPLE_RATE) == SAMPLE_RATE):
-        raise RealtimeError(e.UNSUPPORTED_AUDIO_FORMAT, f"{where} {fmt!r} is not supported: this server takes and "
-                            f"sends 16-bit PCM, 24 kHz mono only (\"pcm16\", or {{\"type\": \"audio/pcm\", \"rate\": "
-                            f"{SAMPLE_RATE}}}); G.711 and other rates are refused", param=f"session.{where}",
-                            event_id=event_id)
-
-
-def _check_modalities(value: Any, where: str, event_id: str | None) -> None:
-    if value is None:
-        return
-    if not isinstance(value, list) or "audio" not in value:
-        raise RealtimeError(e.UNSUPPORTED_MODALITIES, f"session.{where} {value!r}: this model always speaks, so "
-                            "\"audio\" must be among them (its transcript comes with the audio)",
-                            param=f"session.{where}", event_id=event_id)
+def _check_audio(session: dict[str, Any], audio_in: dict[str, Any], audio_out: dict[str, Any],
+                 event_id: str | None) -> None:
+    """Only 16-bit PCM at 24 kHz (the model's own rate, so nothing is resampled on the way), and
+    "audio" among the output modalities."""
+    formats = {"input_audio_format": session.get("input_audio_format"),
+               "output_audio_format": session.get("output_audio_format"),
+               "audio.input.format": audio_in.get("format"), "audio.output.format": audio_out.get("format")}
+    for where, fmt in formats.items():
+        # None (unchanged), the beta shape, or the current one: {"type": "audio/pcm", "rate": 24000}
+        if not (fmt is None or fmt == "pcm16" or isinstance(fmt, dict) and fmt.get("type", "audio/pcm") == "audio/pcm"
+                and fmt.get("rate", SAMPLE_RATE) == SAMPLE_RATE):
+            raise RealtimeError(e.UNSUPPORTED_AUDIO_FORMAT, f"{where} {fmt!r} is not supported: this server takes and "
+                                f"sends 16-bit PCM, 24 kHz mono only (\"pcm16\", or {{\"type\": \"audio/pcm\", \"rate\": "
+                                f"{SAMPLE_RATE}}}); G.711 and other rates are refused", param=f"session.{where}",
+                                event_id=event_id)
+    for where in ("modalities", "output_modalities"):
+        value = session.get(where)
+        if value is not None and (not isinstance(value, list) or "audio" not in value):
+            raise RealtimeError(e.UNSUPPORTED_MODALITIES, f"session.{where} {value!r}: this model always speaks, so "
+                                "\"audio\" must be among them (its transcript comes with the audio)",
+                                param=f"session.{where}", event_id=event_id)
 
 
 def apply_update(current: SessionSettings, session: Any, rules: PromptRules, *, started: bool,
@@ -92,13 +95,7 @@ def apply_update(current: SessionSettings, session: Any, rules: PromptRules, *, 
     audio = _object(session, "audio", "session.audio", event_id)
     audio_in = _object(audio, "input", "session.audio.input", event_id)
     audio_out = _object(audio, "output", "session.audio.output", event_id)
-    _check_format(session.get("input_audio_format"), "input_audio_format", event_id)
-    _check_format(session.get("output_audio_format"), "output_audio_format", event_id)
-    _check_format(audio_in.get("format"), "audio.input.format", event_id)
-    _check_format(audio_out.get("format"), "audio.output.format", event_id)
-    _check_modalities(session.get("modalities"), "modalities", event_id)
-    _check_modalities(session.get("output_modalities"), "output_modalities", event_id)
-
+    _check_audio(session, audio_in, audio_out, event_id)
     voice, persona, _ = current.call_fields()
     given_voice = audio_out.get("voice", session.get("voice"))
     ignored_voice = isinstance(given_voice, str) and given_voice in OPENAI_VOICES

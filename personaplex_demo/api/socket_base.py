@@ -1,10 +1,6 @@
 """What every API socket does, whatever protocol it speaks: client events in, one call in the room,
-server events out, all on the server's event loop and none of it blocking it.
-
-A protocol subclass says how events are read (`parse`, `handle`) and written (`error_event`,
-`on_frame`, `on_ended`). The call is released when the socket closes for any reason, so a slot never
-outlives its socket.
-"""
+server events out, on the server's event loop. The call is released when the socket closes for any
+reason, so a slot never outlives its socket."""
 
 from __future__ import annotations
 

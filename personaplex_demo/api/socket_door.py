@@ -1,6 +1,5 @@
 """What the table of API doors (api/doors.py) knows of one door: its path and words, who may open
-it, what it checks before a socket is accepted, and the protocol that serves an accepted socket.
-"""
+it, what it checks before a socket is accepted, and the protocol that serves an accepted socket."""
 
 from __future__ import annotations
 
@@ -19,13 +18,12 @@ from .stats import DoorStats
 
 
 class Doors(Protocol):
-    """What a door uses of the table's keeper (api/doors.py ApiDoors)."""
+    """What a door uses of the table's keeper (api/doors.py ApiDoors, which imports the doors)."""
 
     room: Room
     rules: PromptRules
     config: ApiConfig
     limiter: SocketLimiter
-
 
 class SocketDoor:
     """One door of the table. Subclasses name it (`kind`, `path`, `label`) and open its sockets."""

@@ -1,7 +1,5 @@
-"""When the caller speaks (docs/realtime.md § Speech events): silero-vad on the audio the model hears.
-The model needs none of it, so it runs beside the call, never in the engine's tick nor on the event
-loop: one worker thread runs every socket's detector.
-"""
+"""When the caller speaks (docs/realtime.md § Speech events): silero-vad on the audio the model hears,
+in one worker thread for every socket, never in the engine's tick nor on the event loop."""
 
 from __future__ import annotations
 
@@ -104,7 +102,6 @@ class SpeechEvents:
         self._pending: list[np.ndarray] = []
         self._busy = False
         self._closed = not config.enabled
-        self._loop: asyncio.AbstractEventLoop | None = None
         self.skipped_frames = 0
 
     def hear(self, pcm: np.ndarray) -> None:
@@ -126,8 +123,7 @@ class SpeechEvents:
     def _submit(self) -> None:
         frames, self._pending = self._pending, []
         self._busy = True
-        self._loop = self._loop or asyncio.get_running_loop()
-        loop = self._loop
+        loop = asyncio.get_running_loop()
         future = worker().submit(self._detector.hear, frames)
 
         def back(done: Future) -> None:

@@ -1,10 +1,6 @@
-"""The phone door: Twilio Media Streams into the room, so that a phone number takes as many
-simultaneous callers as the room has slots (docs/phone.md § What happens on a call).
-
-A signed voice webhook is answered with TwiML that connects the call to a stream socket whose URL
-carries a one-time ticket: only a call that came through a signed webhook reaches a slot, and only
-once. The call's settings stay with the ticket (Twilio limits a stream's parameters).
-"""
+"""The phone door: Twilio Media Streams into the room (docs/phone.md § What happens on a call). Only
+a call that came through a signed webhook reaches a slot, and only once: its stream URL carries a
+one-time ticket, which also holds the call's settings (Twilio limits a stream's parameters)."""
 
 from __future__ import annotations
 
@@ -35,10 +31,10 @@ from ..runtime.personas import load_presets
 from ..runtime.voice_names import DEFAULT_VOICE
 from ..serving.room import CallState, Room, SlotOutput
 from . import errors as e
-from .audio_in import to_pcm16
 from .client_events import ClientEvent
 from .config import ApiConfig
 from .errors import RealtimeError
+from .feeder import to_pcm16
 from .session import check_persona
 from .socket_base import INVALID_DATA, POLICY, UNSUPPORTED_DATA, ApiSocket, Refused
 from .socket_door import Doors, SocketDoor, deny
@@ -170,9 +166,9 @@ class TwilioDoor(SocketDoor):
         scheme = "ws" if url.startswith("http:") else "wss"  # Twilio itself calls https and streams to wss
         stream = f"{scheme}://{urlsplit(url).netloc}{WEBHOOK_PATH}/stream/{self.tickets.issue(call)}"
         log.info("phone: call %s from %s connected to the room", form.get("CallSid", "?"), form.get("From", "?"))
-        names = {"voice": call.voice, **({"preset": request.query_params["preset"]}
-                                         if request.query_params.get("preset") else {})}
-        return Response(twiml_connect(stream, names), media_type="application/xml")
+        preset = request.query_params.get("preset")
+        return Response(twiml_connect(stream, {"voice": call.voice, **({"preset": preset} if preset else {})}),
+                        media_type="application/xml")
 
     def _refuse_signature(self, url: str, what: str, reason: str) -> Response:
         self.stats.refuse("signature")
@@ -185,10 +181,10 @@ class TwilioDoor(SocketDoor):
         voice = str(query.get("voice") or DEFAULT_VOICE).removesuffix(".pt")
         if voice not in rules.voice_names:
             raise RealtimeError(e.UNKNOWN_VOICE, f"unknown voice {voice!r}: one of {', '.join(rules.voice_names)}")
-        preset = query.get("preset")
-        if preset and preset not in load_presets():
-            raise RealtimeError(e.INVALID_FIELD, f"unknown preset {preset!r}: one of {', '.join(load_presets())}")
-        persona = load_presets()[preset] if preset else str(query.get("persona") or "")
+        preset, presets = query.get("preset"), load_presets()
+        if preset and preset not in presets:
+            raise RealtimeError(e.INVALID_FIELD, f"unknown preset {preset!r}: one of {', '.join(presets)}")
+        persona = presets[preset] if preset else str(query.get("persona") or "")
         check_persona(persona, rules, "the persona", "persona")
         return PhoneCall(voice, persona)
 

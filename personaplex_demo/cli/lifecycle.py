@@ -8,6 +8,7 @@ exits at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -83,10 +84,8 @@ def exit_now(code: int = 0) -> None:
     takes from 1 to over 20 s, past a supervisor's grace period, and has nothing left to do."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(code)
 
 

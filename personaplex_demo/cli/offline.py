@@ -1,11 +1,5 @@
 """One conversation from an audio file: the caller's audio goes in, the agent's audio and the
-transcript come out, as long as the input (docs/engine.md § System prompt and prefill).
-
-    personaplex-offline --input in.wav --output out.wav --transcript out.json \\
-        --voice NATF2 --persona "You enjoy having a good conversation."
-
-The input is anything soundfile reads or, failing that, FFmpeg decodes through PyAV, downmixed to
-mono 24 kHz and fed to slot 0 of a one-slot engine an 80 ms frame at a time.
+transcript come out, as long as the input (docs/transcripts.md § Offline CLI).
 
 Exit status: 0 on success, 2 for a bad input, voice, persona, sampling knob or output path,
 1 when the model cannot be loaded, 130 when interrupted.
@@ -128,9 +122,7 @@ def read_input(path: Path) -> np.ndarray:
 
 def _fit(x: np.ndarray, length: int) -> np.ndarray:
     """Trim `x`, or pad it with zeros, to exactly `length` samples."""
-    if len(x) >= length:
-        return x[:length]
-    return np.concatenate([x, np.zeros(length - len(x), dtype=x.dtype)])
+    return np.pad(x[:length], (0, max(0, length - len(x))))
 
 
 # ---- writing ------------------------------------------------------------------------------------
@@ -282,31 +274,24 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(text_temperature=args.temp_text, text_top_k=args.topk_text,
                               audio_temperature=args.temp_audio, audio_top_k=args.topk_audio,
                               seed=seed, greedy=args.greedy)
-    try:
-        sampling.validate()  # before loading a 17 GB model
-    except CallerError as exc:
-        raise OfflineError(str(exc)) from None
+    sampling.validate()  # before loading a 17 GB model
 
     def check_request(tokenizer: TextTokenizer, voices: VoiceCatalog) -> None:
         voices.check_name(args.voice)
         persona_token_ids(tokenizer, args.persona)
 
-    try:  # the voice and the persona are checked before the weights are fetched or loaded
-        cache_dir = Path(args.cache_dir) if args.cache_dir else None
-        runtime = build_runtime(RuntimeOptions(model=args.model, device=args.device, dtype=args.dtype,
-                                               weights=args.weights, slots=1,
-                                               hf_repo=args.hf_repo, cache_dir=cache_dir), check=check_request)
-    except CallerError as exc:
-        raise OfflineError(str(exc)) from None
+    # The voice and the persona are checked before the weights are fetched or loaded.
+    cache_dir = Path(args.cache_dir) if args.cache_dir else None
+    runtime = build_runtime(RuntimeOptions(model=args.model, device=args.device, dtype=args.dtype, weights=args.weights,
+                                           slots=1, hf_repo=args.hf_repo, cache_dir=cache_dir), check=check_request)
     if runtime.banner:  # a warning when "auto" fell back to the tiny model, a note when it was asked for
         log.log(logging.INFO if args.model == "tiny" else logging.WARNING, "%s", runtime.banner)
-    engine = runtime.engine
     if (args.seed is None or args.seed == -1) and not args.greedy:
         log.info("seed %d (pass --seed %d to repeat this run)", seed, seed)
 
     t0 = time.monotonic()
     progress = not args.quiet and sys.stderr.isatty()
-    conv = converse(engine, pcm, args.voice, args.persona, sampling, progress=progress)
+    conv = converse(runtime.engine, pcm, args.voice, args.persona, sampling, progress=progress)
     took = time.monotonic() - t0
 
     write_wav(args.output, conv.pcm)
@@ -315,8 +300,7 @@ def run(args: argparse.Namespace) -> int:
                                                     sampling, duration))
     written = f"{args.output}" + (f" and {args.transcript}" if args.transcript else "")
     log.info("wrote %s: %.2f s of audio, %d words, in %.1f s (%.2fx real time, %.1f s in all)", written,
-             duration, len(conv.text.split()), took, duration / max(took, 1e-9),
-             time.monotonic() - started)
+             duration, len(conv.text.split()), took, duration / max(took, 1e-9), time.monotonic() - started)
     return EXIT_OK
 
 
@@ -325,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(args.quiet)
     try:
         return run(args)
-    except OfflineError as exc:
+    except (OfflineError, CallerError) as exc:  # what the user can fix: one line
         log.error("%s", exc)
         return EXIT_USAGE
     except CheckpointError as exc:

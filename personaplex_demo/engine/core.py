@@ -1,9 +1,6 @@
-"""Batched lockstep over the LM: B conversations stepped together on tokens, one 80 ms frame
-per tick, with no host sync (docs/engine.md § The tick).
-
-Every row keeps its own offset `local`: its staging column, RoPE position and KV ring index
-count only its own steps, so a recycled row is exactly a fresh session. A tick steps the first n
-rows, n one of `buckets` (docs/engine.md § Ticks sized by the live calls).
+"""Batched lockstep over the LM: B conversations stepped together on tokens, one 80 ms frame per tick,
+with no host sync (docs/engine.md § The tick). Every row counts only its own steps, so a recycled row is
+exactly a fresh session; a tick steps the first n rows, n one of `buckets`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """CUDA graphs for the per-tick hot path, with a per-key eager fallback (docs/engine.md § CUDA graphs).
 
-Contract of the wrapped function: it takes tensors only, keeps every state tensor in place (a
-graph replays into the addresses it captured), changes no Python-side state (that runs once, at
-capture) and makes no host sync (which capture forbids).
-
-Keys: the caller names the graph with a hashable `key` (plus the inputs' shapes, dtypes and device)
-and bounds its key set itself. The first call for a key runs eagerly (warm-up: allocator, cuBLAS
-handles, lazy init); the second captures and replays; capture runs no kernels, so every call
-advances the state exactly once. A key whose capture fails runs eagerly from then on.
+The wrapped function takes tensors only, keeps every state tensor in place (a graph replays into the
+addresses it captured), changes no Python-side state (that runs once, at capture) and makes no host
+sync. The first call for a key runs eagerly (warm-up), the second captures (no kernel runs) and
+replays, so every call advances the state exactly once. The caller bounds its set of keys.
 """
 
 from __future__ import annotations
@@ -122,12 +118,8 @@ class CudaGraphed:
         return self.fn(*inputs) if cap is None else self._replay(cap, inputs)
 
     def capture(self, *inputs: torch.Tensor, key: Hashable = ()) -> object:
-        """Capture the graph of `key` now, so that the first `__call__` for it replays.
-
-        Makes exactly one call of `fn`'s worth of state change, like `__call__`, and returns its
-        output (a new key: its eager warm-up's). Nothing is restored: an engine that captures at
-        start-up must do it before any row is live.
-        """
+        """Capture the graph of `key` now, so that the first `__call__` for it replays. Changes the
+        state as one call does and returns its output: an engine captures before any row is live."""
         full = self._graph_key(inputs, key)
         if full is None or full in self._graphs or full in self._seen:
             return self(*inputs, key=key)

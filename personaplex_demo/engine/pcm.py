@@ -41,11 +41,8 @@ class EngineStats:
 
 
 class LockstepEngine:
-    """B conversations of PCM in, PCM and transcript out, one 80 ms frame per `step`.
-
-    Only the engine thread may call `start_session`, `end_session` and `step`;
-    `validate_request` and `persona_tokens` are safe from any thread.
-    """
+    """B conversations of PCM in, PCM and transcript out, one 80 ms frame per `step`. Only the engine
+    thread may call `start_session`, `end_session` and `step`; the request checks are thread-safe."""
 
     frame_size = FRAME_SAMPLES
     sample_rate = SAMPLE_RATE

@@ -1,9 +1,6 @@
 """Per-row sampling for a batch: temperature, top-k, greedy and a seed per conversation
-(docs/engine.md § Sampling).
-
-The reference draws from one global generator, so a caller's tokens would depend on who else is
-in the batch. Here each draw is a pure function of (row seed, row tick, stream, token id): a
-counter-based hash, batched, device independent and reproducible per call.
+(docs/engine.md § Sampling). Each draw is a pure function of (row seed, row tick, stream, token id),
+so a caller's tokens do not depend on who else is in the batch (docs/design-notes.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The token staging ring: where each row's 17 token streams wait out their delays
-(docs/engine.md § Staging ring and delays).
-
-Every row has its own offset `local`; row k of a frame provided at offset o goes to column
-(o + delay[k]) % CT, the model reads column local - 1 and writes column local.
+"""The token staging ring: where each row's 17 token streams wait out their delays (docs/engine.md §
+Staging ring and delays). Row k of a frame provided at a row's offset o goes to column (o + delay[k]) % CT.
 """
 
 from __future__ import annotations

@@ -72,9 +72,8 @@ def load_checkpoint(module: nn.Module, path: Path | str, dtype: torch.dtype, dev
             found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
             check_keys(found, expected, path)
             state, scales = {}, {}
-            # With int8 every tensor is read once and converted: plain reads, so that the file's
-            # pages do not stay mapped into the process beside the int8 copies (peak memory near
-            # the int8 size); otherwise the tensors stay views of the mapped file, read in on use.
+            # With int8, plain reads: the file's pages do not stay mapped beside the int8 copies (peak
+            # memory near the int8 size); otherwise the tensors stay views of the mapped file.
             streamed = int8 is not None
             tensors = read_tensors(path, list(expected)) if streamed else ((k, f.get_tensor(k)) for k in expected)
             for key, t in tensors:

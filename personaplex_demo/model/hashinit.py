@@ -34,11 +34,8 @@ def fmix32(h: np.ndarray | np.uint64) -> np.ndarray:
 
 
 def hash_u32(key: str, seed: int, n: int, start: int = 0) -> np.ndarray:
-    """Hashes (uint32) of element indices start..start+n-1 for one tensor key.
-
-    uint32 arrays wrap on multiplication, which is exactly the recipe's "mod 2**32"; done in
-    place, this is several times faster than the uint64 reference form (a full-size checkpoint
-    is 8.4 billion elements)."""
+    """Hashes (uint32) of element indices start..start+n-1 for one tensor key. uint32 arrays wrap on
+    multiplication, the recipe's "mod 2**32": in place, several times faster than the uint64 form."""
     c = np.uint32(int(fmix32(np.uint64(zlib.crc32(key.encode("utf-8"))) ^ fmix32(np.uint64(seed)))))
     h = np.arange(start, start + n, dtype=np.uint32)
     h *= np.uint32(0x9E3779B1)

@@ -1,9 +1,6 @@
-"""Weight-only int8 for the LM's transformer layers (docs/model.md § Int8 weights).
-
-gpt-fast's recipe: one scale per output row, x @ (q * scale).T computed as
-`F.linear(x, q.to(x.dtype)) * scale`. Written out here because the depformer slices its attention
-weights per step (`Attention`'s views), which a library's quantized tensor types do not offer
-(docs/design-notes.md § Int8 weights). Which keys: `model.config.quantized_key`.
+"""Weight-only int8 for the LM's transformer layers (docs/model.md § Int8 weights): gpt-fast's recipe,
+one scale per output row. Written out because the depformer slices its attention weights per step,
+which a library's quantized tensor types do not offer. Which keys: `model.config.quantized_key`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""Native streaming Mimi codec: 24 kHz PCM <-> 12.5 Hz frames of 8 RVQ codes (docs/model.md § Mimi).
-
-Streaming state is explicit, with a leading batch dimension, so any subset of rows can be reset
-(docs/engine.md § Ticks sized by the live calls). Module names reproduce the official checkpoint's
-318 keys; the numerics follow the reference's operation order (docs/model.md § The ring rule).
-
-Per frame:
-    encode  pcm [B, 1, 1920] -> SEANet encoder [B, D, 2] (25 Hz) -> transformer -> downsample
-            [B, D, 1] (12.5 Hz) -> split RVQ -> codes [B, 8]
-    decode  codes [B, 8] -> RVQ lookup [B, D, 1] -> upsample [B, D, 2] -> transformer
-            -> SEANet decoder -> pcm [B, 1920]
+"""Native streaming Mimi codec: 24 kHz PCM <-> 12.5 Hz frames of 8 RVQ codes, per frame as drawn in
+docs/model.md § Mimi. Streaming state has a leading batch dimension, so any rows can be reset; module
+names reproduce the official checkpoint's 318 keys, and the numerics the reference's operation order.
 """
 
 from __future__ import annotations

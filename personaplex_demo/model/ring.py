@@ -54,11 +54,8 @@ def prefill_mask(length: int, capacity: int, context: int, device: torch.device 
 
 
 def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """A boolean attention mask as the additive one (0 where seen, -inf elsewhere) that
-    `scaled_dot_product_attention` would otherwise build from it in every layer's call.
-
-    Its rows are laid out 16 elements apart: CUDA's memory-efficient attention copies a mask
-    whose strides are not multiples of 16 into one that is, in every call."""
+    """A boolean attention mask as the additive one (0 where seen, -inf elsewhere), built once rather
+    than in every layer's call; rows 16 elements apart, or CUDA's memory-efficient attention copies it."""
     *lead, slots = mask.shape
     rows = torch.zeros(*lead, -(-slots // 16) * 16, dtype=dtype, device=mask.device)
     return rows[..., :slots].masked_fill_(~mask, float("-inf"))

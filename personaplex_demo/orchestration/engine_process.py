@@ -114,8 +114,7 @@ class EngineProcesses:
     def start(self) -> EngineProcesses:
         for spec in self.specs:
             inbox = Inbox()
-            self._children.append(Child(spec.name, run_engine, spec, spec.log_level).start(inbox.on_batch,
-                                                                                           inbox.on_close))
+            self._children.append(Child(spec.name, run_engine, spec, spec.log_level).start(inbox.on_batch, inbox.on_close))
             self._inboxes.append(inbox)
         return self
 

@@ -5,7 +5,6 @@ workers' error events come back here, so the door's figures count every socket w
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 from collections.abc import Callable
@@ -54,17 +53,13 @@ class HandedSockets:
         self._handed[number] = (worker, kind, address)
         return True
 
-    def from_thread(self, loop: asyncio.AbstractEventLoop, reports: list[msg.SocketError | msg.SocketClosed]) -> None:
-        """A worker's channel thread: its sockets' error events, and their closes for `loop`."""
-        closed = []
-        for report in reports:
-            match report:
-                case msg.SocketError(kind=kind, code=code) if self._door is not None:
-                    self._door.stats_by_kind[kind].error(code)
-                case msg.SocketClosed(handoff=number):
-                    closed.append(number)
-        if closed:
-            loop.call_soon_threadsafe(lambda: [self._closed(n) for n in closed])
+    def receive(self, report: msg.SocketError | msg.SocketClosed) -> None:
+        """A worker's word on a socket it serves: an error event it sent (for the door's counts), or its close."""
+        match report:
+            case msg.SocketError(kind=kind, code=code) if self._door is not None:
+                self._door.stats_by_kind[kind].error(code)
+            case msg.SocketClosed(handoff=number):
+                self._closed(number)
 
     def worker_gone(self, worker) -> None:
         """On the sockets' loop: `worker` stopped, and its sockets' connections with it."""

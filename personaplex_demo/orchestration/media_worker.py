@@ -1,14 +1,11 @@
-"""A media worker process: the WebRTC peers of some callers and their CallHandlers, no torch.
-
-The main process hands it each call's offer; its answer carries this process's own ICE candidates,
-so the browser's media comes straight here. The handlers reach the engines through a `DeskRoom`;
-who is seated where stays the main process's decision (queue_desk.py). The messages: procs/messages.py
-(docs/processes.md § How they talk).
-"""
+"""A media worker process: the WebRTC peers of some callers and their CallHandlers, no torch. Its answer to
+an offer carries its own ICE candidates, so the browser's media comes straight here; the handlers reach the
+engines through a `DeskRoom` (docs/processes.md § How they talk)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -33,7 +30,7 @@ from ..procs import messages as msg
 from ..procs.channel import Channel
 from ..procs.desk_room import DeskRoom
 from ..procs.engine_link import EngineLink
-from ..procs.links import Address, between_machines
+from ..procs.links import Address
 from ..procs.pool_router import UnreachableEngine
 from ..procs.socket_handoff import WorkerSockets
 from ..procs.watchdog import SilenceWatchdog
@@ -63,9 +60,9 @@ class WorkerSpec:
 
     @property
     def watch_silence(self) -> bool:
-        """Engines on other machines: give up on one gone silent, link to it again when it answers
-        (procs/watchdog.py)."""
-        return any(between_machines(a) for a in self.engines)
+        """Engines on other machines (a TCP address) may go silent or away: give up on one gone silent
+        (procs/watchdog.py), link to it again when it answers."""
+        return any(not isinstance(a, str) for a in self.engines)
 
 
 class ReportedStats(DoorStats):
@@ -109,13 +106,6 @@ class MediaHost(WebRTCConnectionMixin):
         if known:
             self._send(msg.Closed(webrtc_id, self.event_handler.final_updates.pop(webrtc_id)))
         return connection
-
-
-def _answer(result: Any) -> msg.OfferAnswer:
-    """fastrtc's answer to an offer, as plain data: a JSONResponse (a refusal) keeps its status code."""
-    if isinstance(result, JSONResponse):
-        return msg.OfferAnswer(json.loads(bytes(result.body)), result.status_code)
-    return msg.OfferAnswer(result, None)
 
 
 def _connect(spec: WorkerSpec) -> list[EngineLink | UnreachableEngine]:
@@ -211,10 +201,8 @@ class WorkerLoop:
         self.loop.call_soon_threadsafe(self.dispatch, batch)
 
     def on_close(self) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is already gone
             self.loop.call_soon_threadsafe(self.stopped.set)
-        except RuntimeError:
-            pass  # the loop is already gone
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -245,7 +233,9 @@ class WorkerLoop:
     async def answer_offer(self, rid: int, body: dict[str, Any]) -> None:
         try:
             result = await self.host.handle_offer(body, self.host.outputs_to_main(str(body.get("webrtc_id"))))
-            answer = _answer(result)
+            # A refusal is a JSONResponse: it keeps its status code.
+            answer = (msg.OfferAnswer(json.loads(bytes(result.body)), result.status_code)
+                      if isinstance(result, JSONResponse) else msg.OfferAnswer(result, None))
         except Exception as exc:
             log.exception("media worker %d: the offer for %s failed", self.spec.index, body.get("webrtc_id"))
             answer = msg.OfferAnswer({"status": "failed", "meta": {"error": f"{type(exc).__name__}: {exc}"}}, 200)
@@ -290,7 +280,4 @@ async def serve(spec: WorkerSpec, control: Connection) -> None:
 def run_worker(spec: WorkerSpec, control: Connection) -> None:
     """The worker process's entry point (after `launcher`'s preamble)."""
     apply_media_settings()
-    try:
-        asyncio.run(serve(spec, control))
-    except KeyboardInterrupt:
-        pass
+    asyncio.run(serve(spec, control))

@@ -1,8 +1,6 @@
-"""The main process's side of the media workers (`--media-workers N`): spawn them, restart one that
-dies, route their messages to the page (page_relay.py), the queue (queue_desk.py) and the API sockets
-(handed_sockets.py), and find a finished call's recording. The page and the one public port stay
-here; a worker that dies takes only its own calls with it (their pages are told why).
-"""
+"""The main process's side of the media workers (`--media-workers N`): spawn them, restart one that dies
+(it takes only its own calls with it), route their messages to the page (page_relay.py), the queue
+(queue_desk.py) and the API sockets (handed_sockets.py), and find a finished call's recording."""
 
 from __future__ import annotations
 
@@ -21,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from ..procs import messages as msg
-from ..procs import socket_handoff
 from ..procs.launcher import Child, stop_children
 from ..procs.pool_router import PoolRouter
 from ..procs.queue_desk import QueueDesk
@@ -96,7 +93,8 @@ class MediaWorkers:
 
     def _spawn(self, index: int) -> _Worker:
         generation = next(self._generations)
-        ours, theirs = socket_handoff.handoff_pair() if self._spec.api is not None else (None, None)
+        # The API sockets' connections come over it (socket_handoff.py), one message each.
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) if self._spec.api else (None, None)
         spec = replace(self._spec, index=index, handoff=theirs,
                        recordings_dir=str(self.root / f"worker-{index}-{generation}"))
         worker = _Worker(index, generation, Child(f"media-worker-{index}", run_worker, spec, spec.log_level))
@@ -170,10 +168,8 @@ class MediaWorkers:
             worker.pending.pop(rid, None)
 
     def _on_batch(self, worker: _Worker, batch: list[msg.WorkerReport]) -> None:
-        """A worker's reader thread: replies and readiness here, page updates to the page's loop."""
-        page: list[msg.Outputs | msg.Closed] = []
-        desk: list[msg.Admit | msg.Placed | msg.Leave] = []
-        sockets: list[msg.SocketError | msg.SocketClosed] = []
+        """A worker's reader thread: replies and readiness here, the rest on the web server's loop."""
+        rest = []
         for message in batch:
             match message:
                 case msg.Reply(rid=rid, value=value):
@@ -185,20 +181,23 @@ class MediaWorkers:
                     if torch_imported:
                         log.warning("media worker %d imported torch: it should not need it", worker.index)
                     worker.ready.set()
+                case _:
+                    rest.append(message)
+        # The rest concerns calls and sockets that came through that loop (`on_loop`); closed: the page has stopped.
+        if rest and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._receive, worker, rest)
+
+    def _receive(self, worker: _Worker, messages: list[msg.WorkerReport]) -> None:
+        for message in messages:
+            match message:
                 case msg.Outputs() | msg.Closed():
-                    page.append(message)
-                case msg.Admit() | msg.Placed() | msg.Leave():
-                    desk.append(message)
+                    self.page.mirror(message)
+                case msg.Admit() | msg.Placed() | msg.Leave() if self.desk is not None:
+                    self.desk.receive(worker.generation, message)
                 case msg.SocketError() | msg.SocketClosed():
-                    sockets.append(message)
+                    self.sockets.receive(message)
                 case _:
                     log.warning("media worker %d: unexpected %s ignored", worker.index, type(message).__name__)
-        if page and self._loop is not None and not self._loop.is_closed():  # closed: the page has stopped
-            self._loop.call_soon_threadsafe(self.page.mirror, page)
-        if desk and self.desk is not None:
-            self.desk.from_thread(self._loop, worker.generation, desk)
-        if sockets and self._loop is not None and not self._loop.is_closed():
-            self.sockets.from_thread(self._loop, sockets)
 
     def _on_gone(self, worker: _Worker) -> None:
         """A worker's channel closed: it stopped (or we are closing)."""

@@ -1,11 +1,9 @@
 """`PageRelay`: the page's WebRTC component with its calls carried by the media workers. Its offers,
 trickled candidates and inputs go to the worker that owns the call (a new call to the least loaded);
-each worker's page updates are mirrored into the component's own tables. Runs on the web server's loop.
-"""
+each worker's page updates are mirrored into the component's own tables. Runs on the web server's loop."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -14,8 +12,6 @@ from fastrtc import AdditionalOutputs
 from ..procs import messages as msg
 from ..rtc import candidates
 from ..rtc.patches import route_offers
-
-log = logging.getLogger(__name__)
 
 OFFER_TIMEOUT = 30.0
 WORKER_LOST = ("Call ended: the server's media process for this call stopped. Please press Record to "
@@ -98,19 +94,16 @@ class PageRelay:
         if outputs is not None:
             outputs.quit.set()
 
-    def mirror(self, messages: list[msg.Outputs | msg.Closed]) -> None:
-        """A worker's page updates and closed connections."""
-        for message in messages:
-            if message.webrtc_id not in self._owner:
-                continue
-            match message:
-                case msg.Outputs(webrtc_id=webrtc_id, args=args):
-                    self._last_update[webrtc_id] = args
-                    self.rtc.additional_outputs[webrtc_id].queue.put_nowait(AdditionalOutputs(*args))
-                case msg.Closed(webrtc_id=webrtc_id, final=final):
-                    if final is not None:
-                        self.rtc.event_handler.final_updates.put(webrtc_id, final)
-                    self._disown(webrtc_id)
+    def mirror(self, message: msg.Outputs | msg.Closed) -> None:
+        """A worker's page update, or a connection it closed."""
+        match message:
+            case msg.Outputs(webrtc_id=webrtc_id, args=args) if webrtc_id in self._owner:
+                self._last_update[webrtc_id] = args
+                self.rtc.additional_outputs[webrtc_id].queue.put_nowait(AdditionalOutputs(*args))
+            case msg.Closed(webrtc_id=webrtc_id, final=final) if webrtc_id in self._owner:
+                if final is not None:
+                    self.rtc.event_handler.final_updates.put(webrtc_id, final)
+                self._disown(webrtc_id)
 
     def worker_gone(self, worker) -> None:
         """`worker` stopped: its calls' pages are told why."""

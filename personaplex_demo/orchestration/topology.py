@@ -52,10 +52,9 @@ def resolve_devices(devices: str | None, device: str) -> list[str]:
 
 
 def default_media_workers(devices: list[str], slots_total: int) -> int:
-    """How many processes carry the callers' media when `--media-workers` is not given: in a worker a
-    caller's packets never wait behind the page's HTTP work. On a CUDA host one per spare core (two stay
-    with the page and the engine); on a CPU, whose engine needs the cores, one per four cores and at
-    least one; never more than slots, and none on a single core, where the processes would only take turns."""
+    """How many processes carry the callers' media without `--media-workers` (in a worker, packets never wait
+    behind the page's HTTP work): on a CUDA host one per spare core (two stay with the page and the engine);
+    on a CPU, whose engine needs the cores, one per four; never more than slots, none on a single core."""
     cores = os.cpu_count() or 1
     cuda = any(d.startswith("cuda") for d in devices)
     if not cuda and "auto" in devices:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import logging
 from collections.abc import Callable
 
 from ..errors import CallerError
@@ -19,8 +18,6 @@ from . import messages as msg
 from .engine_link import START_TIMEOUT, EngineLink, refusal
 from .pool_router import EngineSet, UnreachableEngine
 from .routed_call import RoutedCall
-
-log = logging.getLogger(__name__)
 
 ANSWER_SECONDS = START_TIMEOUT + 5.0  # per engine the room may offer a seat on (queue_desk.GRANT_TIMEOUT)
 

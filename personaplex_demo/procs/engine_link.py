@@ -1,8 +1,6 @@
-"""The link to an engine in another process, as a `Room` (serving/room.py): `EngineLink` is one engine's
-SlotPool over one `channel.Channel` (served by `pool_server.PoolServer`, on this machine or another),
-`RemoteCall` a call on it, a `CallHandle`. Everything an EngineLink and its calls do after the first
-`acquire` happens on that call's event loop: use one loop per client.
-"""
+"""An engine in another process as a `Room`: `EngineLink` over a `channel.Channel` to its `PoolServer`, and
+`RemoteCall`, a call on it. After the first `acquire` everything happens on that call's event loop: use one
+loop per client."""
 
 from __future__ import annotations
 

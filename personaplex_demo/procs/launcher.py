@@ -1,10 +1,7 @@
-"""The app's child processes (engine processes, media workers): spawn one, talk to it, stop it.
-
-Each is spawned (a fresh interpreter: no CUDA state, no threads, no torch in a media worker) as a daemon,
-with a socket pair wrapped in a `Channel` on both sides, so that either side's death is an EOF to the
-other. A child ignores SIGTERM and SIGINT: a signal to the whole process group would otherwise kill it
-first and look like a crash; the main process stops its children itself, in order (docs/processes.md § How they stop).
-"""
+"""The app's child processes, spawned (a fresh interpreter: no CUDA state, no torch in a media worker) as
+daemons with a `Channel` over a socket pair, so either side's death is an EOF to the other. A child ignores
+SIGTERM and SIGINT (a signal to the process group would kill it first, like a crash): the main process stops
+its children itself, in order (docs/processes.md § How they stop)."""
 
 from __future__ import annotations
 

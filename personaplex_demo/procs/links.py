@@ -1,10 +1,6 @@
-"""Opening a link to an engine's `PoolServer`, and accepting one there, with a time limit.
-
-`multiprocessing.connection.Client` and `Listener.accept` run the authkey handshake without a limit: on
-TCP, a peer lost in the middle (a network flap, a half-open connection, a port scan) would hold the
-server's accept thread, or the client, for good. Here the same handshake (`deliver_challenge`,
-`answer_challenge`) runs with a socket time limit on every read and write, lifted once the link is up.
-"""
+"""Links to an engine's `PoolServer`. `multiprocessing.connection`'s `Client` and `Listener.accept` run the
+authkey handshake without a time limit: a TCP peer lost midway (a network flap, a port scan) would hold the
+server's accept thread, or the client, for good. Here it runs with one on every read and write."""
 
 from __future__ import annotations
 
@@ -18,11 +14,6 @@ from .channel import socket_of
 
 HANDSHAKE_SECONDS = 5.0  # to connect, authenticate and get the first message
 Address = str | tuple[str, int]  # an AF_UNIX socket's path, or a TCP (host, port) between machines
-
-
-def between_machines(address: Address) -> bool:
-    """A TCP link: its engine's machine may go silent or away (and come back at a new address)."""
-    return not isinstance(address, str)
 
 
 def no_delay(conn: Connection) -> None:

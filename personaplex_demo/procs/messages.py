@@ -1,12 +1,7 @@
-"""Every message that crosses a process boundary of this app, as a small typed record.
-
-Who sends which, over which `channel.Channel`: docs/processes.md § How they talk. A receiver matches on the
-type, never on a position. The records hold plain values and numpy arrays only, so that either side can be
-another version of this code, or another machine, without sharing any class but these. `rid` names a call
-(or a request) and is chosen by the side that starts it. Frozen dataclasses with slots: cheap to build and
-to pickle (a `Push` and an `Out` go by for every caller 12.5 times a second), and a typo in a field name
-fails at once.
-"""
+"""Every message that crosses a process boundary, as a frozen slotted record (docs/processes.md § How they talk):
+plain values and numpy arrays only, so either side may be another version or another machine; cheap to pickle (a
+`Push` and an `Out` go by for every caller 12.5 times a second). `rid` names a call or request, chosen by the
+side that starts it; a receiver matches on the type."""
 
 from __future__ import annotations
 

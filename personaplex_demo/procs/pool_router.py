@@ -1,8 +1,6 @@
-"""Several engines' slot pools as one `Room` (`PoolRouter`): placement across them, and the room's one
-queue. There is one router per app, in the main process: the callers of every door and every media worker
-(queue_desk.py) wait in its queue, first come, first served; only control passes through it (once seated,
-a caller's frames go straight between its process and its engine). docs/processes.md, "One room, one queue".
-"""
+"""Several engines' slot pools as one `Room` (`PoolRouter`), one per app in the main process: every door's
+and media worker's caller waits in its one queue, first come, first served; only control passes through it
+(docs/processes.md, "One room, one queue")."""
 
 from __future__ import annotations
 

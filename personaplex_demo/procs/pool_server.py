@@ -1,9 +1,6 @@
-"""Serves one SlotPool to other processes: the engine side of `engine_link.EngineLink`.
-
-Each client process gets one `channel.Channel`. Its frames go straight into the pool from the reader
-thread (`Call.push_audio` is thread-safe and never blocks); one event loop in a thread of its own sends
-each call's outputs and state changes back. A client that goes away has all its calls released.
-"""
+"""One SlotPool served to other processes (the engine side of `EngineLink`): a client's frames go straight into
+the pool from its channel's reader thread (`Call.push_audio` never blocks); one event loop in a thread of its
+own sends each call's outputs and state changes back."""
 
 from __future__ import annotations
 
@@ -155,7 +152,6 @@ class PoolServer:
         self._numbers = itertools.count(1)
         # Every tick's time and frame latencies, for the clients' own listeners (their /metrics).
         self._samples: list[tuple[float, list[float]]] = []
-        self._samples_lock = threading.Lock()
         pool.add_tick_listener(self._on_tick)
         self.loop = asyncio.new_event_loop()
         self._loop_thread, self._accept_thread = daemon_threads((self._run_loop, f"{name}-relay"),
@@ -244,7 +240,7 @@ class PoolServer:
             self.loop.close()
 
     def _on_tick(self, tick_seconds: float, latencies: list[float]) -> None:
-        with self._samples_lock:
+        with self._lock:
             if len(self._samples) < MAX_SAMPLES:  # nobody collects them when no client is connected
                 self._samples.append((tick_seconds, latencies))
 
@@ -253,7 +249,6 @@ class PoolServer:
             await asyncio.sleep(self.figures_seconds)
             with self._lock:
                 clients = list(self._clients)
-            with self._samples_lock:
                 samples, self._samples = self._samples, []
             if clients:
                 figures = msg.PoolFigures(self.pool.snapshot().as_dict(), samples)

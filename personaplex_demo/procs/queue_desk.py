@@ -75,18 +75,6 @@ class QueueDesk:
         self._tasks: set[asyncio.Task] = set()
         self._gone: set[int] = set()  # workers that stopped: nobody answers for their callers
 
-    def from_thread(self, loop: asyncio.AbstractEventLoop | None, worker: int, messages: list[DeskMessage]) -> None:
-        """A worker's messages from its channel's reader thread, handed to the router's `loop`."""
-        if loop is None:  # a worker's caller always comes after its offer went through the page's loop
-            log.error("media worker %d: the room's queue is not serving yet; %d message(s) dropped", worker, len(messages))
-            return
-
-        def hand_over() -> None:
-            for message in messages:
-                self.receive(worker, message)
-
-        loop.call_soon_threadsafe(hand_over)
-
     def receive(self, worker: int, message: DeskMessage) -> None:
         key = (worker, message.rid)
         match message:

@@ -1,10 +1,6 @@
-"""Hand an accepted WebSocket's connection from the main process to a media worker.
-
-The main process reads the upgrade request, then passes the TCP connection itself (its descriptor, over an
-AF_UNIX socket pair with SCM_RIGHTS) and the request to a worker, without writing a byte; the worker runs
-uvicorn's own WebSocket protocol on it, so the client never knows. docs/processes.md § API sockets handed over;
-why: docs/design-notes.md § API sockets in the media workers.
-"""
+"""Hand an accepted WebSocket's TCP connection (its descriptor, with SCM_RIGHTS) and upgrade request from the
+main process to a media worker, which runs uvicorn's own WebSocket protocol on it (the client never knows):
+docs/processes.md § API sockets handed over; why: docs/design-notes.md § API sockets in the media workers."""
 
 from __future__ import annotations
 
@@ -25,11 +21,6 @@ log = logging.getLogger(__name__)
 
 UVICORN_VERSION = "0.55.0"  # hand_over sets WebSocketsSansIOProtocol's state as this version keeps it
 MAX_REQUEST_BYTES = 64 * 1024  # one handed request with its headers (uvicorn's own limit is lower)
-
-
-def handoff_pair() -> tuple[socket.socket, socket.socket]:
-    """(the main process's end, the worker's end): one message per handed connection."""
-    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
 
 # ---- the main process -----------------------------------------------------------------------

@@ -1,45 +1,32 @@
-"""Notices an engine that went silent: a machine that vanished says no goodbye.
-
-An engine on another machine whose host loses power or network sends nothing, and TCP (or Ray's health
-checks, 15-55 s) would notice late. Every engine sends its figures several times a second, even with no
-call (`PoolServer.figures_seconds`), so silence itself is the signal: the link is given up
-(`EngineLink.lose`) and that engine's calls end with a message.
-"""
+"""Notices an engine that went silent: a machine that vanished says no goodbye, and TCP (or Ray's health
+checks, 15-55 s) would notice late. Every engine sends its figures several times a second, even with no call
+(`PoolServer.figures_seconds`), so silence itself is the signal."""
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from .engine_link import EngineLink
 
 SILENCE_LIMIT = 1.5  # seconds without a word from a live engine (it speaks every 0.25 s)
 CHECK_SECONDS = 0.1
 
 
-class Watched(Protocol):
-    """A link to an engine as the watchdog sees it (a `EngineLink`)."""
-
-    alive: bool
-    heard_at: float  # time.monotonic() of the engine's last message
-
-    def lose(self, why: str) -> None: ...
-
-
 class SilenceWatchdog:
-    """One thread that gives up on every watched link silent for more than `limit` seconds."""
+    """One thread that gives up on every watched link (`EngineLink.lose`) silent for more than `limit` seconds."""
 
     def __init__(self, limit: float = SILENCE_LIMIT) -> None:
         self.limit = limit
-        self._links: list[Watched] = []
+        self._links: list[EngineLink] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-watchdog", daemon=True)
         self._thread.start()
 
-    def watch(self, link: Watched) -> None:
+    def watch(self, link: EngineLink) -> None:
         with self._lock:
             self._links = [w for w in self._links if w.alive] + [link]
 

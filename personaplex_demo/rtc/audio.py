@@ -1,8 +1,6 @@
-"""Audio on the wire in 40 ms mono Opus packets both ways, encoded and decoded on the event loop, with
-nothing held on the way that need not be; rtc/patches.py puts these pieces in place (written for fastrtc
-0.0.34 and aiortc 1.16). Why each, and what it measured: docs/design-notes.md § 40 ms audio packets (and
-the next section, on Opus on the event loop), and docs/design-notes.md § Nothing held on the media path.
-"""
+"""Audio on the wire in 40 ms mono Opus packets, encoded and decoded on the event loop, nothing held on
+the way; rtc/patches.py puts the pieces in place. Why: docs/design-notes.md § 40 ms audio packets, § Opus
+on the event loop, and docs/design-notes.md § Nothing held on the media path."""
 
 from __future__ import annotations
 
@@ -216,9 +214,7 @@ def audio_level_dbov(frame) -> int:
     samples = np.frombuffer(frame.planes[0], dtype=np.int16).astype(np.int64)
     energy = float(samples @ samples)
     rms = math.sqrt(energy / (frame.samples * 32767 * 32767))
-    if rms > 0:
-        return round(min(max(20 * math.log10(rms), -127), 0))
-    return -127
+    return round(min(max(20 * math.log10(rms), -127), 0)) if rms > 0 else -127
 
 
 def make_jitter_buffer_class():

@@ -1,12 +1,6 @@
-"""The browser's trickled ICE candidates, added to the call's peer connection whichever browser
-sent them and whenever they arrive (why: docs/design-notes.md, on every browser's ICE candidates).
-
-Written for fastrtc 0.0.34 and aiortc 1.16 (rtc/patches.py names the versions). fastrtc refuses a
-candidate of fewer than ten fields, which is every one Firefox sends, so aiortc's own parser
-(`candidate_from_sdp`) reads it here; aiortc drops a candidate added before the remote description is
-set, so one that came before its offer waits for it (at most `WAIT_SECONDS`). The answers keep
-fastrtc's shape (`{"status": "success"}`, or `"failed"` with the reason in `meta.error`).
-"""
+"""The browser's trickled ICE candidates, added to the call's peer connection whichever browser sent
+them and whenever they arrive (why: docs/design-notes.md, on every browser's ICE candidates). The answers
+keep fastrtc's shape (`{"status": "success"}`, or `"failed"` with the reason in `meta.error`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""ICE configuration: which STUN and TURN servers the page and the server use to meet.
-
-The first source that is set wins: `PERSONAPLEX_ICE_SERVERS` (JSON, `RTCIceServer` objects or a whole
-configuration), `PERSONAPLEX_TURN_URL` (with its username and credential) and/or `PERSONAPLEX_STUN_URL`,
-then `HF_TOKEN` (fastrtc's Cloudflare TURN); without any, direct routes only. Details, and relay-only
-calls: docs/operations.md § TURN and ICE servers.
-"""
+"""ICE configuration: which STUN and TURN servers the page and the server use to meet. The first source
+set wins: `PERSONAPLEX_ICE_SERVERS`, `PERSONAPLEX_TURN_URL` and/or `PERSONAPLEX_STUN_URL`, then `HF_TOKEN`
+(fastrtc's Cloudflare TURN); without any, direct routes only (docs/operations.md § TURN and ICE servers)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Every change this app makes to a pinned library, in one place, each with the version it was written for.
-
-Each replaces a module attribute or setting that the library looks up at run time (or, for fastrtc's
-WebRTC component, one instance, never its class), so the app needs no fork. `written_for` warns when the
-installed version is not the one a patch was read against (tests/test_rtc_audio.py and
-tests/test_gradio_queue.py check the premises).
-"""
+"""Every change this app makes to a pinned library, in one place. Each replaces a module attribute or
+setting the library looks up at run time (or one fastrtc instance, never its class), so the app needs no
+fork; `written_for` warns when the installed version is not the one a patch was read against."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """How many conversations fit on the device: the arithmetic behind `--slots auto` and `--context`.
-
 Plain numbers in and out (no torch), so it can be checked for any card on any machine; slot_memory.py
-measures the device. One slot holds its temporal KV ring, its Mimi streaming state and its share of a
-tick's working memory (once per CUDA graph pool); beside the slots the device keeps the prefix cache
-and a safety margin for the allocator's fragmentation.
+measures the device.
 """
 
 from __future__ import annotations

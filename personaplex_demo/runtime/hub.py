@@ -1,7 +1,5 @@
 """Where the model files come from: the Hugging Face Hub, or the tiny offline model (docs/model.md § Files).
-
-Tokens are read by huggingface_hub itself (`HF_TOKEN`, or a stored login) and never appear in a
-message: `logs.redact_secrets` / `logs.SecretFilter` scrub them from anything that is logged.
+Tokens are read by huggingface_hub itself (`HF_TOKEN`, or a stored login) and never appear in a message.
 """
 
 from __future__ import annotations
@@ -44,10 +42,8 @@ ProgressFn = Callable[[str, float], None]
 SmallFilesCheck = Callable[[Path], None]
 _CHECK_AFTER = "voices"  # the last of the small files in FILE_BYTES
 
-# What the real model's files weigh, about 17 GB in all (docs/model.md § Files), in download order:
-# the small files first, so that a 401 or a missing licence acceptance fails in a second rather
-# than after a 16 GB download. The sizes weight the download's progress fraction, and stand in
-# for the Hub's answer in the preflight's disk check when it gives none.
+# What the real model's files weigh (docs/model.md § Files), in download order: the small files first, so that
+# a 401 fails in a second, not after 16 GB. The sizes weight the progress, and the preflight's disk check.
 FILE_BYTES: dict[str, float] = {"tokenizer": 0.6e6, "voices": 8e6, "mimi": 385e6, "lm": 16.7e9}
 
 
@@ -168,11 +164,8 @@ def _download_real(repo: str, cache_dir: Path | None, progress: ProgressFn | Non
 
 def resolve_model(name: str = "auto", hf_repo: str = DEFAULT_HF_REPO, cache_dir: Path | None = None,
                   progress: ProgressFn | None = None, check: SmallFilesCheck | None = None) -> ModelSource:
-    """Find or fetch the files of model `name` ("auto", "personaplex-7b-v1" or "tiny").
-
-    "auto" falls back to the tiny model, with `fallback_reason` set, when the real files cannot be
-    had; an explicit "personaplex-7b-v1" raises `ModelDownloadError` instead.
-    """
+    """Find or fetch the files of model `name`. "auto" falls back to the tiny model, with
+    `fallback_reason` set, when the real files cannot be had; "personaplex-7b-v1" raises instead."""
     if name not in MODEL_CHOICES:
         raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODEL_CHOICES)}")
     if name == TINY_MODEL:

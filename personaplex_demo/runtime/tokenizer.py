@@ -99,12 +99,9 @@ codecs.register_error("personaplex_sp_replace", _replace_one_byte)
 
 
 class TranscriptDecoder:
-    """Incremental transcript of one call: text ids in, newly final text out.
-
-    The pushes add up to `sp.decode` of all shown ids, each part shown once final: an incomplete
-    UTF-8 sequence of byte pieces waits for its last byte (or `flush`). EPAD, PAD and ids at or
-    above the text card or vocabulary are hidden. A push costs O(one piece), not O(history).
-    """
+    """Incremental transcript of one call: the pushes add up to `sp.decode` of all shown ids, each part
+    once final (an incomplete UTF-8 sequence waits for its last byte, or `flush`); EPAD, PAD and ids
+    past the text card or vocabulary are hidden. A push costs O(one piece), not O(history)."""
 
     def __init__(self, tokenizer: TextTokenizer, text_card: int = TEXT_CARD) -> None:
         self.tokenizer = tokenizer

@@ -1,10 +1,6 @@
 """Voice prompts: the catalogue of `voices/NAME.pt` files from `voices.tgz` (docs/model.md § Files).
-
-A voice prompt is `{"embeddings": Tensor[T, 1, 1, D], "cache": LongTensor[1, 17, 4]}`: the summed
-input embeddings fed to the temporal transformer while the voice was encoded, and the staging ring
-left after that run. The archive comes from a model repository, so every member is checked before
-any is extracted (stricter than tarfile's "data" filter: no links, no devices, bounded sizes), and
-a caller's voice name only ever selects a catalogue entry: it never becomes a path.
+Every member of the archive is checked before any is extracted (stricter than tarfile's "data"
+filter), and a caller's voice name only ever selects a catalogue entry: it never becomes a path.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""One caller in the slot pool: its state, its frames in and out, and its counters.
-
-Shared by the caller's event loop (pushes, awaits) and the pool's ticker (states, outputs). Both
-hold the pool's lock (`CallContext.lock`), so a state change and the wake-up of its awaiters happen
-together and no wake-up is missed; the methods under "the pool's side" expect it held already.
-States: docs/serving.md § Slot lifecycle.
+"""One caller in the slot pool: its state, its frames in and out, and its counters. The caller's loop
+and the pool's ticker both hold the pool's lock (`CallContext.lock`), so a state change and its
+wake-up happen together; "the pool's side" expects it held. States: docs/serving.md § Slot lifecycle.
 """
 
 from __future__ import annotations
@@ -55,12 +52,6 @@ def checked_audio(samples: np.ndarray) -> np.ndarray:
     return arr.reshape(arr.size)
 
 
-def input_audio(samples: np.ndarray) -> np.ndarray:
-    """Checked samples as a fresh float32 array (the sender may reuse its buffer)."""
-    arr = checked_audio(samples)
-    return arr.astype(np.float32) / 32768.0 if arr.dtype == np.int16 else arr.astype(np.float32, copy=True)
-
-
 class Call(CallView, WaitingCall):
     """One caller; every public method outside "the pool's side" is thread-safe."""
 
@@ -92,7 +83,8 @@ class Call(CallView, WaitingCall):
 
     def push_audio(self, samples: np.ndarray) -> None:
         """`CallHandle.push_audio`: up to `MAX_PUSH_SAMPLES`; the tick cuts frames from it (serving/inbox.py)."""
-        audio = input_audio(samples)
+        arr = checked_audio(samples)  # copied to float32 either way: the sender may reuse its buffer
+        audio = arr.astype(np.float32) / 32768.0 if arr.dtype == np.int16 else arr.astype(np.float32, copy=True)
         with self._ctx.lock:
             now = self._ctx.clock.monotonic()
             if self.state != CallState.LIVE:

@@ -1,8 +1,6 @@
-"""What every door does with a call, written once: ask the room for it, follow it through the
-queue and the prefill, pass the caller's audio in and the agent's frames out, and end it with a
-reason. A door (the WebRTC page's handler, the Realtime socket) is a protocol adapter on a
-`DoorCall`: it renders a `Refusal` and the events of `next_event` in its own protocol, and
-decides nothing the room decides (the queue's rules, the wait limit, the end of a call).
+"""What every door does with a call, written once: ask the room for it, follow it through the queue
+and the prefill, pass audio in and frames out, end it. A door is a protocol adapter on a `DoorCall`:
+it renders a `Refusal` and `next_event`'s events, and decides nothing the room decides.
 """
 
 from __future__ import annotations
@@ -141,13 +139,10 @@ class DoorCall:
         state = call.state
         if state == CallState.ENDED and not drained:
             return None
-        now: tuple
         if state == CallState.QUEUED:
-            now = (state, call.queue_position, call.wait_reason)
-        elif state == CallState.ENDED:
-            now = (state, call.end_reason)
+            now: tuple = (state, call.queue_position, call.wait_reason)
         else:
-            now = (state,)
+            now = (state, call.end_reason if state == CallState.ENDED else None)
         if now == self._told:
             return None
         self._told = now

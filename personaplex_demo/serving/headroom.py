@@ -1,10 +1,6 @@
 """Admission by measured headroom: whether one more call fits in the 80 ms tick, and when to shed one
-(docs/serving.md § Admission by headroom).
-
-`CostCurve` learns the mean tick time at each number of calls and prices one call more by the batch
-rows it adds (engine/rows.py's buckets). The mean, not a high percentile: the pacer catches up after
-a long tick (serving/pacing.py), so callers miss audio only when ticks average over 80 ms.
-`HeadroomPolicy` admits and sheds by it. Times are passed in (`now`): tests need no clock.
+(docs/serving.md § Admission by headroom). The mean tick time, not a high percentile: the pacer catches
+up after a long tick, so callers miss audio only when ticks average over 80 ms. Times are passed in.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""A live call's input audio between its door and the tick: samples in, one frame per tick out, at
-a depth that follows the caller's measured jitter and never grows for good (docs/serving.md §
-Latency budget).
-
-Each tick cuts the oldest `frame` samples off, so a frame is complete when the tick takes it. The
-slack (samples beyond that frame) is the delay this stage adds, held near a target: slack that stays
-above it for `window` seconds is cut from the quietest stretch (a burst, a fast caller clock, a
-resync's leftovers), and a tick that finds less than a frame fills the rest with silence and raises
-the target by the shortfall for `memory` seconds. The caller passes `now`: nothing reads a clock.
+"""A live call's input audio between its door and the tick: samples in, one frame per tick out, with
+slack held near a target that follows the caller's jitter and never grows for good (docs/serving.md §
+Latency budget). The caller passes `now`: nothing reads a clock.
 """
 
 from __future__ import annotations

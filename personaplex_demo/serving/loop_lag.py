@@ -1,8 +1,6 @@
-"""How late a door's event loop wakes up: the media side's share of admission by headroom.
-
-The callers' Opus, RTP and page updates run on the door's event loop; when it falls behind, agent
-audio reaches them late however fast the engine ticks, so the room seats nobody new. One probe per
-loop reports its worst oversleep every `PERIOD`; it starts with the first call on that loop.
+"""How late a door's event loop wakes up: when it falls behind, agent audio reaches callers late
+however fast the engine ticks, so the room seats nobody new. One probe per loop reports its worst
+oversleep every `PERIOD`; it starts with the first call on that loop.
 """
 
 from __future__ import annotations

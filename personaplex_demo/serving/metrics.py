@@ -91,9 +91,8 @@ class PoolWindows:
         self.ticks: collections.deque[float] = collections.deque(maxlen=TICK_WINDOW)
         self.latencies: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
         self.added: collections.deque[float] = collections.deque(maxlen=LATENCY_WINDOW)
-        # Each is called as `listener(tick_seconds, frame_latencies_seconds)` after every step, on the
-        # ticker thread, so it must be quick (a histogram update). Unlike the windows behind
-        # `SlotPool.snapshot()`, it sees every sample, however long between two readers.
+        # Called after every step on the ticker thread, so quick (a histogram update); unlike the
+        # windows above, a listener sees every sample, however long between two readers.
         self.listeners: list[TickListener] = []
 
     def add_tick(self, seconds: float, latencies: list[float], step_seconds: float) -> None:

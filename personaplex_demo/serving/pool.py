@@ -1,8 +1,5 @@
-"""SlotPool: the room (serving/room.py) over one engine shared among many callers.
-
-The pool takes calls (a free slot, or the queue), ends them and reports figures; its `Ticker`
-(serving/ticker.py) owns the engine and steps the calls every 80 ms. Doors see `CallHandle`s only:
-numpy arrays in and out, nothing from torch. Slot lifecycle: docs/serving.md § Slot lifecycle.
+"""SlotPool: the room (serving/room.py) over one engine shared among many callers. The pool takes
+calls, ends them and reports figures; its `Ticker` owns the engine (docs/serving.md § Slot lifecycle).
 """
 
 from __future__ import annotations
@@ -93,10 +90,8 @@ class SlotPool:
 
     def admit(self, voice: str, persona: str, sampling: SamplingParams = _DEFAULT_SAMPLING,
               queue: bool = True, door: str = DOOR_PAGE) -> Call:
-        """Take a free slot (state PREFILL) or a place in the queue (state QUEUED).
-
-        Non-blocking, for any thread. Raises a CallerError for a bad request, PoolFullError when the
-        queue is full (with `queue=False`: when it would wait), PoolClosedError after shutdown."""
+        """Take a free slot (PREFILL) or a place in the queue (QUEUED); non-blocking, for any thread.
+        Raises as `Room.acquire` does; with `queue=False`, PoolFullError where it would wait."""
         if self.closed:
             raise PoolClosedError("the pool has been shut down; no new calls are taken")
         self.engine.validate_request(voice, persona, sampling)

@@ -1,8 +1,6 @@
-"""Which waiting slot the ticker prefills next, between two ticks.
-
-A prompt not in the prefix cache costs a forward over all of it (on a GPU about as much as several
-ticks), so at most one of those runs per gap: callers arriving together go live on successive ticks
-instead of one overrun. Cached prompts only copy and may share a gap (docs/engine.md § CUDA graphs).
+"""Which waiting slot the ticker prefills next, between two ticks: at most one uncached prompt (a
+forward over all of it) per gap, so that callers arriving together go live on successive ticks
+instead of one overrun (docs/engine.md § CUDA graphs).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The slot pool's ticker: the one thread that calls the engine (docs/serving.md § Pacing).
-
-Every 80 ms it takes one input frame per LIVE slot, runs one batched `engine.step` and hands
-(agent audio, text piece) to each call. Between steps it ends expired calls, sheds the newest one
-if the tick has stayed over budget, recycles ended slots (`end_session` before the slot is
-reused), seats the queue's head while one more row fits and runs prefills (`start_session`).
+"""The slot pool's ticker: the one thread that calls the engine (docs/serving.md § Pacing). Between
+two batched steps it ends and sheds calls, recycles ended slots (`end_session` before a slot is
+reused), seats the queue's head and runs prefills (`start_session`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """What every back end's call does the same way: the handle's fields (`CallView`), and waiting for
-its news (`WaitingCall.wait_live`, `next_output`) with deadlines and wake-ups.
-
-A call's news may come from another thread (the pool's ticker, a link's reader) or from the loop
-that waits. A waiter looks and registers a future under the call's guard (the pool's lock for a
-`Call`; nothing for news on the waiter's own loop), and `_wake`, under that guard, resolves them all:
-no wake-up is lost between a look and a wait, and nobody polls.
+its news (`wait_live`, `next_output`). A waiter looks and registers a future under the call's guard,
+and `_wake`, under that guard, resolves them all: no wake-up is lost between a look and a wait.
 """
 
 from __future__ import annotations

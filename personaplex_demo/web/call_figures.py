@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -136,9 +136,8 @@ class CallFigures:
     @property
     def first_audio_seconds(self) -> float | None:
         """From the offer reaching the server to the first agent sound it sent."""
-        if "first_sound" not in self.at:
-            return None
-        return self.at["first_sound"] - self.at["offer"]
+        first = self.at.get("first_sound")
+        return None if first is None else first - self.at["offer"]
 
     def parts(self) -> dict[str, float]:
         """The time to first audio, part by part (PARTS), as far as the call got."""
@@ -185,9 +184,7 @@ class CallFigures:
             "outputs": self.outputs,
             "underruns": self.underruns,
             "input_drops": self.input_drops,
-            "packets": None if packets is None else {
-                "received": packets.received, "lost_in": packets.lost_in,
-                "sent": packets.sent, "lost_out": packets.lost_out},
+            "packets": None if packets is None else {k: v for k, v in asdict(packets).items() if k != "round_trip_time"},
         }
 
     def line(self) -> str:

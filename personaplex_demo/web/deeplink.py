@@ -1,9 +1,6 @@
 """Deep links: `/?voice=NATM1&persona=...&text_temperature=0.9&seed=7` sets the page's controls
-(docs/operations.md § Deep links).
-
-A link's parameters are checked against the same rules a call applies; one that fails leaves its
-control at the default and is named in a notice, which never echoes a value from the link. The "Copy
-link to this setup" button does the reverse in the browser, in at most `MAX_LINK_CHARS` characters.
+(docs/operations.md § Deep links). A parameter that fails a call's own rules leaves its control at the
+default and is named in a notice, which never echoes a value from the link.
 """
 
 from __future__ import annotations
@@ -73,12 +70,9 @@ def read_link(items: Iterable[tuple[str, str]], rules: LinkRules) -> LinkSetup:
     """The controls a link sets, from its query parameters (name, value) in order."""
     setup = LinkSetup()
     seen: dict[str, list[str]] = {}
-    unknown = 0
     for name, value in items:
-        if name in PARAMS:
-            seen.setdefault(name, []).append(value)
-        else:
-            unknown += 1
+        seen.setdefault(name, []).append(value)
+    unknown = sum(len(values) for name, values in seen.items() if name not in PARAMS)
     for name in PARAMS:
         values = seen.get(name)
         if not values:
@@ -192,8 +186,8 @@ APPLY_LINK_JS = """
 """
 
 
-def copy_link_js(presets: Mapping[str, str], limit: int = MAX_LINK_CHARS) -> str:
-    return _COPY_JS.replace("__PRESETS__", json.dumps(dict(presets))).replace("__LIMIT__", str(int(limit)))
+def copy_link_js(presets: Mapping[str, str]) -> str:
+    return _COPY_JS.replace("__PRESETS__", json.dumps(dict(presets))).replace("__LIMIT__", str(MAX_LINK_CHARS))
 
 
 def add_deep_links(demo: gr.Blocks, controls: Mapping[str, gr.components.Component], rules: LinkRules,

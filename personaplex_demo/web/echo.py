@@ -61,11 +61,12 @@ class Stream:
 
 
 class EchoDetector:
-    """One call's two streams and the verdict. Called from one event loop; not thread-safe."""
+    """One call's two streams (`agent.add` for audio sent, `caller.add` for microphone audio received, at
+    monotonic seconds) and the verdict. Called from one event loop; not thread-safe."""
 
     def __init__(self) -> None:
-        self._agent = Stream(WINDOW_SECONDS + MAX_DELAY_SECONDS + 2 * SLACK_SECONDS + CHECK_SECONDS)
-        self._caller = Stream(WINDOW_SECONDS + CHECK_SECONDS)
+        self.agent = Stream(WINDOW_SECONDS + MAX_DELAY_SECONDS + 2 * SLACK_SECONDS + CHECK_SECONDS)
+        self.caller = Stream(WINDOW_SECONDS + CHECK_SECONDS)
         self._checked_at = 0.0
         self._hits = 0
         self.score = 0.0  # the last check's best correlation
@@ -84,14 +85,6 @@ class EchoDetector:
                 "correlation": round(self.score, 2),
                 "delay_ms": round(1e3 * self.delay_seconds) if self.delay_seconds is not None else None}
 
-    def agent(self, pcm: np.ndarray, at: float) -> None:
-        """Agent audio sent at `at` (monotonic seconds)."""
-        self._agent.add(pcm, at)
-
-    def caller(self, pcm: np.ndarray, at: float) -> None:
-        """Microphone audio received at `at`."""
-        self._caller.add(pcm, at)
-
     def check(self, now: float) -> bool:
         """Judge the last seconds, at most once a second; True once the echo has been found."""
         if now - self._checked_at < CHECK_SECONDS:
@@ -109,16 +102,16 @@ class EchoDetector:
     def _best(self) -> tuple[float, float | None]:
         """The highest correlation of the two loudness envelopes over the delays, and its delay."""
         n = int(WINDOW_SECONDS * RATE)
-        if self._caller.samples < n or self._caller.last_at is None or self._agent.last_at is None:
+        if self.caller.samples < n or self.caller.last_at is None or self.agent.last_at is None:
             return 0.0, None
-        mic = self._caller.tail(n)
+        mic = self.caller.tail(n)
         if float(np.sqrt(np.mean(mic * mic))) < MIN_RMS:
             return 0.0, None
         # The agent audio that could have come back in the microphone's window: from MAX_DELAY
         # (plus slack) before the window's start to its end, by the wall clock.
-        ahead = max(0.0, self._agent.last_at - self._caller.last_at)  # agent audio newer than the mic's end
+        ahead = max(0.0, self.agent.last_at - self.caller.last_at)  # agent audio newer than the mic's end
         span = n + int((MAX_DELAY_SECONDS + 2 * SLACK_SECONDS) * RATE)
-        agent = self._agent.tail(span + int(ahead * RATE))[:span]
+        agent = self.agent.tail(span + int(ahead * RATE))[:span]
         if agent.size < n + RATE // 10:
             return 0.0, None
         x, y = loudness(mic), loudness(agent)
@@ -136,7 +129,7 @@ class EchoDetector:
         if best <= 0:
             return 0.0, None
         # The microphone's bin i matched the agent's bin lag + i: it came back this much later.
-        delay = (y.size - bins - lag) * BIN_SECONDS + max(0.0, self._caller.last_at - self._agent.last_at)
+        delay = (y.size - bins - lag) * BIN_SECONDS + max(0.0, self.caller.last_at - self.agent.last_at)
         return best, max(0.0, delay)
 
 

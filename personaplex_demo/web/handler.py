@@ -1,10 +1,6 @@
-"""The fastrtc call handler: browser audio in, agent audio and transcript out, one per call.
-
-It never touches torch and never blocks the event loop: it only moves numpy arrays to and from its
-call, a `CallHandle` of the room (serving/room.py), whichever back end holds it; the room cuts its 80 ms
-frames at each tick (serving/inbox.py). Everything but a plain hang-up ends the call with a message
-(`CloseStream`), so nobody waits in silence. Its phases: docs/serving.md, on the handler's phases.
-"""
+"""The fastrtc call handler, one per call: it moves numpy arrays between the browser and a `CallHandle` of
+the room (serving/room.py), never touching torch nor blocking the event loop. Everything but a plain hang-up
+ends the call with a message (`CloseStream`). Its phases: docs/serving.md, on the handler's phases."""
 
 from __future__ import annotations
 
@@ -175,15 +171,14 @@ class CallHandler(AsyncStreamHandler):
         return self._input.resample(frame)
 
     async def receive(self, frame: tuple[int, np.ndarray]) -> None:
-        sr, audio = frame
         now = time.monotonic()
         if self.call is None or self.phase != Phase.ACTIVE:
             return  # before admission there is nowhere to send it; after the end, nobody to send it to
-        audio = np.asarray(audio).reshape(-1)  # 24 kHz 16-bit mono: `resample` made it so
+        audio = np.asarray(frame[1]).reshape(-1)  # 24 kHz 16-bit mono: `resample` made it so
         if not audio.size or self.call.state != CallState.LIVE:
             return  # queue or prefill: not heard yet (played late it would only add delay)
         self.door_call.push(audio)
-        self.echo.caller(audio, now)
+        self.echo.caller.add(audio, now)
         self.packets_in += 1
         if self.recording is not None:
             self.recording.add_caller(audio)
@@ -234,7 +229,7 @@ class CallHandler(AsyncStreamHandler):
             log.info("call %s: first sound %s", self.call_id, self.figures.first_sound_text())
         if self.peers and self.webrtc_id and self.figures.packets_due(now) and (pc := self.peers(self.webrtc_id)):
             self._packets_task = asyncio.create_task(self.figures.refresh_packets(pc))
-        self.echo.agent(out.pcm, now)
+        self.echo.agent.add(out.pcm, now)
         warned = self.echo.detected
         if self.echo.check(now) and not warned:
             log.info("call %s: the agent comes back through the microphone (correlation %.2f at %.0f ms)",
@@ -292,8 +287,8 @@ class CallHandler(AsyncStreamHandler):
                 # The page's relay delivers the updates still queued at the close; this one comes
                 # last, so a late "Live" status cannot overwrite the end of the call.
                 self.final_updates.put(self.webrtc_id, (self.transcript,
-                                                  f"Call ended · {room_line(self.room_figures.get())}",
-                                                  self.call_id, None, self.figures.line()))
+                                                        f"Call ended · {room_line(self.room_figures.get())}",
+                                                        self.call_id, None, self.figures.line()))
         self._finish_recording(EndReason.HANGUP)
 
     def _finish_recording(self, reason: str) -> None:

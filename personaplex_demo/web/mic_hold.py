@@ -1,11 +1,8 @@
 """A waiting caller's microphone, held: while a call waits in the queue nothing of its audio is heard,
 so the page stops sending it and the server stops decoding it (docs/serving.md § The room contract).
-
-The handler says so over the call's data channel, as a fastrtc "log" message (which fastrtc's own page
-code ignores): `HOLD` when the call is queued, `SEND` when its slot is being prepared. The page's script
-(`MIC_HOLD_SCRIPT`) then takes its microphone off the audio sender (`replaceTrack(null)`: no RTP at
-all) and puts it back; on the server the peer's audio receiver is switched off meanwhile
-(rtc/patches.py `receive_audio`), for a client that keeps sending anyway.
+The handler says `HOLD` or `SEND` as a fastrtc "log" data-channel message (fastrtc's page ignores it);
+`MIC_HOLD_SCRIPT` takes the microphone off the sender (no RTP at all), and the server switches the
+peer's audio receiver off meanwhile (rtc/patches.py `receive_audio`) for a client that sends anyway.
 """
 
 from __future__ import annotations

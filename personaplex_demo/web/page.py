@@ -150,11 +150,9 @@ def build_ui(runtime, room: Room, options: PageOptions | None = None,
                 recordings if recordings is not None else RecordingStore()).build()
 
 
-def file_updates(files) -> tuple[dict, dict]:
+def file_updates(files) -> tuple[dict, ...]:
     """The two download buttons: shown with the (WAV, JSON) paths, or hidden."""
-    if not files:
-        return gr.update(value=None, visible=False), gr.update(value=None, visible=False)
-    return gr.update(value=str(files[0]), visible=True), gr.update(value=str(files[1]), visible=True)
+    return tuple(gr.update(value=str(f) if f else None, visible=bool(f)) for f in (files or (None, None)))
 
 
 class Page:

@@ -1,11 +1,7 @@
-"""The page's static answers, kept in memory: a burst of visitors costs the server a dictionary lookup
-each instead of Gradio's page rendering or a file read in a thread (docs/serving.md § Visitors and callers;
-docs/design-notes.md says why it is written here, in the section on visitors' work).
-
-The page names its own address (Gradio's "root", from the Host and X-Forwarded-* headers), so those
-headers and the only query parameters Gradio reads on these routes (`page`, `deep_link`) are part of its
-key. Text answers are also kept brotli-compressed: Gradio's own compression, outside every app
-middleware, passes an answer that is already encoded.
+"""The page's static answers, kept in memory: a burst of visitors costs a dictionary lookup each instead of
+Gradio's page rendering (docs/serving.md § Visitors and callers; why it is hand-written: docs/design-notes.md,
+on visitors' work). The page names its own address from the Host and X-Forwarded-* headers, so they are part
+of its key; text answers are kept brotli-compressed, which Gradio's own compression passes as they are.
 """
 
 from __future__ import annotations
@@ -28,6 +24,7 @@ PAGE_QUERY = ("page", "deep_link")
 IMMUTABLE = b"public, max-age=31536000, immutable"
 MAX_BODY = 8 << 20  # larger answers pass through uncached
 MAX_ENTRIES = 512  # hosts are the client's to write: the cache stays bounded whatever they send
+PAGE_TTL_SECONDS = 300.0  # the page's own answer; the built files are kept as long as the app runs
 TEXT_TYPES = (b"text/", b"application/javascript", b"application/json", b"image/svg+xml")
 MIN_COMPRESSED = 400  # smaller answers go as they are (as Gradio's compression decides too)
 BROTLI_QUALITY = 6  # once per answer: denser than Gradio's per-request 4, still milliseconds
@@ -43,13 +40,10 @@ class Answer:
 
 
 class PageCache:
-    """ASGI middleware: GET of the page, its configuration and its built files, from memory.
+    """ASGI middleware: GET of the page, its configuration and its built files, from memory."""
 
-    `ttl` bounds how long the page's own answer is kept (the built files are kept as long as the
-    app runs); `entries` how many answers."""
-
-    def __init__(self, app, ttl: float = 300.0, entries: int = MAX_ENTRIES) -> None:
-        self.app, self.ttl, self.entries = app, ttl, entries
+    def __init__(self, app) -> None:
+        self.app = app
         self._answers: collections.OrderedDict[tuple, Answer] = collections.OrderedDict()
         self._pending: dict[tuple, asyncio.Future] = {}
 
@@ -90,7 +84,7 @@ class PageCache:
         answer = self._answers.get(key)
         if answer is None:
             return None
-        if key[0] in PAGE_PATHS and time.monotonic() - answer.stored > self.ttl:
+        if key[0] in PAGE_PATHS and time.monotonic() - answer.stored > PAGE_TTL_SECONDS:
             del self._answers[key]
             return None
         self._answers.move_to_end(key)
@@ -132,7 +126,7 @@ class PageCache:
         text = named.get(b"content-type", b"").startswith(TEXT_TYPES) and len(body) >= MIN_COMPRESSED
         compressed = brotli.compress(body, quality=BROTLI_QUALITY) if text else None
         self._answers[key] = Answer(kept, body, compressed, etag, time.monotonic())
-        while len(self._answers) > self.entries:
+        while len(self._answers) > MAX_ENTRIES:
             self._answers.popitem(last=False)
 
     @staticmethod

@@ -1,9 +1,6 @@
-"""Per-call recordings for the page's download buttons: `<name>.wav` (16-bit stereo at 24 kHz, the
-caller LEFT and the agent RIGHT, from the moment the call goes live) and `<name>.json`
-(docs/transcripts.md § Transcripts), each call in its own folder under one temporary directory.
-
-While a call runs its audio is streamed to two raw files, so memory stays flat however long calls are.
-Recordings hold the caller's voice: they go after `max_age_seconds`, the oldest first beyond `max_recordings`.
+"""Per-call recordings for the page's download buttons: `<name>.wav` (16-bit stereo at 24 kHz, caller LEFT,
+agent RIGHT) and `<name>.json` (docs/transcripts.md § Transcripts). While a call runs its audio streams to two
+raw files, so memory stays flat; recordings hold the caller's voice, so they go after `max_age_seconds`.
 """
 
 from __future__ import annotations
@@ -50,11 +47,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_recordings(tmpdir: str | Path | None = None, now: float | None = None) -> list[Path]:
+def remove_stale_recordings(tmpdir: str | Path | None = None) -> list[Path]:
     """Delete recordings folders whose process has exited (a reused pid's waits for the next start);
     folders named without a pid go once untouched for an hour. Returns what was removed."""
     root = Path(tmpdir) if tmpdir is not None else Path(tempfile.gettempdir())
-    now = time.time() if now is None else now
+    now = time.time()
     removed = []
     for path in root.glob(f"{RECORDINGS_PREFIX}*"):
         try:
@@ -231,13 +228,13 @@ _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 class RecordingStore:
     """Recordings by connection id, in one temporary directory that is pruned as calls come in."""
 
-    def __init__(self, root: Path | str | None = None, max_age_seconds: float = 3600.0,
-                 max_recordings: int = 256) -> None:
+    max_age_seconds = 3600.0
+    max_recordings = 256  # beyond this, the oldest finished recordings go first
+
+    def __init__(self, root: Path | str | None = None) -> None:
         # The pid in the name lets the next start tell a crashed app's folder from a running one's.
         self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix=recordings_prefix()))
         self.root.mkdir(parents=True, exist_ok=True)
-        self.max_age_seconds = max_age_seconds
-        self.max_recordings = max_recordings
         self._lock = threading.Lock()
         self._recordings: dict[str, tuple[float, CallRecording]] = {}
 

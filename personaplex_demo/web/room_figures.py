@@ -1,8 +1,6 @@
-"""The room's figures on every open page, for the price of a small cached answer.
-
-Instead of a Gradio timer event per tab, the page's own script asks `GET /api/room` every
-`REFRESH_SECONDS` while the tab is visible; the answer is built at most once a second for all tabs
-(docs/serving.md § Visitors and callers). The script puts the labelled parts in as text, never markup.
+"""The room's figures on every open page, for the price of a small cached answer: instead of a Gradio
+timer event per tab, the page's script asks `GET /api/room` while the tab is visible, and puts the parts
+in as text, never markup (docs/serving.md § Visitors and callers).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Visitors' work is bounded; callers' never is (docs/serving.md § Visitors and callers).
-
-An ASGI middleware in front of Gradio limits page loads (`GET /`, `/config`) and visitor events (the
-page's Gradio events that are not a call's, and `/api/room`), per client address with a token bucket
-and all addresses together with `in_flight`. A call's own requests and everything else pass untouched.
-A refused page load gets a short page that reloads itself when the address may load again.
+"""Visitors' work is bounded; callers' never is (docs/serving.md § Visitors and callers): page loads and the
+page's events that are not a call's are limited per client address (a token bucket) and all together
+(`in_flight`). A refused page load gets a short page that reloads itself when the address may load again.
 """
 
 from __future__ import annotations
@@ -19,12 +16,15 @@ from dataclasses import dataclass, field
 from starlette.responses import Response
 
 from ..addresses import client_address
+from .page_cache import PAGE_PATHS
 
 log = logging.getLogger(__name__)
 
-PAGE_PATHS = ("/", "/config", "/config/")
 JOIN_PATH = "/gradio_api/queue/join"
-ROOM_PATH = "/api/room"
+# (path, method) -> what the request is: a page load, an event (its fn_index tells a call's from a visitor's),
+# or the room's figures, a visitor's event.
+KINDS = {**{(path, method): "page" for path in PAGE_PATHS for method in ("GET", "HEAD")},
+         (JOIN_PATH, "POST"): "join", ("/api/room", "GET"): "event"}
 MAX_JOIN_BODY = 1 << 20  # an event's inputs: the persona at most, far below this
 MAX_ADDRESSES = 20_000  # addresses remembered at once; the longest idle is forgotten first
 REPORT_SECONDS = 60.0
@@ -115,16 +115,7 @@ class VisitorLimits:
 
     @staticmethod
     def kind(scope) -> str | None:
-        if scope["type"] != "http":
-            return None
-        path, method = scope["path"], scope["method"]
-        if path in PAGE_PATHS and method in ("GET", "HEAD"):
-            return "page"
-        if path == JOIN_PATH and method == "POST":
-            return "join"
-        if path == ROOM_PATH and method == "GET":
-            return "event"
-        return None
+        return KINDS.get((scope["path"], scope["method"])) if scope["type"] == "http" else None
 
     def address(self, scope) -> str:
         peer = scope["client"][0] if scope.get("client") else None

@@ -1,10 +1,6 @@
-"""The page's side of `--engines ray`: start the engine actors on a Ray cluster, link to each, and
-keep the room's list of engines true while actors die and come back.
-
-A monitor thread keeps one `until_stopped` call pending on every actor: Ray fails it within
-milliseconds of the actor's death, and the engine's calls end with a message. An actor that Ray
-restarts answers `endpoint` again once its model has loaded, and is linked to afresh.
-"""
+"""The page's side of `--engines ray`: start the engine actors, link to each, and keep the room's engines true
+while actors die and come back. A monitor thread keeps an `until_stopped` call pending on every actor: Ray
+fails it within milliseconds of the actor's death. A restarted actor answers `endpoint` once it has loaded."""
 
 from __future__ import annotations
 
