@@ -23,6 +23,7 @@ from .config import ApiConfig
 from .live_socket import LiveDoor
 from .realtime_socket import RealtimeDoor
 from .session import PromptRules
+from .socket_base import ApiSocket
 from .socket_door import SocketDoor, deny
 from .stats import DoorStats
 from .twilio_socket import TwilioDoor
@@ -47,6 +48,7 @@ class ApiDoors:
         self.room, self.rules, self.config = room, rules, config
         self.limiter = SocketLimiter(config.max_sockets_per_client)
         self.hand_off: HandOff | None = None
+        self.serving: set[ApiSocket] = set()  # the sockets this process runs, until each closes
         self.doors = {cls.kind: cls(self, (stats or {}).get(cls.kind) or DoorStats())
                       for cls in DOOR_TABLE if cls.enabled(config)}
 
@@ -99,7 +101,15 @@ class ApiDoors:
         await ws.accept(subprotocol=door.subprotocol(ws))
         ensure_probe(self.room)
         log.info("%s socket from %s", what, ws.client.host if ws.client else "?")
-        await socket.run()
+        self.serving.add(socket)
+        try:
+            await socket.run()
+        finally:
+            self.serving.discard(socket)
+
+    def ending_calls(self) -> bool:
+        """Whether a socket that had a call is still open: at a stop, it is telling its caller why."""
+        return any(socket.call is not None for socket in self.serving)
 
     async def _admit(self, ws: WebSocket, door: SocketDoor) -> str | None:
         """The client's address, its socket counted; None (and an HTTP answer) when refused."""

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 UNLIMITED = 1 << 30  # the main process enforces the page's concurrency limit across workers
 RELINK_SECONDS = 2.0  # a lost engine on another machine is tried again this often
+CALLS_END_SECONDS = 2.0  # at a stop, the longest wait for the sockets whose calls the room ended
 
 
 @dataclass(frozen=True)
@@ -169,10 +170,11 @@ class WorkerLoop:
         self.host = MediaHost(CallHandler(self.room, self.recordings, model_name=facts.get("model_name")),
                               spec.server_rtc_configuration, self.channel.send)
         self.sockets: WorkerSockets | None = None
+        self.api_door: ApiDoors | None = None
         if spec.api is not None and spec.handoff is not None:  # the API sockets the main process hands over
             config = replace(spec.api, model_name=facts.get("model_name", spec.api.model_name))
-            door = ApiDoors(self.room, EngineFacts(facts), config,
-                            {kind: ReportedStats(kind, self.channel.send) for kind in KINDS})
+            self.api_door = door = ApiDoors(self.room, EngineFacts(facts), config,
+                                            {kind: ReportedStats(kind, self.channel.send) for kind in KINDS})
             self.sockets = WorkerSockets(spec.handoff, Starlette(routes=door.served_routes()),
                                          lambda meta: self.channel.send(msg.SocketClosed(int(meta["id"]))))
 
@@ -184,6 +186,11 @@ class WorkerLoop:
         log.info("media worker %d ready (pid %d, engines: %s)", self.spec.index, os.getpid(),
                  ", ".join(e.name for e in self.room.engines))
         await self.stopped.wait()
+        # The room ended every call before its workers are stopped, and the news may still be on its
+        # way here: a socket that hears it closes with the room's reason, where closing it now says 1012.
+        deadline = time.monotonic() + CALLS_END_SECONDS
+        while self.api_door is not None and self.api_door.ending_calls() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         for pc in list(self.host.pcs.values()):
             await pc.close()
         if self.sockets is not None:  # sockets whose calls the room ended have closed with its reason
