@@ -38,8 +38,8 @@ from bench.engines import build_engine, core_stepper, mid_lm_config
 from bench.model import LM_SEED, PERSONA_P, VOICE_T, bench_cache, bench_persona, bench_voice, hash_file
 from personaplex_demo.engine.core import LockstepCore
 from personaplex_demo.engine.pcm import SamplingParams
-from personaplex_demo.engine.stepwise import StepwiseCore
 from personaplex_demo.model.checkpoint import load_lm, meta_lm
+from tests.support.stepwise import StepwiseCore
 
 SECTION = "Engine: tick and prefill"
 PERSONA = ("You work for CitySan Services, a waste management company, and your name is Ayelen Lucero. "

@@ -28,11 +28,11 @@ import torch
 from personaplex_demo.engine.core import LockstepCore
 from personaplex_demo.engine.pcm import LockstepEngine, SamplingParams
 from personaplex_demo.engine.prompt import VoiceTokens
-from personaplex_demo.engine.stepwise import StepwiseCore
 from personaplex_demo.model.checkpoint import load_lm, load_mimi, meta_lm, meta_mimi, write_hash_checkpoint
 from personaplex_demo.model.config import LMConfig, MimiConfig
 from personaplex_demo.model.hashinit import hash_tensor
 from tests.support.signals import mimi_input
+from tests.support.stepwise import StepwiseCore
 
 GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden"
 GREEDY = SamplingParams(greedy=True)

@@ -8,9 +8,9 @@ import pytest
 from bench.gpu_checks import first_divergence
 from personaplex_demo.engine.core import LockstepCore
 from personaplex_demo.engine.pcm import SamplingParams
-from personaplex_demo.engine.stepwise import StepwiseCore
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 from personaplex_demo.runtime.capacity import context_frames
+from tests.support.stepwise import StepwiseCore
 
 from .conftest import golden
 from .lm_fixtures import tiny_lm

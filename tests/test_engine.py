@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from personaplex_demo.engine.pcm import LockstepEngine, SamplingParams
-from personaplex_demo.engine.stepwise import StepwiseCore
 from personaplex_demo.errors import AudioFormatError, CallerError, PersonaTooLongError, UnknownVoiceError
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
+from tests.support.stepwise import StepwiseCore
 
 PERSONA = "You enjoy having a good conversation."
 GREEDY = SamplingParams(greedy=True)

@@ -7,7 +7,7 @@ import torch
 
 from personaplex_demo.engine.core import LockstepCore
 from personaplex_demo.engine.pcm import SamplingParams
-from personaplex_demo.engine.stepwise import StepwiseCore
+from tests.support.stepwise import StepwiseCore
 
 from .conftest import golden
 from .lm_fixtures import golden_voice, tiny_lm

@@ -62,6 +62,9 @@ def test_installed_package_is_a_copy_with_its_data(installed) -> None:
     package = Path(out.strip())
     assert package.is_relative_to(installed.parent) and not package.is_relative_to(ROOT)
     assert json.loads((package / "assets" / "personas.json").read_text(encoding="utf-8"))
+    # The page's scripts and styles are files too: a copy without them serves a page that cannot call.
+    shipped = {p.name for p in (package / "assets").iterdir()}
+    assert {p.name for p in (ROOT / "personaplex_demo" / "assets").iterdir()} <= shipped
 
 
 def test_personaplex_live_help_from_another_folder(installed, tmp_path) -> None:

@@ -194,7 +194,7 @@ class CallFigures:
         first = self.first_audio_seconds
         bits = [f"first sound after {first:.2f} s" if first is not None else "no sound from the agent yet"]
         if (p50 := self.latency_ms(0.5)) is not None:
-            # The page's script adds its jitter buffer to the first figure (web/page.py TRIP_SCRIPT).
+            # The page's script adds its jitter buffer to the first figure (assets/round_trip.js).
             bits.append(f"round trip {self.round_trip_ms(p50):.0f} ms{TRIP_PENDING} · the room's share {p50:.0f} ms")
         lost = []
         if (late := self.late_share) is not None:

@@ -5,7 +5,6 @@ default and is named in a notice, which never echoes a value from the link.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ import gradio as gr
 from starlette.responses import PlainTextResponse
 
 from ..errors import CallerError
+from .assets import asset_text
 
 MAX_LINK_CHARS = 2000
 MAX_QUERY_BYTES = 8192  # longer query strings are refused before they reach Gradio (RefuseLongQueries)
@@ -138,56 +138,14 @@ def number_rule(component: gr.components.Component, integer: bool) -> NumberRule
     return NumberRule(float(component.minimum), float(component.maximum), integer)
 
 
-# In the browser: the current controls -> [link, notice]. Built as a string because Gradio runs it as
-# the click's `js`; the presets and the length limit are filled in by `copy_link_js`.
-_COPY_JS = """
-(voice, preset, persona, text_temperature, text_top_k, audio_temperature, audio_top_k, seed) => {
-  const presets = __PRESETS__, limit = __LIMIT__;
-  const base = window.location.origin + window.location.pathname;
-  const head = new URLSearchParams();
-  head.set("voice", voice);
-  const usePreset = Object.prototype.hasOwnProperty.call(presets, preset) && presets[preset] === persona;
-  const tail = new URLSearchParams({text_temperature, text_top_k, audio_temperature, audio_top_k, seed});
-  const link = (text) => {
-    const p = new URLSearchParams(head);
-    if (usePreset) p.set("preset", preset); else p.set("persona", text);
-    return base + "?" + p.toString() + "&" + tail.toString();
-  };
-  let url = link(persona), notice = "";
-  if (!usePreset && url.length > limit) {
-    const chars = Array.from(persona);  // code points: never split a surrogate pair
-    let lo = 0, hi = chars.length;
-    while (lo < hi) {  // the longest prefix that fits
-      const mid = Math.ceil((lo + hi) / 2);
-      if (link(chars.slice(0, mid).join("")).length <= limit) lo = mid; else hi = mid - 1;
-    }
-    url = link(chars.slice(0, lo).join(""));
-    notice = `The persona is too long for a link: it was cut to its first ${lo} of ${chars.length} characters.`;
-  }
-  try { navigator.clipboard.writeText(url).catch(() => {}); } catch (e) { /* no clipboard: the box has it */ }
-  return [url, notice || "Link copied. It sets the voice, the persona and the sampling settings."];
-}
-"""
-
-
 # In the browser, as the page loads: press the hidden button once it is there, only for a link
 # with a query.
-APPLY_LINK_JS = """
-() => {
-  if (window.location.search.length < 2) return;
-  let tries = 0;
-  const press = () => {
-    const button = document.getElementById("apply-link");
-    if (button) button.click();
-    else if (++tries < 50) setTimeout(press, 100);
-  };
-  press();
-}
-"""
+APPLY_LINK_JS = asset_text("apply_link.js")
 
 
 def copy_link_js(presets: Mapping[str, str]) -> str:
-    return _COPY_JS.replace("__PRESETS__", json.dumps(dict(presets))).replace("__LIMIT__", str(MAX_LINK_CHARS))
+    """In the browser: the current controls -> [link, notice]. Gradio runs it as the click's `js`."""
+    return asset_text("copy_link.js", PRESETS=dict(presets), LIMIT=MAX_LINK_CHARS)
 
 
 def add_deep_links(demo: gr.Blocks, controls: Mapping[str, gr.components.Component], rules: LinkRules,
@@ -204,7 +162,7 @@ def add_deep_links(demo: gr.Blocks, controls: Mapping[str, gr.components.Compone
     targets = [controls[name] for name in PARAMS]
     # Only a link with a query raises a server event: the page's script presses this hidden button, whose
     # event reads the query Gradio's client sends with it (docs/serving.md § Visitors and callers).
-    trigger = gr.Button("Apply the link", elem_id="apply-link")  # in the page, never shown (page.py's CSS)
+    trigger = gr.Button("Apply the link", elem_id="apply-link")  # in the page, never shown (assets/page.css)
 
     async def apply(request: gr.Request):
         setup = read_link(request.query_params.multi_items() if request is not None else [], rules)

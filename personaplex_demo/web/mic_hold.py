@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..rtc.patches import receive_audio
+from .assets import page_script
 
 log = logging.getLogger(__name__)
 
@@ -53,51 +54,6 @@ class MicHold:
                 log.debug("could not tell the page to %s its microphone: %s", "hold" if held else "send", exc)
 
 
-# Wraps RTCPeerConnection as the page's other script does (web/page.py TRIP_SCRIPT): each new
+# Wraps RTCPeerConnection as the page's other script does (assets/round_trip.js): each new
 # connection's "text" data channel is listened to for HOLD and SEND.
-MIC_HOLD_SCRIPT = r"""
-<script>
-(() => {
-  const Peer = window.RTCPeerConnection;
-  if (!Peer) return;
-  const HOLD = "__HOLD__", SEND = "__SEND__";
-  window.RTCPeerConnection = function (...args) {
-    const pc = new Peer(...args);
-    const held = new Map();  // audio sender -> its microphone track, while the call waits
-    const hear = async (data) => {
-      let msg;
-      try { msg = JSON.parse(data); } catch { return; }
-      if (!msg || msg.type !== "log") return;
-      if (msg.data === HOLD) {
-        for (const sender of pc.getSenders()) {
-          if (sender.track && sender.track.kind === "audio") {
-            held.set(sender, sender.track);
-            await sender.replaceTrack(null);
-          }
-        }
-      } else if (msg.data === SEND) {
-        for (const [sender, track] of held) {
-          held.delete(sender);
-          if (pc.signalingState !== "closed") await sender.replaceTrack(track);
-        }
-      }
-    };
-    const open = pc.createDataChannel.bind(pc);
-    pc.createDataChannel = (...a) => {
-      const channel = open(...a);
-      channel.addEventListener("message", (e) => hear(e.data));
-      return channel;
-    };
-    const close = pc.close.bind(pc);
-    pc.close = () => {  // fastrtc stops the tracks its senders hold; a held one is ours to stop
-      for (const track of held.values()) track.stop();
-      held.clear();
-      return close();
-    };
-    return pc;
-  };
-  window.RTCPeerConnection.prototype = Peer.prototype;
-  Object.setPrototypeOf(window.RTCPeerConnection, Peer);
-})();
-</script>
-""".replace("__HOLD__", HOLD).replace("__SEND__", SEND)
+MIC_HOLD_SCRIPT = page_script("mic_hold.js", HOLD=HOLD, SEND=SEND)

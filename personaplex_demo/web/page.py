@@ -4,7 +4,6 @@ around fastrtc's `WebRTC` component rather than the generated `Stream.ui`, and `
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from ..runtime.facts import RuntimeFacts
 from ..runtime.personas import load_presets
 from ..runtime.voice_names import DEFAULT_VOICE
 from ..serving.room import Room
+from .assets import asset_text, page_script
 from .call_figures import TRIP_PENDING
 from .deeplink import SEED_RANGE, LinkRules, NumberRule, add_deep_links, number_rule
 from .handler import CallHandler
@@ -35,18 +35,7 @@ from .status import SharedFigures, limited_by, queue_reason, room_line
 DEFAULT_PRESET = "Assistant (teacher)"
 STOP_WAIT_SECONDS = 5.0  # after Stop, how long the page waits for the recording to be written
 
-CSS = """
-#banner {background: #fff4d6; border: 1px solid #e8c36a; border-radius: 8px; padding: 8px 12px; color: #4a3b00;}
-#status-line {font-weight: 600; min-height: 1.6em;}
-#headphones {opacity: 0.85;}
-#stats, #recording-note, #call-figures {font-size: 0.85em; opacity: 0.85;}
-#apply-link {display: none !important;}
-/* A phone's first screen: the call (its control and status line) before the settings, which a
-   shared link has usually set already; on a wide screen the settings stay on the left. */
-@media (max-width: 767px) {  /* where the two columns (320 + 360 px, gaps, margins) no longer fit side by side */
-  #call-column {order: -1;}
-}
-"""
+CSS = asset_text("page.css")
 
 
 @dataclass
@@ -93,47 +82,7 @@ def call_events(demo: gr.Blocks) -> frozenset[int]:
 # The call's round trip as the caller lives it (docs/serving.md § Figures per call): the server's
 # figure is followed by TRIP_PENDING, which this script replaces with the sum including the browser's
 # own jitter buffer (getStats, over the last two seconds).
-TRIP_SCRIPT = r"""
-<script>
-(() => {
-  const Peer = window.RTCPeerConnection;
-  if (!Peer) return;
-  const pcs = [];
-  window.RTCPeerConnection = function (...args) { const pc = new Peer(...args); pcs.push(pc); return pc; };
-  window.RTCPeerConnection.prototype = Peer.prototype;
-  Object.setPrototypeOf(window.RTCPeerConnection, Peer);
-  const PENDING = "__PENDING__";
-  let buffer = null, last = null, watched = null;
-  const show = () => {
-    const el = document.querySelector("#call-figures");
-    if (!el) return;
-    if (el !== watched) {
-      watched = el;
-      new MutationObserver(show).observe(el, {subtree: true, childList: true, characterData: true});
-    }
-    if (buffer === null) return;
-    const walk = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
-    for (let node = walk.nextNode(); node; node = walk.nextNode()) {
-      const m = node.data.match(/round trip (\d+) ms/);
-      if (m && node.data.includes(PENDING))
-        node.data = node.data.replace(m[0] + PENDING,
-          `round trip ${Math.round(+m[1] + buffer)} ms (browser buffer ${Math.round(buffer)} ms)`);
-    }
-  };
-  setInterval(async () => {
-    const pc = pcs.at(-1);
-    if (!pc || pc.connectionState !== "connected") { last = null; return; }
-    (await pc.getStats()).forEach((r) => {
-      if (r.type !== "inbound-rtp" || r.kind !== "audio" || !r.jitterBufferEmittedCount) return;
-      if (last && r.jitterBufferEmittedCount > last[1])
-        buffer = 1e3 * (r.jitterBufferDelay - last[0]) / (r.jitterBufferEmittedCount - last[1]);
-      last = [r.jitterBufferDelay, r.jitterBufferEmittedCount];
-    });
-    show();
-  }, 2000);
-})();
-</script>
-""".replace('"__PENDING__"', json.dumps(TRIP_PENDING))
+TRIP_SCRIPT = page_script("round_trip.js", PENDING=TRIP_PENDING)
 
 
 def page_values(transcript: str, status: str, call_id: str, files=None, figures: str = "") -> tuple[str, ...]:

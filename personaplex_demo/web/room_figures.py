@@ -14,6 +14,7 @@ from starlette.routing import Route
 
 from ..serving.metrics import PoolMetrics
 from ..serving.room import Room
+from .assets import page_script
 from .status import SharedFigures, room_line
 
 REFRESH_SECONDS = 5.0  # how often a visible page asks for the figures
@@ -53,42 +54,4 @@ def room_routes(room: Room) -> list[Route]:
 
 
 # The page's side: ask while visible, back off when refused, write text only.
-ROOM_SCRIPT = r"""
-<script>
-(() => {
-  let every = __REFRESH__ * 1000, timer = null;
-  const show = (parts) => {
-    const el = document.querySelector("#stats .room-figures");
-    if (!el) return;
-    const nodes = [];
-    parts.forEach(([label, text], i) => {
-      if (i) nodes.push(document.createTextNode(" · "));
-      if (label) {
-        const b = document.createElement("strong");
-        b.textContent = label;
-        nodes.push(b, document.createTextNode(" "));
-      }
-      nodes.push(document.createTextNode(text));
-    });
-    el.replaceChildren(...nodes);
-  };
-  const ask = async () => {
-    clearTimeout(timer);
-    if (!document.hidden) {
-      try {
-        const r = await fetch(new URL("api/room", document.baseURI), {cache: "no-store"});
-        if (!r.ok) throw new Error(r.status);
-        const room = await r.json();
-        every = room.refresh_seconds * 1000;
-        show(room.parts);
-      } catch (e) {
-        every = Math.min(every * 2, 60000);  // refused or unreachable: ask less often
-      }
-    }
-    timer = setTimeout(ask, every);
-  };
-  document.addEventListener("visibilitychange", () => { if (!document.hidden) ask(); });
-  timer = setTimeout(ask, every);
-})();
-</script>
-""".replace("__REFRESH__", f"{REFRESH_SECONDS:g}")
+ROOM_SCRIPT = page_script("room_figures.js", REFRESH=REFRESH_SECONDS)

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..call_settings import SamplingParams
-from .core import CoreStep, LockstepCore
-from .prompt import PromptStep, VoiceTokens, prompt_steps, prompt_tokens
+from personaplex_demo.call_settings import SamplingParams
+from personaplex_demo.engine.core import CoreStep, LockstepCore
+from personaplex_demo.engine.prompt import PromptStep, VoiceTokens, prompt_steps, prompt_tokens
 
 
 @dataclass
