@@ -117,7 +117,7 @@ async def test_two_callers_each_get_their_own_audio_and_transcript_and_hang_up_f
         ha, hb = stream.handlers["caller-a"], stream.handlers["caller-b"]
         assert ha.call is not None and hb.call is not None and ha.call.slot != hb.call.slot
         assert ha.packets_in > 20 and hb.packets_in > 20  # the microphone's packets, passed on to the room
-        assert ha.frames_out > 20 and hb.frames_out > 20
+        assert ha.figures.outputs > 20 and hb.figures.outputs > 20
         assert a.samples > 24000 and b.samples > 24000 and a.energy > 0 and b.energy > 0
         # Each caller's transcript comes from its own slot.
         ta = [o[0] for o in outs_a if o and o[0]]
@@ -210,7 +210,7 @@ async def test_a_caller_whose_microphone_hears_the_agent_is_told_to_use_headphon
             await asyncio.gather(collect_outputs(stream, "tone", [], 12.0), collect_outputs(stream, "quiet", [], 12.0))
             clean, quiet = (stream.handlers[k] for k in ("tone", "quiet"))
             assert not clean.echo.detected and not quiet.echo.detected, (clean.echo.summary(), quiet.echo.summary())
-            assert clean.frames_out > 100 and quiet.frames_out > 100
+            assert clean.figures.outputs > 100 and quiet.figures.outputs > 100
             for client in (singing, silent):
                 await client.pc.close()
             await wait_all_free(pool, 5.0)
@@ -392,7 +392,7 @@ async def test_the_page_wiring_status_endpoint_and_downloads(runtime, recordings
     from personaplex_demo.web.page import PageOptions, build_ui, status_routes
 
     pool = SlotPool(runtime.engine, PoolConfig(max_queue=3))
-    demo = build_ui(runtime, pool, PageOptions(max_queue=3), recordings)
+    demo = build_ui(runtime, pool, PageOptions(), recordings)
     rtc = next(b for b in demo.blocks.values() if isinstance(b, WebRTC))
     assert rtc.time_limit is None  # the pool counts the limit from going live, not from connecting
     assert rtc.concurrency_limit == pool.slots_total + 3 + 2

@@ -20,7 +20,7 @@ from personaplex_demo.engine.rows import batch_bucket
 from personaplex_demo.procs.pool_router import PoolRouter
 from personaplex_demo.serving.call import Call
 from personaplex_demo.serving.config import PoolConfig
-from personaplex_demo.serving.headroom import HeadroomConfig, HeadroomPolicy, WaitReason
+from personaplex_demo.serving.headroom import HeadroomPolicy, WaitReason
 from personaplex_demo.serving.loop_lag import ensure_probe, probe
 from personaplex_demo.serving.metrics import PoolMetrics
 from personaplex_demo.serving.pool import SlotPool
@@ -57,7 +57,7 @@ def joined(policy: HeadroomPolicy, calls: int, seconds: float = 40 * MS) -> floa
 
 
 def test_a_caller_alone_is_always_admitted_and_before_any_tick_the_memory_arithmetic_decides():
-    policy = HeadroomPolicy(HeadroomConfig(prior_rows=4))
+    policy = HeadroomPolicy(PoolConfig(headroom_prior_rows=4))
     assert policy.admits(0.0, 0)
     assert [policy.admits(0.0, rows) for rows in (1, 2, 3, 4, 5)] == [True, True, True, False, False]
     # A tick time alone is not trusted yet (fewer than min_samples ticks): still the arithmetic.
@@ -69,7 +69,7 @@ def test_a_caller_alone_is_always_admitted_and_before_any_tick_the_memory_arithm
 
 
 def test_one_more_row_is_admitted_while_its_predicted_tick_fits_with_the_margin():
-    policy = HeadroomPolicy(HeadroomConfig())  # 80 ms budget, 15 % margin: 68 ms
+    policy = HeadroomPolicy(PoolConfig())  # 80 ms budget, 15 % margin: 68 ms
     now = measured(policy, 2, 30 * MS, 0.0)
     # One size known: its cost is shared out per row (30 ms / 2 rows), so 3 rows -> 45 ms.
     assert policy.curve.predict(now, 3) == pytest.approx(45 * MS)
@@ -83,7 +83,7 @@ def test_one_more_row_is_admitted_while_its_predicted_tick_fits_with_the_margin(
 
 
 def test_a_busy_host_stops_admission_and_admission_resumes_when_the_tick_recovers():
-    policy = HeadroomPolicy(HeadroomConfig())
+    policy = HeadroomPolicy(PoolConfig())
     now = measured(policy, 2, 25 * MS, 0.0)
     assert policy.admits(now, 2)
     now = measured(policy, 2, 85 * MS, now, ticks=32)  # the host got busy: same rows, slower ticks
@@ -94,7 +94,7 @@ def test_a_busy_host_stops_admission_and_admission_resumes_when_the_tick_recover
 
 
 def test_a_size_measured_within_budget_is_taken_again_though_a_prediction_would_need_the_margin():
-    policy = HeadroomPolicy(HeadroomConfig())
+    policy = HeadroomPolicy(PoolConfig())
     now = measured(policy, 4, 74 * MS, 0.0)  # 4 rows ran within the 80 ms budget, above 68 ms
     now = measured(policy, 3, 55 * MS, now, ticks=8)  # one of them hung up
     assert policy.admits(now, 3)  # its place is taken again
@@ -104,7 +104,7 @@ def test_a_size_measured_within_budget_is_taken_again_though_a_prediction_would_
 
 
 def test_a_size_not_ticked_at_for_a_while_is_forgotten():
-    policy = HeadroomPolicy(HeadroomConfig(memory_seconds=30.0))
+    policy = HeadroomPolicy(PoolConfig())  # a size is forgotten after 30 s
     now = measured(policy, 3, 90 * MS, 0.0)  # measured while the host was busy
     now = measured(policy, 2, 30 * MS, now)
     assert not policy.admits(now, 2)  # 3 rows measured recently at 90 ms
@@ -114,7 +114,7 @@ def test_a_size_not_ticked_at_for_a_while_is_forgotten():
 
 
 def test_a_lagging_event_loop_holds_admission_until_its_reports_recover_or_age():
-    policy = HeadroomPolicy(HeadroomConfig(media_lag_limit_seconds=0.05, media_lag_memory_seconds=3.0))
+    policy = HeadroomPolicy(PoolConfig(media_lag_limit_seconds=0.05))  # a report counts for 3 s
     now = measured(policy, 1, 10 * MS, 0.0)
     policy.record_media_lag(now, "worker-1", 0.02)
     assert policy.admits(now, 1)
@@ -128,7 +128,7 @@ def test_a_lagging_event_loop_holds_admission_until_its_reports_recover_or_age()
 
 
 def test_shedding_waits_for_a_sustained_overload_then_restarts_its_clock():
-    policy = HeadroomPolicy(HeadroomConfig(shed_after_seconds=3.0))
+    policy = HeadroomPolicy(PoolConfig(shed_after_seconds=3.0))
     now = measured(policy, 4, 120 * MS, joined(policy, 4), ticks=25)  # the mean is over budget for 0.7 s
     assert not policy.shed_due(now, 4)
     now = measured(policy, 4, 120 * MS, now, ticks=30)  # 3.1 s
@@ -143,7 +143,7 @@ def test_shedding_waits_for_a_sustained_overload_then_restarts_its_clock():
 
 
 def test_no_more_calls_are_shed_while_the_last_shed_left_the_ticks_as_long():
-    policy = HeadroomPolicy(HeadroomConfig(shed_after_seconds=3.0))
+    policy = HeadroomPolicy(PoolConfig(shed_after_seconds=3.0))
     now = measured(policy, 4, 100 * MS, joined(policy, 4), ticks=60)
     assert policy.shed_due(now, 4)
     now = measured(policy, 3, 98 * MS, now, ticks=60)  # the host, not the rows: no shorter
@@ -154,7 +154,7 @@ def test_no_more_calls_are_shed_while_the_last_shed_left_the_ticks_as_long():
 
 
 def test_one_short_tick_right_after_a_shed_does_not_end_the_overload():
-    policy = HeadroomPolicy(HeadroomConfig(shed_after_seconds=3.0))
+    policy = HeadroomPolicy(PoolConfig(shed_after_seconds=3.0))
     now = measured(policy, 4, 100 * MS, joined(policy, 4), ticks=60)
     assert policy.shed_due(now, 4)
     now = measured(policy, 3, 40 * MS, now, ticks=1)  # the first tick of the smaller batch, alone, is short
@@ -165,10 +165,10 @@ def test_one_short_tick_right_after_a_shed_does_not_end_the_overload():
 def test_a_call_is_shed_only_when_the_room_one_call_smaller_was_measured_within_budget():
     """The newest call is what pushed the tick over when the room ticked within budget without
     it; a tick that is slow with one call fewer too is the host's doing: nobody is shed."""
-    policy = HeadroomPolicy(HeadroomConfig(shed_after_seconds=3.0))
+    policy = HeadroomPolicy(PoolConfig(shed_after_seconds=3.0))
     now = measured(policy, 4, 100 * MS, joined(policy, 4), ticks=60)  # 3 calls ticked at 40 ms
     assert policy.shed_due(now, 4)
-    host = HeadroomPolicy(HeadroomConfig(shed_after_seconds=3.0))
+    host = HeadroomPolicy(PoolConfig(shed_after_seconds=3.0))
     now = measured(host, 1, 95 * MS, 0.0)  # the host is slow: one call alone is over budget too
     now = measured(host, 2, 100 * MS, now, ticks=60)
     assert not host.shed_due(now, 2)
@@ -178,7 +178,7 @@ def test_a_call_is_shed_only_when_the_room_one_call_smaller_was_measured_within_
 def test_one_more_call_costs_the_rows_it_adds_and_the_room_grows_one_measured_call_at_a_time():
     """Calls step batch buckets of 1, 2, 4, 8 rows: a third call opens the bucket of 4 (two more
     rows), a fourth adds none, a fifth opens the bucket of 8 (four more)."""
-    policy = HeadroomPolicy(HeadroomConfig(), bucket=lambda n: batch_bucket(n, [1, 2, 4, 8]))
+    policy = HeadroomPolicy(PoolConfig(), bucket=lambda n: batch_bucket(n, [1, 2, 4, 8]))
     now = measured(policy, 1, 20 * MS, 0.0)
     now = measured(policy, 2, 30 * MS, now)  # 10 ms a row
     assert policy.curve.predict(now, 3) == pytest.approx(50 * MS)  # 2 more rows
@@ -191,12 +191,12 @@ def test_one_more_call_costs_the_rows_it_adds_and_the_room_grows_one_measured_ca
 
 
 def test_a_short_spike_is_not_an_overload_and_shedding_can_be_turned_off():
-    policy = HeadroomPolicy(HeadroomConfig())
+    policy = HeadroomPolicy(PoolConfig())
     now = measured(policy, 4, 40 * MS, 0.0, ticks=40)
     now = measured(policy, 4, 300 * MS, now, ticks=2)  # a GC pause, a prefill
     now = measured(policy, 4, 40 * MS, now, ticks=40)
     assert not policy.shed_due(now + 10, 4)
-    off = HeadroomPolicy(HeadroomConfig(shed=False))
+    off = HeadroomPolicy(PoolConfig(shed_when_overloaded=False))
     now = measured(off, 4, 150 * MS, 0.0, ticks=200)
     assert not off.shed_due(now, 4)
 
@@ -303,7 +303,7 @@ def test_a_slot_freed_a_moment_ago_is_not_a_lack_of_capacity():
         with pool._lock:
             pool._table.vacate(first.slot)  # between a slot's release and the ticker seating the head
             newcomer = Call(pool._ctx, "NATF0", "p", SamplingParams())
-            pool._admission.place(newcomer, True)
+            pool._table.place(newcomer, True)
         assert (newcomer.state, newcomer.queue_position, newcomer.wait_reason) == ("queued", 2, WaitReason.SLOTS)
         assert pool.snapshot().calls_held_back == 0, admission
 
@@ -445,8 +445,8 @@ class StubEngine:
                  refuses: bool = False) -> None:
         self.name, self.alive, self.slots_total = name, True, 4
         self.config = PoolConfig()
-        self.figures = dataclasses.replace(PoolMetrics(4, 0, 0, queue, 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0.0, 0.0),
-                                        admitting=admitting, headroom_ms=headroom_ms, slots_free=slots_free)
+        self.figures = PoolMetrics(slots_total=4, queue_length=queue, admitting=admitting, headroom_ms=headroom_ms,
+                                   slots_free=slots_free)
         self.refuses = refuses
         self.seats: int | None = None  # refuses once this many calls were seated
         self.asked: list[bool] = []

@@ -132,8 +132,7 @@ def serve(cfg: AppConfig, topology: Topology, rtc: list | None, server_rtc: dict
     remove_stale_recordings()
     # Per-call WAV + transcript for the download buttons, deleted on exit (the media workers' own when there are any).
     recordings = topology.media.recordings if topology.media is not None else RecordingStore()
-    demo = build_ui(runtime, room, PageOptions(time_limit=cfg.time_limit, max_queue=room.config.max_queue or 0,
-                                               rtc_configuration=rtc,
+    demo = build_ui(runtime, room, PageOptions(time_limit=cfg.time_limit, rtc_configuration=rtc,
                                                server_rtc_configuration=server_rtc, notice=notice), recordings)
     if topology.media is not None:
         topology.media.page.attach(webrtc_of(demo))

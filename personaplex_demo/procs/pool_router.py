@@ -34,7 +34,7 @@ NO_ENGINE = EndReason.error("no engine is running")
 def combine_metrics(metrics: list[PoolMetrics]) -> PoolMetrics:
     """One room out of several engines: counts add up, latencies and tick times take the worst."""
     if not metrics:
-        return PoolMetrics(0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0.0, 0.0)
+        return PoolMetrics()
     values: dict[str, Any] = {}
     for f in dataclasses.fields(PoolMetrics):
         column = [getattr(m, f.name) for m in metrics]

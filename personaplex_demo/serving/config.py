@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .headroom import HeadroomConfig
-
 # A caller queued this long is told to come back later (`--max-wait`); the room that keeps the
 # queue (a SlotPool, or the router in front of several engines) ends the call on its own clock.
 DEFAULT_MAX_WAIT_SECONDS = 600.0
@@ -35,11 +33,12 @@ class PoolConfig:
     # Admission (serving/headroom.py): "headroom" seats a caller only while the measured tick has
     # room for one more row; "slots" takes every free slot, whatever the tick costs.
     admission: str = "headroom"
-    headroom_margin: float = 0.15  # share of the tick budget admission keeps free
+    # The share of the tick budget that a predicted (not yet measured) size must leave free.
+    headroom_margin: float = 0.15
     headroom_prior_rows: int | None = None  # rows taken before a tick time is trusted; None: every slot
     media_lag_limit_seconds: float = 0.05  # no admission while a door's event loop lags more than this
     shed_when_overloaded: bool = True  # end the newest call when the tick stays over budget
-    shed_after_seconds: float = 3.0  # ...for this long
+    shed_after_seconds: float = 3.0  # ...for this long (and again after each shed)
 
     def __post_init__(self) -> None:
         if self.admission not in ADMISSIONS:
@@ -49,8 +48,3 @@ class PoolConfig:
     def by_headroom(self) -> bool:
         return self.admission == "headroom"
 
-    def headroom(self) -> HeadroomConfig:
-        return HeadroomConfig(budget_seconds=self.tick_seconds, margin=self.headroom_margin,
-                              prior_rows=self.headroom_prior_rows, media_lag_limit_seconds=self.media_lag_limit_seconds,
-                              shed=self.by_headroom and self.shed_when_overloaded,
-                              shed_after_seconds=self.shed_after_seconds)

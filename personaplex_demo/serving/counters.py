@@ -1,4 +1,4 @@
-"""What the pool counts: per call, for the room, and who sits where."""
+"""What the pool counts: per call, and for the room."""
 
 from __future__ import annotations
 
@@ -37,12 +37,3 @@ class PoolCounters(FrameCounters):
         return dataclasses.replace(self, calls_ended=collections.Counter(self.calls_ended),
                                    calls_started_by_door=collections.Counter(self.calls_started_by_door))
 
-
-@dataclass(frozen=True)
-class SlotCounts:
-    total: int
-    live: int
-    prefill: int
-    free: int
-    queued: int
-    by_door: dict[str, int]  # calls in the room (waiting, preparing or live) by the door they came through

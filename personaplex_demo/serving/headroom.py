@@ -8,9 +8,10 @@ from __future__ import annotations
 import collections
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
+
+from .config import PoolConfig
 
 
 class WaitReason(enum.StrEnum):
@@ -20,39 +21,31 @@ class WaitReason(enum.StrEnum):
     CAPACITY = "the room is at capacity on this machine"  # a slot is free, one more row does not fit
 
 
-@dataclass(frozen=True)
-class HeadroomConfig:
-    budget_seconds: float = 0.08  # one tick
-    margin: float = 0.15  # share of the budget a predicted (not yet measured) size must leave free
-    measured_margin: float = 0.05  # ...and a size measured lately: below the shedding line, so no churn
-    samples_per_size: int = 32  # recent ticks remembered at each batch size (2.5 s of ticks)
-    min_samples: int = 8  # ticks at a size before its figure is trusted
-    memory_seconds: float = 30.0  # a size not ticked at for this long is forgotten (the host changes)
-    prior_rows: int | None = None  # rows admitted before any tick has run; None: every slot
-    media_lag_limit_seconds: float = 0.05  # a door whose event loop lags more than this is not keeping up
-    media_lag_memory_seconds: float = 3.0  # a door's report counts for this long
-    shed: bool = True  # end the newest call when the tick stays over budget
-    shed_after_seconds: float = 3.0  # over budget this long (and again after each shed) before one is shed
+# The measurements' fixed settings; the ones a deployment may change are PoolConfig's.
+MEASURED_MARGIN = 0.05  # share of the budget a size measured lately must leave free: below the shedding line
+SAMPLES_PER_SIZE = 32  # recent ticks remembered at each batch size (2.5 s of ticks)
+MIN_SAMPLES = 8  # ticks at a size before its figure is trusted
+MEMORY_SECONDS = 30.0  # a size not ticked at for this long is forgotten (the host changes)
+MEDIA_LAG_MEMORY_SECONDS = 3.0  # a door's lag report counts for this long
 
 
 class CostCurve:
     """Tick seconds by the number of calls a tick carried, as measured on this machine, priced
     by the rows those calls step (`rows`: the engine's batch bucket of a number of calls)."""
 
-    def __init__(self, config: HeadroomConfig, rows: Callable[[int], int] | None = None) -> None:
-        self.config = config
+    def __init__(self, rows: Callable[[int], int] | None = None) -> None:
         self.rows = rows if rows is not None else (lambda calls: calls)
         self._ticks: dict[int, collections.deque[tuple[float, float]]] = {}  # calls -> (when, seconds)
 
     def record(self, now: float, calls: int, seconds: float) -> None:
-        ticks = self._ticks.setdefault(calls, collections.deque(maxlen=self.config.samples_per_size))
+        ticks = self._ticks.setdefault(calls, collections.deque(maxlen=SAMPLES_PER_SIZE))
         ticks.append((now, seconds))
 
     def measured(self, now: float) -> dict[int, float]:
         """The mean tick time at each number of calls with enough recent ticks."""
-        cfg, out = self.config, {}
+        out = {}
         for calls, ticks in self._ticks.items():
-            if len(ticks) >= cfg.min_samples and now - ticks[-1][0] <= cfg.memory_seconds:
+            if len(ticks) >= MIN_SAMPLES and now - ticks[-1][0] <= MEMORY_SECONDS:
                 out[calls] = float(np.mean([s for _, s in ticks]))
         return out
 
@@ -77,13 +70,15 @@ class CostCurve:
 
 
 class HeadroomPolicy:
-    """The admission and shedding rules. Not thread-safe: the pool holds its lock around every call."""
+    """The admission and shedding rules, by `PoolConfig`'s headroom settings (its tick is the budget).
+    Not thread-safe: the pool holds its lock around every call."""
 
-    def __init__(self, config: HeadroomConfig, bucket: Callable[[int], int] | None = None) -> None:
+    def __init__(self, config: PoolConfig, bucket: Callable[[int], int] | None = None) -> None:
         self.config = config
+        self.budget = config.tick_seconds
         # The batch a tick of n calls steps (the engine's buckets); n itself where it steps every call.
-        self.curve = CostCurve(config, bucket)
-        self._recent: collections.deque[float] = collections.deque(maxlen=config.samples_per_size)
+        self.curve = CostCurve(bucket)
+        self._recent: collections.deque[float] = collections.deque(maxlen=SAMPLES_PER_SIZE)
         self._lags: dict[str, tuple[float, float]] = {}  # door -> (when, lag seconds)
         self._over_since: float | None = None
         self._shed_at: float | None = None  # the recent tick time when the last call was shed
@@ -94,14 +89,14 @@ class HeadroomPolicy:
         """One tick that carried `calls` live calls took `seconds`."""
         self.curve.record(now, calls, seconds)
         self._recent.append(seconds)
-        if self.recent() > self.config.budget_seconds:
+        if self.recent() > self.budget:
             if self._over_since is None:
                 self._over_since = now
         else:
             self._over_since = None
             # The overload is over only once the ticks since the last shed are enough to trust:
             # right after a shed one short tick is all there is, and it would reset the guard.
-            if len(self._recent) >= self.config.min_samples:
+            if len(self._recent) >= MIN_SAMPLES:
                 self._shed_at = None
 
     def record_media_lag(self, now: float, source: str, seconds: float) -> None:
@@ -114,8 +109,8 @@ class HeadroomPolicy:
 
     def media_lag(self, now: float) -> float:
         """The worst lag any door reported lately."""
-        keep = self.config.media_lag_memory_seconds
-        return max((lag for when, lag in self._lags.values() if now - when <= keep), default=0.0)
+        recent = (lag for when, lag in self._lags.values() if now - when <= MEDIA_LAG_MEMORY_SECONDS)
+        return max(recent, default=0.0)
 
     # ---- decisions -----------------------------------------------------------------------------
 
@@ -127,31 +122,30 @@ class HeadroomPolicy:
             return False
         figures = self.curve.measured(now)
         if not figures:  # nothing trusted yet: the memory arithmetic's count
-            prior = self.config.prior_rows
+            prior = self.config.headroom_prior_rows
             return prior is None or rows < prior
-        budget = self.config.budget_seconds
-        if self.recent() > budget:
+        if self.recent() > self.budget:
             return False
         # A size ticked at lately, within the budget, is taken again as it was (a call ended, a
         # waiting one takes its place); a size not measured is predicted, and needs the margin.
         known = figures.get(rows + 1)
         if known is not None:
-            return known <= budget * (1.0 - self.config.measured_margin)
+            return known <= self.budget * (1.0 - MEASURED_MARGIN)
         predicted = self.curve.predict(now, rows + 1, figures)
-        return predicted is not None and predicted <= budget * (1.0 - self.config.margin)
+        return predicted is not None and predicted <= self.budget * (1.0 - self.config.headroom_margin)
 
     def headroom(self, now: float, rows: int) -> float:
         """Seconds of the budget left if one more call joined `rows` (negative: over), for the gauge."""
         recent = self.recent()
         predicted = self.curve.predict(now, rows + 1) if rows else None
-        return self.config.budget_seconds - max(recent if predicted is None else predicted, recent)
+        return self.budget - max(recent if predicted is None else predicted, recent)
 
     def shed_due(self, now: float, live: int) -> bool:
         """True when the ticks have been over budget for `shed_after_seconds` with more than one call
         live and the room one call smaller fits; the clock then restarts. Not again while the last
         shed left the ticks as long as they were (less than 5 % shorter): then the host is the cost."""
         cfg = self.config
-        if not cfg.shed or live <= 1 or self._over_since is None:
+        if not (cfg.by_headroom and cfg.shed_when_overloaded) or live <= 1 or self._over_since is None:
             return False
         if now - self._over_since < cfg.shed_after_seconds or not self.one_fewer_fits(now, live):
             return False
@@ -165,4 +159,4 @@ class HeadroomPolicy:
     def one_fewer_fits(self, now: float, live: int) -> bool:
         """The room one call smaller ticked lately within the budget, with a measured size's margin."""
         cost = self.curve.measured(now).get(live - 1)
-        return cost is not None and cost <= self.config.budget_seconds * (1.0 - self.config.measured_margin)
+        return cost is not None and cost <= self.budget * (1.0 - MEASURED_MARGIN)

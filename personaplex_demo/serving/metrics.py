@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .counters import PoolCounters, SlotCounts
+from .counters import PoolCounters
 
 TickListener = Callable[[float, list[float]], None]  # (tick seconds, latencies of the frames it stepped)
 
@@ -23,38 +23,27 @@ LATENCY_WINDOW = 8192
 
 
 @dataclass
-class PoolMetrics:
-    slots_total: int
-    slots_live: int
-    slots_prefill: int
-    queue_length: int
-    ticks: int
-    overruns: int
-    tick_p50_ms: float
-    tick_p99_ms: float
-    realtime_factor: float  # mean tick compute / tick budget
-    underruns: int
-    input_drops: int
-    output_drops: int
-    latency_p50_ms: float  # frame pushed -> matching output frame available
-    latency_p99_ms: float
-    # Additions to the shared contract:
+class PoolMetrics(PoolCounters):
+    """The room's figures now: its counters (their two Counters as plain dicts here), and these."""
+
+    slots_total: int = 0
+    slots_live: int = 0
+    slots_prefill: int = 0
     slots_free: int = 0  # not held by any call; a slot whose call just ended is held until end_session
+    queue_length: int = 0
+    ticks: int = 0
+    tick_p50_ms: float = 0.0
+    tick_p99_ms: float = 0.0
+    realtime_factor: float = 0.0  # mean tick compute / tick budget
+    latency_p50_ms: float = 0.0  # frame pushed -> matching output frame available
+    latency_p99_ms: float = 0.0
     added_latency_p50_ms: float = 0.0  # the same latency minus the engine.step time of its tick
     added_latency_p99_ms: float = 0.0
-    resyncs: int = 0  # times the ticker fell more than `resync_after_seconds` behind and skipped ahead
-    engine_errors: int = 0  # exceptions from engine.step / start_session
-    calls_started: int = 0  # calls that went live
-    calls_refused: int = 0  # PoolFullError raised
-    calls_held_back: int = 0  # calls that waited with a slot free, for lack of headroom in the tick
     headroom_ms: float = 0.0  # tick budget left with one more call (negative: over); serving/headroom.py
     admitting: int = 0  # 1 while a new caller would be seated now (summed: engines taking calls)
     media_lag_ms: float = 0.0  # the worst event-loop lag a door reported lately
-    # Calls ended, by reason: hangup, idle, time_limit, queue_timeout, shutdown, error (any "error: ...").
-    calls_ended: dict[str, int] = dataclasses.field(default_factory=dict)
-    # By the door a call came through (a label: serving/room.py): calls in the room now, calls gone live.
+    # Calls in the room now (waiting, preparing or live), by the door they came through (serving/room.py).
     calls_by_door: dict[str, int] = dataclasses.field(default_factory=dict)
-    calls_started_by_door: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float | int]:
         return dataclasses.asdict(self)
@@ -108,7 +97,15 @@ class PoolWindows:
 
 
 @dataclass(frozen=True)
-class AdmissionFigures:
+class TableFigures:
+    """Who sits where (`SlotTable.figures`), and whether one more caller would be seated now."""
+
+    total: int
+    live: int
+    prefill: int
+    free: int
+    queued: int
+    by_door: dict[str, int]  # calls in the room (waiting, preparing or live) by the door they came through
     headroom_ms: float
     admitting: int
     media_lag_ms: float
@@ -120,14 +117,13 @@ class WindowSample:
     latencies: np.ndarray
     added: np.ndarray
 
-    def metrics(self, slots: SlotCounts, counters: PoolCounters, tick_count: int, tick_seconds: float,
-                admission: AdmissionFigures) -> PoolMetrics:
+    def metrics(self, slots: TableFigures, counters: PoolCounters, tick_count: int, tick_seconds: float
+                ) -> PoolMetrics:
         def ms(values: np.ndarray, q: float) -> float:
             return float(np.percentile(values, q) * 1e3) if values.size else 0.0
 
-        fields = dataclasses.asdict(counters)
-        fields["calls_ended"] = dict(counters.calls_ended)
-        fields["calls_started_by_door"] = dict(counters.calls_started_by_door)
+        fields = {**vars(counters), "calls_ended": dict(counters.calls_ended),
+                  "calls_started_by_door": dict(counters.calls_started_by_door)}
         ticks, lat, added = self.ticks, self.latencies, self.added
         return PoolMetrics(
             slots_total=slots.total, slots_live=slots.live, slots_prefill=slots.prefill, slots_free=slots.free,
@@ -136,5 +132,6 @@ class WindowSample:
             realtime_factor=float(ticks.mean() / tick_seconds) if ticks.size else 0.0,
             latency_p50_ms=ms(lat, 50), latency_p99_ms=ms(lat, 99),
             added_latency_p50_ms=ms(added, 50), added_latency_p99_ms=ms(added, 99),
-            **dataclasses.asdict(admission), **fields,
+            headroom_ms=slots.headroom_ms, admitting=slots.admitting, media_lag_ms=slots.media_lag_ms,
+            **fields,
         )

@@ -9,7 +9,6 @@ import threading
 from typing import TYPE_CHECKING
 
 from ..call_settings import SamplingParams
-from .admission import Admission
 from .call import Call, CallContext
 from .clock import Clock, RealClock
 from .config import PoolConfig
@@ -39,12 +38,11 @@ class SlotPool:
         self._lock = threading.Lock()
         self._counters = PoolCounters()
         self._ctx = CallContext(self._lock, self._clock, config, self._counters, self.frame_size, self._end_call)
-        self._table = SlotTable(int(engine.batch_size))
+        self._table = SlotTable(int(engine.batch_size), config, self._clock, self._counters, engine.bucket)
         self.closed = False  # after shutdown: no new calls
         self._thread: threading.Thread | None = None
         self._windows = PoolWindows()
-        self._admission = Admission(config, self._clock, self._table, self._counters, engine.bucket)
-        self.ticker = Ticker(engine, self._ctx, self._table, self._admission, self._windows, self.snapshot)
+        self.ticker = Ticker(engine, self._ctx, self._table, self._windows, self.snapshot)
 
     @property
     def slots_total(self) -> int:
@@ -99,7 +97,7 @@ class SlotPool:
         with self._lock:
             if self.closed:
                 raise PoolClosedError("the pool has been shut down; no new calls are taken")
-            self._admission.place(call, queue)  # or PoolFullError
+            self._table.place(call, queue)  # or PoolFullError
             where = (f"slot {call.slot}" if call.slot is not None
                      else f"queued at position {call.queue_position} ({call.wait_reason})")
         logger.info("call %s (%s): %s, voice %s", call.id, door, where, voice)
@@ -108,7 +106,7 @@ class SlotPool:
     def report_media_lag(self, seconds: float, source: str = "local") -> None:
         """A door's event loop ran up to `seconds` late lately; admission waits while it lags."""
         with self._lock:
-            self._admission.record_media_lag(source, seconds)
+            self._table.policy.record_media_lag(self._clock.monotonic(), source, seconds)
 
     def _end_call(self, call: Call, reason: str) -> None:
         """`Call.release`: end it under the lock; the ticker frees its slot."""
@@ -124,8 +122,7 @@ class SlotPool:
 
     def snapshot(self) -> PoolMetrics:
         with self._lock:
-            slots = self._table.counts()
+            slots = self._table.figures()
             counters = self._counters.copy()
             sample, ticks = self._windows.sample(), self.ticker.ticks
-            admission = self._admission.figures(slots.free)
-        return sample.metrics(slots, counters, ticks, self.config.tick_seconds, admission)
+        return sample.metrics(slots, counters, ticks, self.config.tick_seconds)

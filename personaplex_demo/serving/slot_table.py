@@ -1,6 +1,7 @@
-"""Who holds which slot, and who waits for one: the slot pool's seating, without the ticking.
-Whether one more row fits is the caller's question (`fits`, serving/headroom.py): a free slot is
-necessary, not enough. Not thread-safe: the pool holds its lock around every use.
+"""Who holds which slot, who waits for one and why, and whom to shed: the slot pool's seating, without
+the ticking. A free slot is necessary, not enough: with admission by headroom, one more row must also fit
+the measured tick (`HeadroomPolicy`, serving/headroom.py). Not thread-safe: the pool holds its lock around
+every use, so a decision and the seating it leads to happen together.
 """
 
 from __future__ import annotations
@@ -11,17 +12,26 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from .call import Call
-from .counters import SlotCounts
-from .headroom import WaitReason
-from .room import CallState
-
-Fits = Callable[[int], bool]  # may one more call join this many rows held?
+from .clock import Clock
+from .config import PoolConfig
+from .counters import PoolCounters
+from .headroom import HeadroomPolicy, WaitReason
+from .metrics import TableFigures
+from .room import CallState, PoolFullError
 
 
 class SlotTable:
-    def __init__(self, slots: int) -> None:
+    """`bucket`: the batch the engine steps for a number of calls (LockstepEngine.bucket), by which the
+    headroom curve prices one more call; None where the engine steps every call as a row."""
+
+    def __init__(self, slots: int, config: PoolConfig, clock: Clock, counters: PoolCounters,
+                 bucket: Callable[[int], int] | None = None) -> None:
         self.slots: list[Call | None] = [None] * slots
         self.queue: collections.deque[Call] = collections.deque()
+        self.config = config
+        self.policy = HeadroomPolicy(config, bucket)
+        self._clock = clock
+        self._counters = counters
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -39,18 +49,29 @@ class SlotTable:
     def _free(self) -> int | None:
         return next((i for i, occupant in enumerate(self.slots) if occupant is None), None)
 
-    def admit(self, call: Call, may_queue: bool, max_queue: int | None, fits: Fits) -> bool:
-        """Seat `call` on a free slot if one more row fits, else queue it; False if neither is allowed.
-        Newcomers never jump the queue, even if a slot is free for an instant."""
+    def fits(self) -> bool:
+        """May one more call join the rows held? With admission by slots: always."""
+        return not self.config.by_headroom or self.policy.admits(self._clock.monotonic(), self.rows_held)
+
+    def place(self, call: Call, may_queue: bool) -> None:
+        """Seat `call` on a free slot if one more row fits, else queue it; PoolFullError when the queue is
+        full (`may_queue=False`: when it would wait). Newcomers never jump the queue, even if a slot is
+        free for an instant."""
         free = self._free()
-        if free is not None and not self.queue and fits(self.rows_held):
+        if free is not None and not self.queue and self.fits():
             self._seat(free, call)
-            return True
-        if not may_queue or (max_queue is not None and len(self.queue) >= max_queue):
-            return False
-        self.queue.append(call)
-        call.set_queue_position(len(self.queue), self.wait_reason(fits))
-        return True
+            return
+        cause, max_queue = self.wait_reason(), self.config.max_queue
+        if may_queue and (max_queue is None or len(self.queue) < max_queue):
+            self.queue.append(call)
+            call.set_queue_position(len(self.queue), cause)
+            self._count_held_back()
+            return
+        why = cause if cause == WaitReason.CAPACITY else f"all {len(self.slots)} slots busy"
+        if not may_queue:
+            raise PoolFullError(why, cause)
+        self._counters.calls_refused += 1
+        raise PoolFullError(f"{why} and the queue of {max_queue} is full; try again in a minute", cause)
 
     def end(self, call: Call, reason: str) -> bool:
         """End `call` (`Call.end`); a queued call leaves the queue. False if it had already ended."""
@@ -89,15 +110,18 @@ class SlotTable:
     def vacate(self, slot: int) -> None:
         self.slots[slot] = None
 
-    def seat_waiting(self, fits: Fits) -> list[Call]:
+    def seat_waiting(self) -> list[Call]:
         """Seat the queue's head on free slots while one more row fits; the rest learn their new place
         and why they wait. The calls seated, in order."""
+        if not self.queue:
+            return []
         seated = []
-        while self.queue and (free := self._free()) is not None and fits(self.rows_held):
+        while self.queue and (free := self._free()) is not None and self.fits():
             head = self.queue.popleft()
             self._seat(free, head)
             seated.append(head)
-        self._renumber(self.wait_reason(fits))
+        self._renumber(self.wait_reason())
+        self._count_held_back()
         return seated
 
     def _seat(self, slot: int, call: Call) -> None:
@@ -108,19 +132,36 @@ class SlotTable:
         """Seated calls whose prompt nobody plays yet, in slot order (`Call.claim_prefill` claims one)."""
         return [(s, c) for s, c in enumerate(self.slots) if c is not None and c.prefill_waiting]
 
-    def wait_reason(self, fits: Fits) -> WaitReason:
+    def wait_reason(self) -> WaitReason:
         """CAPACITY only when a slot is free and one more row does not fit (a slot freed a moment ago,
         before the ticker seats the head, is not that)."""
-        return WaitReason.CAPACITY if self._free() is not None and not fits(self.rows_held) else WaitReason.SLOTS
+        return WaitReason.CAPACITY if self._free() is not None and not self.fits() else WaitReason.SLOTS
 
     def _renumber(self, reason: WaitReason | None = None) -> None:
         """Queue positions from 1; each keeps its reason unless one is given."""
         for position, waiting in enumerate(self.queue, start=1):
             waiting.set_queue_position(position, reason or waiting.wait_reason or WaitReason.SLOTS)
 
-    def counts(self) -> SlotCounts:
-        states = [c.state for c in self.slots if c is not None]
+    def _count_held_back(self) -> None:
+        """Count each queued call once, the first time it waits with a slot free."""
+        for call in self.queue:
+            if call.wait_reason == WaitReason.CAPACITY and not call.held_back:
+                call.held_back = True
+                self._counters.calls_held_back += 1
+
+    def to_shed(self) -> Call | None:
+        """The call to end now because the room is overloaded: the newest live one, or None."""
+        live = [c for _, c in self.seated(CallState.LIVE)]
+        if not self.policy.shed_due(self._clock.monotonic(), len(live)):
+            return None
+        return max(live, key=lambda c: c.live_since or 0.0)
+
+    def figures(self) -> TableFigures:
+        now, states = self._clock.monotonic(), [c.state for c in self.slots if c is not None]
+        free = len(self.slots) - len(states)
         by_door = collections.Counter(c.door for c in self.everyone() if c.state != CallState.ENDED)
-        return SlotCounts(total=len(self.slots), live=states.count(CallState.LIVE),
-                          prefill=states.count(CallState.PREFILL), free=len(self.slots) - len(states),
-                          queued=len(self.queue), by_door=dict(by_door))
+        return TableFigures(total=len(self.slots), live=states.count(CallState.LIVE),
+                            prefill=states.count(CallState.PREFILL), free=free, queued=len(self.queue),
+                            by_door=dict(by_door), admitting=int(free > 0 and self.fits()),
+                            headroom_ms=self.policy.headroom(now, self.rows_held) * 1e3,
+                            media_lag_ms=self.policy.media_lag(now) * 1e3)

@@ -1,22 +1,21 @@
 """The slot pool's ticker: the one thread that calls the engine (docs/serving.md § Pacing). Between
 two batched steps it ends and sheds calls, recycles ended slots (`end_session` before a slot is
-reused), seats the queue's head and runs prefills (`start_session`).
+reused), seats the queue's head and runs prefills (`start_session`), at most one uncached prompt per
+gap (docs/engine.md § CUDA graphs).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .admission import Admission
 from .call import Call, CallContext
 from .metrics import PoolMetrics, PoolWindows, tell_listeners
 from .pacing import TickPacer
-from .prefill import gap_prefills
 from .room import CallState, EndReason, SlotOutput
 from .slot_table import SlotTable
 
@@ -37,15 +36,14 @@ def _checked_step(engine: LockstepEngine, pcm: np.ndarray) -> tuple[np.ndarray, 
 
 class Ticker:
     """Steps the pool's live calls and moves calls between states; shares the pool's lock, table,
-    counters, windows and admission. `snapshot`: the pool's figures, for the periodic summary log."""
+    counters and windows. `snapshot`: the pool's figures, for the periodic summary log."""
 
-    def __init__(self, engine: LockstepEngine, ctx: CallContext, table: SlotTable, admission: Admission,
-                 windows: PoolWindows, snapshot: Callable[[], PoolMetrics]) -> None:
+    def __init__(self, engine: LockstepEngine, ctx: CallContext, table: SlotTable, windows: PoolWindows,
+                 snapshot: Callable[[], PoolMetrics]) -> None:
         self.engine = engine
         self._ctx = ctx
         self._lock, self._clock, self.config = ctx.lock, ctx.clock, ctx.config
         self._table = table
-        self._admission = admission
         self._windows = windows
         self._snapshot = snapshot
         self.pacer = TickPacer(self._clock, self.config.tick_seconds, self.config.catch_up_gap_seconds,
@@ -125,7 +123,7 @@ class Ticker:
                 if call.deliver(SlotOutput(out_pcm[slot].copy(), texts[slot], self.ticks, lag)) and lag is not None:
                     latencies.append(lag)
             self._windows.add_tick(now - start, latencies, step_seconds)
-            self._admission.policy.record_tick(now, len(rows), now - start)
+            self._table.policy.record_tick(now, len(rows), now - start)
         tell_listeners(self._windows.listeners, [(now - start, latencies)])
         return len(rows)
 
@@ -140,11 +138,11 @@ class Ticker:
 
     def _expire(self) -> None:
         """End the calls that `Call.expiry` says must go, and the newest one when the tick has stayed
-        over budget (`Admission.to_shed`): those who came first keep real time."""
+        over budget (`SlotTable.to_shed`): those who came first keep real time."""
         now = self._clock.monotonic()
         with self._lock:
             ending = [(c, r) for c in self._table.everyone() if (r := c.expiry(now)) is not None]
-            if (newest := self._admission.to_shed()) is not None:
+            if (newest := self._table.to_shed()) is not None:
                 ending.append((newest, EndReason.OVERLOADED))
             for call, reason in ending:
                 self._table.end(call, reason)
@@ -167,14 +165,14 @@ class Ticker:
             with self._lock:
                 self._table.vacate(slot)
         with self._lock:
-            seated = self._admission.seat_waiting()  # empty after shutdown: it ended the queue
+            seated = self._table.seat_waiting()  # empty after shutdown: it ended the queue
         for call in seated:
             logger.info("call %s: slot %d (from the queue)", call.id, call.slot)
 
     def _run_prefills(self) -> None:
-        """Prefill waiting slots, one after another (`prefill.gap_prefills` says which and how many)."""
+        """Prefill waiting slots, one after another (`_gap_prefills` says which and how many)."""
         clock = self._clock
-        for slot, call, cold in gap_prefills(self._table, self._lock, self.engine.prefix_cached, clock, self.config):
+        for slot, call, cold in self._gap_prefills():
             self._engine_active[slot] = True
             began = clock.monotonic()
             try:
@@ -188,6 +186,38 @@ class Ticker:
                 if live:
                     logger.info("call %s live on slot %d (prefill %.3f s, cold %s)", call.id, slot, now - began, cold)
             self.free_ended_slots()  # a release during prefill, or a failure, frees the slot now
+
+    def _gap_prefills(self) -> Iterator[tuple[int, Call, bool]]:
+        """The prefills of one gap between ticks, each claimed as it is due: until the gap's budget is
+        spent (the first runs whatever the budget), at most `cold_prefills_per_gap` of them cold, so
+        that callers arriving together go live on successive ticks instead of one overrun."""
+        budget_end = self._clock.monotonic() + self.config.prefill_budget_seconds
+        ran = cold_ran = 0
+        limit = self.config.cold_prefills_per_gap
+        while not ran or self._clock.monotonic() < budget_end:
+            pending = self._next_prefill(not limit or cold_ran < limit)
+            if pending is None:
+                return
+            ran, cold_ran = ran + 1, cold_ran + pending[2]
+            yield pending
+
+    def _next_prefill(self, cold_allowed: bool) -> tuple[int, Call, bool] | None:
+        """The next slot to prefill, claimed (`Call.claim_prefill`), and whether its prompt must be
+        computed (cold); a cold one only where `cold_allowed`. The prefix cache is asked outside the
+        lock: it tokenizes the persona."""
+        with self._lock:
+            waiting = self._table.waiting_prefills()
+        for slot, call in waiting:
+            try:
+                cold = not self.engine.prefix_cached(call.voice, call.persona)
+            except Exception:  # start_session will say what is wrong with the request
+                cold = True
+            if cold and not cold_allowed:
+                continue
+            with self._lock:
+                if call.claim_prefill():
+                    return slot, call, cold
+        return None
 
     def _maybe_log_summary(self) -> None:
         if self._clock.monotonic() - self._last_summary >= self.config.summary_log_seconds:

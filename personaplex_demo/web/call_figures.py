@@ -4,9 +4,12 @@ room's latency for this call, and the audio lost or late on the way (docs/servin
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -91,7 +94,7 @@ class CallFigures:
         self.input_drops = 0  # input frames the room dropped (too many waiting, or a resync)
         self.packets: PacketCounts | None = None
         self._packets_at: float | None = None  # when the packet counts were last asked for
-        self._reading = False
+        self._reading: asyncio.Task | None = None  # also a reference, so it is not collected mid-read
         self._shown_at: float | None = None
         self.shown = ""  # the line the page shows
         self._shown_shape: tuple[bool, ...] = ()
@@ -116,20 +119,19 @@ class CallFigures:
             return True
         return False
 
-    def packets_due(self, now: float) -> bool:
-        """Whether to read the packet counts now: with the first output, then every FIGURES_SECONDS."""
-        if self._reading or (self._packets_at is not None and now - self._packets_at < FIGURES_SECONDS - 1.0):
-            return False
+    def read_packets_soon(self, peers: Callable[[str], Any] | None, webrtc_id: str | None,
+                          now: float) -> None:
+        """With the first output, then every FIGURES_SECONDS: read the packet counts of the call's aiortc
+        peer (`peers(webrtc_id)`) into `packets`, in the background."""
+        if not (peers and webrtc_id) or (self._reading is not None and not self._reading.done()) or (
+                self._packets_at is not None and now - self._packets_at < FIGURES_SECONDS - 1.0):
+            return
         self._packets_at = now
-        return True
+        if pc := peers(webrtc_id):
+            self._reading = asyncio.create_task(self._read_packets(pc))
 
-    async def refresh_packets(self, pc) -> None:
-        """Read the packet counts of `pc` (aiortc) into `packets`."""
-        self._reading = True
-        try:
-            self.packets = await read_packets(pc) or self.packets
-        finally:
-            self._reading = False
+    async def _read_packets(self, pc) -> None:
+        self.packets = await read_packets(pc) or self.packets
 
     # ---- what they add up to -------------------------------------------------------------------
 

@@ -1,10 +1,6 @@
-"""Is the agent coming back through the caller's microphone? (docs/serving.md § Speaker echo)
-
-Per call, the loudness (dB per 20 ms, one Opus frame: a codec keeps each frame's energy, if not the
-waveform) of the agent audio sent and of the microphone audio received is correlated once a second, at
-delays of up to a second. The agent coming back correlates highly at one steady delay; the caller's own
-voice wanders from delay to delay, and a steady tone or silence is not judged (cost: bench/echo.py).
-"""
+"""Is the agent coming back through the caller's microphone? (docs/serving.md § Speaker echo; cost:
+bench/echo.py). The loudness of the audio sent and received correlates highly at one steady delay; the
+caller's voice wanders."""
 
 from __future__ import annotations
 

@@ -109,13 +109,11 @@ class CallHandler(AsyncStreamHandler):
         self.transcript = ""
         self.packets_in = 0
         self.mic = MicHold()
-        self.frames_out = 0
         self._input = InputResampler(SAMPLE_RATE)
         self._started = asyncio.Event()  # set when STARTING is over
         self._throttle = PageThrottle()
         self.echo = EchoDetector()
         self.figures = CallFigures(time.monotonic())  # fastrtc copies the template as the offer comes
-        self._packets_task: asyncio.Task | None = None  # a reference, so it is not collected mid-read
 
     def copy(self) -> CallHandler:
         return CallHandler(self.room, self.recordings, model_name=self.model_name, peers=self.peers,
@@ -223,12 +221,10 @@ class CallHandler(AsyncStreamHandler):
 
     def _output(self, out: SlotOutput):
         """One agent frame for fastrtc, with a page update when one is due."""
-        self.frames_out += 1
         now = time.monotonic()
         if self.figures.output(out, now):
             log.info("call %s: first sound %s", self.call_id, self.figures.first_sound_text())
-        if self.peers and self.webrtc_id and self.figures.packets_due(now) and (pc := self.peers(self.webrtc_id)):
-            self._packets_task = asyncio.create_task(self.figures.refresh_packets(pc))
+        self.figures.read_packets_soon(self.peers, self.webrtc_id, now)
         self.echo.agent.add(out.pcm, now)
         warned = self.echo.detected
         if self.echo.check(now) and not warned:
@@ -259,19 +255,24 @@ class CallHandler(AsyncStreamHandler):
         the data channel) send the final status and the downloads, then CloseStream."""
         self.phase = Phase.ENDED  # until the final update below is on its way
         self.door_call.hang_up(reason)
-        rec = self.recording
-        if rec is not None and (writing := rec.finish_soon(reason, self._final_meta())) is not None:
+        if (writing := self._finish_recording(reason)) is not None:
             await writing
-        files = None if rec is None else rec.files
+        files = None if self.recording is None else self.recording.files
         log.info("call %s ended: %s", self.call_id, message)
         if self.channel is None:
             return CloseStream(message)  # nobody to show a final update to
-        paths = (str(files.wav), str(files.transcript)) if files is not None else None
-        final = (self.transcript, f"Call ended: {message}", self.call_id, paths, self.figures.line())
-        if self.webrtc_id is not None:
-            self.final_updates.put(self.webrtc_id, final)
+        paths = tuple(map(str, files)) if files is not None else None
+        final = self._final_update(f"Call ended: {message}", paths)
         self.phase, self.close_message = Phase.CLOSING, message
         return AdditionalOutputs(*final)
+
+    def _final_update(self, status: str, paths: tuple[str, str] | None = None) -> tuple:
+        """The call's last page update, kept for the page's relay (FinalUpdates) where the connection
+        is known."""
+        final = (self.transcript, status, self.call_id, paths, self.figures.line())
+        if self.webrtc_id is not None:
+            self.final_updates.put(self.webrtc_id, final)
+        return final
 
     # ---- hang-up ----------------------------------------------------------------------------
 
@@ -280,21 +281,18 @@ class CallHandler(AsyncStreamHandler):
         if self.call is not None:
             self.door_call.hang_up()
             log.info("call %s: closed after %d packets in, %d frames out, %d decoded while waiting", self.call_id,
-                     self.packets_in, self.frames_out, self.mic.decoded_held)
+                     self.packets_in, self.figures.outputs, self.mic.decoded_held)
         if self.phase not in (Phase.CLOSING, Phase.CLOSED):  # no final update went to the page yet
             self.phase = Phase.ENDED
             if self.webrtc_id is not None:
                 # The page's relay delivers the updates still queued at the close; this one comes
                 # last, so a late "Live" status cannot overwrite the end of the call.
-                self.final_updates.put(self.webrtc_id, (self.transcript,
-                                                        f"Call ended · {room_line(self.room_figures.get())}",
-                                                        self.call_id, None, self.figures.line()))
+                self._final_update(f"Call ended · {room_line(self.room_figures.get())}")
         self._finish_recording(EndReason.HANGUP)
 
-    def _finish_recording(self, reason: str) -> None:
-        if self.recording is not None:
-            self.recording.finish_soon(reason, self._final_meta())
-
-    def _final_meta(self) -> dict:
-        """What the transcript JSON learns of the call only at its end."""
-        return {"speaker_echo": self.echo.summary(), "call_figures": self.figures.as_dict()}
+    def _finish_recording(self, reason: str) -> asyncio.Future | None:
+        """Write the recording with what its transcript JSON learns only at the end (`finish_soon`)."""
+        if self.recording is None:
+            return None
+        return self.recording.finish_soon(reason, {"speaker_echo": self.echo.summary(),
+                                                   "call_figures": self.figures.as_dict()})

@@ -1,9 +1,6 @@
-"""A waiting caller's microphone, held: while a call waits in the queue nothing of its audio is heard,
-so the page stops sending it and the server stops decoding it (docs/serving.md § The room contract).
-The handler says `HOLD` or `SEND` as a fastrtc "log" data-channel message (fastrtc's page ignores it);
-`MIC_HOLD_SCRIPT` takes the microphone off the sender (no RTP at all), and the server switches the
-peer's audio receiver off meanwhile (rtc/patches.py `receive_audio`) for a client that sends anyway.
-"""
+"""A waiting caller's microphone, held: nothing of its audio is heard, so the page stops sending it and
+the server stops decoding it (docs/serving.md § The room contract). The handler says `HOLD` or `SEND` as
+a fastrtc "log" data-channel message, which fastrtc's page ignores and `MIC_HOLD_SCRIPT` acts on."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from .deeplink import SEED_RANGE, LinkRules, NumberRule, add_deep_links, number_
 from .handler import CallHandler
 from .mic_hold import MIC_HOLD_SCRIPT
 from .page_inputs import PageInputs
-from .recording import RecordingStore
+from .recording import RecordingFiles, RecordingStore
 from .room_figures import ROOM_SCRIPT, figures_html, room_routes
 from .status import SharedFigures, limited_by, queue_reason, room_line
 
@@ -41,7 +41,6 @@ CSS = asset_text("page.css")
 @dataclass
 class PageOptions:
     time_limit: float | None = 300.0  # per call, counted by the pool from the moment it is live
-    max_queue: int = 32  # callers that may wait for a slot (the pool's own limit)
     rtc_configuration: Any = None  # dict, or a (sync or async) callable for fresh TURN credentials
     server_rtc_configuration: Any = None
     notice: str | None = None  # an extra warning for the page, e.g. "no TURN relay configured"
@@ -102,6 +101,11 @@ def build_ui(runtime, room: Room, options: PageOptions | None = None,
 def file_updates(files) -> tuple[dict, ...]:
     """The two download buttons: shown with the (WAV, JSON) paths, or hidden."""
     return tuple(gr.update(value=str(f) if f else None, visible=bool(f)) for f in (files or (None, None)))
+
+
+# The page's events but the call's stream: Gradio's default limit (1) would update only the first
+# caller's page.
+EVENT_OPTIONS: dict[str, Any] = {"show_progress": "hidden", "concurrency_limit": None}
 
 
 class Page:
@@ -201,25 +205,21 @@ class Page:
         async def preset_text(name: str) -> str:
             return presets.get(name, "")
 
-        self.preset.change(preset_text, self.preset, self.persona, show_progress="hidden", concurrency_limit=None)
-        self.persona.change(self.count_tokens, self.persona, self.tokens, show_progress="hidden",
-                            concurrency_limit=None)
+        self.preset.change(preset_text, self.preset, self.persona, **EVENT_OPTIONS)
+        self.persona.change(self.count_tokens, self.persona, self.tokens, **EVENT_OPTIONS)
         # The pool's time limit counts from going live, so fastrtc's own (from connecting) stays off. The
         # handler reads the inputs once, when the call starts, so they are not sent on every change
         # (fastrtc would wire a worker-thread change event to each control).
         rtc.stream(self.handler, inputs=[rtc, *self.inputs], outputs=[rtc], time_limit=None,
-                   concurrency_limit=self.room.slots_total + self.options.max_queue + 2, send_input_on="submit")
-        # concurrency_limit=None: the default (1) would update only the first caller's page.
-        rtc.state_change(self.relay, inputs=[rtc], outputs=self.page_outputs, concurrency_limit=None,
-                         show_progress="hidden", trigger_mode="once")
+                   send_input_on="submit",
+                   concurrency_limit=self.room.slots_total + (self.room.config.max_queue or 0) + 2)
+        rtc.state_change(self.relay, inputs=[rtc], outputs=self.page_outputs, trigger_mode="once",
+                         **EVENT_OPTIONS)
         downloads = [self.wav, self.txt]
         rtc.start_recording(self.on_start, None, [self.transcript, self.status, self.ended_call, self.call_figures,
-                                                  *downloads],
-                            show_progress="hidden", concurrency_limit=None)
-        self.ended_call.change(self.show_downloads, self.ended_call, downloads, show_progress="hidden",
-                               concurrency_limit=None)
-        rtc.stop_recording(self.on_stop, self.call_id, [self.status, *downloads], show_progress="hidden",
-                           concurrency_limit=None)
+                                                  *downloads], **EVENT_OPTIONS)
+        self.ended_call.change(self.show_downloads, self.ended_call, downloads, **EVENT_OPTIONS)
+        rtc.stop_recording(self.on_stop, self.call_id, [self.status, *downloads], **EVENT_OPTIONS)
 
     @property
     def page_outputs(self) -> list:
@@ -240,11 +240,10 @@ class Page:
     def on_start(self):
         return ("", f"Connecting… · {room_line(self.figures.get())}", "", "", *file_updates(None))
 
-    async def written_files(self, call_id: str) -> tuple | None:
+    async def written_files(self, call_id: str) -> RecordingFiles | None:
         """The (WAV, JSON) paths of the call's recording once it is written, or None."""
         rec = self.recordings.get(call_id or "")
-        files = await rec.wait_finished(STOP_WAIT_SECONDS) if rec is not None else None
-        return (files.wav, files.transcript) if files is not None else None
+        return await rec.wait_finished(STOP_WAIT_SECONDS) if rec is not None else None
 
     async def show_downloads(self, call_id: str):
         """The downloads of a call the server ended, once its recording is written."""

@@ -23,14 +23,6 @@ class PageInputs(NamedTuple):
     audio_top_k: Any
     seed: Any  # -1, None or "": a new random seed per call
 
-    @classmethod
-    def from_args(cls, args: list) -> PageInputs | None:
-        """The inputs at the END of fastrtc's `latest_args`, or None before the page sent any. The
-        head differs between the Gradio page (`__webrtc_value__`, connection id, inputs...) and
-        `Stream.set_input` (`__webrtc_value__`, inputs...)."""
-        n = len(cls._fields)
-        return cls(*args[-n:]) if len(args) >= n + 1 else None
-
 
 @dataclass(frozen=True)
 class CallRequest:
@@ -40,10 +32,14 @@ class CallRequest:
 
     @classmethod
     def from_args(cls, args: list) -> CallRequest:
-        """The request the page's inputs make (the defaults, with a new seed, before it sent any)."""
-        page = PageInputs.from_args(args)
-        if page is None:
+        """The request the page's inputs make (the defaults, with a new seed, before it sent any). The
+        inputs are at the END of fastrtc's `latest_args`, whose head differs between the Gradio page
+        (`__webrtc_value__`, connection id, inputs...) and `Stream.set_input` (`__webrtc_value__`,
+        inputs...)."""
+        n = len(PageInputs._fields)
+        if len(args) < n + 1:
             return cls(DEFAULT_VOICE, "", SamplingParams(seed=new_seed()))
+        page = PageInputs(*args[-n:])
         seed = page.seed
         try:
             sampling = SamplingParams(text_temperature=float(page.text_temperature), text_top_k=int(page.text_top_k),

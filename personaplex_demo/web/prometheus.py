@@ -68,18 +68,17 @@ class PoolCollector(Collector):
         for name, field, text in COUNTERS:
             yield CounterMetricFamily(f"{PREFIX}_{name}", text, value=getattr(m, field))
         ended = CounterMetricFamily(f"{PREFIX}_calls_ended", "Calls ended, by reason.", labels=["reason"])
-        for reason, count in sorted({**dict.fromkeys(END_REASONS, 0), **m.calls_ended}.items()):
-            ended.add_metric([reason], count)
-        yield ended
         in_room = GaugeMetricFamily(f"{PREFIX}_calls", "Calls in the room (waiting, preparing or live), by the "
                                     "door they came through: page (WebRTC) or an API door (/api/status names "
                                     "each).",
                                     labels=["door"])
         started = CounterMetricFamily(f"{PREFIX}_calls_started_by_door", "Calls that went live, by door.",
                                       labels=["door"])
-        for family, counts in ((in_room, m.calls_by_door), (started, m.calls_started_by_door)):
-            for door, count in sorted({**dict.fromkeys(self.doors, 0), **counts}.items()):
-                family.add_metric([door], count)
+        for family, counts, known in ((ended, m.calls_ended, END_REASONS),
+                                      (in_room, m.calls_by_door, self.doors),
+                                      (started, m.calls_started_by_door, self.doors)):
+            for label, count in sorted({**dict.fromkeys(known, 0), **counts}.items()):
+                family.add_metric([label], count)
             yield family
 
 

@@ -17,7 +17,7 @@ import time
 import wave
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -73,8 +73,7 @@ def remove_stale_recordings(tmpdir: str | Path | None = None) -> list[Path]:
     return removed
 
 
-@dataclass(frozen=True)
-class RecordingFiles:
+class RecordingFiles(NamedTuple):
     wav: Path
     transcript: Path
 
@@ -106,7 +105,6 @@ class CallRecording:
         self._segments: list[dict[str, Any]] = []
         self._started_at = time.time()
         self._finished = threading.Event()
-        self._finishing = False
         self.files: RecordingFiles | None = None  # once `finish` wrote them
 
     @property
@@ -137,8 +135,7 @@ class CallRecording:
     def _close_tracks(self) -> bool:
         """Close the tracks, once: False (after waiting for it) where `finish` or `abandon` came first."""
         with self._lock:
-            first, self._finishing = not self._finishing, True
-            if first:
+            if first := not self._caller.closed:
                 self._caller.close()
                 self._agent.close()
         if not first:

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from starlette.responses import Response
 
@@ -66,8 +66,7 @@ class VisitorCounts:
     addresses: set[str] = field(default_factory=set)  # refused since the last log line
 
     def as_dict(self) -> dict[str, int]:
-        return {"page_loads_refused": self.page_loads_refused, "events_refused": self.events_refused,
-                "busy_refused": self.busy_refused}
+        return {k: v for k, v in asdict(self).items() if k != "addresses"}
 
 
 class VisitorLimits:
@@ -98,14 +97,11 @@ class VisitorLimits:
             kind = "event"
         address = self.address(scope)
         wait = self.wait(kind, address)
-        if wait:
-            self.refused(kind, address)
-            await refusal(429, TOO_MANY[kind], wait, json_body=kind != "page")(scope, receive, send)
-            return
-        if self._in_flight >= self.config.in_flight:
-            self.counts.busy_refused += 1
-            self.refused("busy", address)
-            await refusal(503, BUSY, 2.0, json_body=kind != "page")(scope, receive, send)
+        why = kind if wait else "busy" if self._in_flight >= self.config.in_flight else None
+        if why is not None:
+            self.refused(why, address)
+            status, message = REFUSALS[why]
+            await refusal(status, message, wait or 2.0, json_body=kind != "page")(scope, receive, send)
             return
         self._in_flight += 1
         try:
@@ -141,11 +137,13 @@ class VisitorLimits:
         self._buckets.move_to_end((kind, address))
         return bucket.take(now)
 
-    def refused(self, kind: str, address: str) -> None:
-        if kind == "page":
+    def refused(self, why: str, address: str) -> None:
+        if why == "page":
             self.counts.page_loads_refused += 1
-        elif kind == "event":
+        elif why == "event":
             self.counts.events_refused += 1
+        else:
+            self.counts.busy_refused += 1
         self.counts.addresses.add(address)
         now = self.clock()
         if now - self._reported >= REPORT_SECONDS:
@@ -157,9 +155,9 @@ class VisitorLimits:
             self._reported = now
 
 
-TOO_MANY = {"page": "Too many page loads from your address.",
-            "event": "Too many requests from your address."}
-BUSY = "The server is busy with live calls."
+REFUSALS = {"page": (429, "Too many page loads from your address."),  # over the address's rate
+            "event": (429, "Too many requests from your address."),
+            "busy": (503, "The server is busy with live calls.")}  # over `in_flight`, all addresses together
 
 
 async def read_body(receive) -> bytes | None:
