@@ -108,20 +108,19 @@ class EngineProcesses:
 
     def __init__(self, specs: list[EngineSpec]) -> None:
         self.specs = specs
-        self._children: list[Child] = []
-        self._inboxes: list[Inbox] = []
+        self._children: list[tuple[Child, Inbox]] = []
 
     def start(self) -> EngineProcesses:
         for spec in self.specs:
             inbox = Inbox()
-            self._children.append(Child(spec.name, run_engine, spec, spec.log_level).start(inbox.on_batch, inbox.on_close))
-            self._inboxes.append(inbox)
+            child = Child(spec.name, run_engine, spec, spec.log_level).start(inbox.on_batch, inbox.on_close)
+            self._children.append((child, inbox))
         return self
 
     def wait_ready(self) -> list[dict[str, Any]]:
         """Each engine's page facts, once all have loaded; raises if one failed."""
         facts = []
-        for spec, child, inbox in zip(self.specs, self._children, self._inboxes, strict=True):
+        for spec, (child, inbox) in zip(self.specs, self._children, strict=True):
             match inbox.get():
                 case EngineReady(facts=ready):
                     facts.append(ready)
@@ -136,11 +135,11 @@ class EngineProcesses:
 
     def end_calls(self, join_timeout: float = 3.0) -> None:
         """Each engine ends its calls with reason "shutdown" and stops ticking (waiting END_CALLS_JOIN_SECONDS)."""
-        for child in self._children:
+        for child, _ in self._children:
             child.send(EndCalls())
 
     def close(self) -> None:
-        stop_children(self._children, STOP_SECONDS)
+        stop_children([child for child, _ in self._children], STOP_SECONDS)
 
 
 @dataclass

@@ -17,12 +17,11 @@ log = logging.getLogger(__name__)
 
 
 class HandedSockets:
-    def __init__(self, least_loaded: Callable[[Callable[[Any], bool]], Any], on_loop: Callable[[], None]) -> None:
-        """`least_loaded(able)`: the worker (a media_workers._Worker) to take the next socket; `on_loop()`
-        tells the workers' owner which event loop the sockets come through."""
-        self._least_loaded, self._on_loop = least_loaded, on_loop
+    def __init__(self, workers) -> None:
+        """`workers`: the MediaWorkers that serve the sockets; each worker's `sockets` maps a hand-over's
+        number to its door kind and client address."""
+        self.workers = workers
         self._numbers = itertools.count(1)
-        self._handed: dict[int, tuple[Any, str, str]] = {}  # number -> (worker, kind, address)
         self._door = None  # api/doors.py ApiDoors
         self._web_server: Callable[[], Any] = lambda: None
 
@@ -35,9 +34,9 @@ class HandedSockets:
 
     async def hand_off(self, ws, kind: str, address: str) -> bool:
         """Pass an admitted socket's connection to a worker; False (serve it here) when none can take it."""
-        self._on_loop()
+        self.workers.on_loop()
         protocol = socket_handoff.connection_of(self._web_server(), ws.scope)
-        worker = self._least_loaded(lambda w: w.handoff is not None)
+        worker = self.workers.least_loaded(lambda w: w.handoff is not None)
         if protocol is None or worker is None:
             log.warning("an API socket is served by the main process: %s", "no media worker can take it"
                         if worker is None else "its connection was not found in the web server")
@@ -49,30 +48,26 @@ class HandedSockets:
         except OSError as exc:
             log.warning("media worker %d could not take an API socket (%s); serving it here", worker.index, exc)
             return False
-        worker.sockets.add(number)
-        self._handed[number] = (worker, kind, address)
+        worker.sockets[number] = (kind, address)
         return True
 
-    def receive(self, report: msg.SocketError | msg.SocketClosed) -> None:
-        """A worker's word on a socket it serves: an error event it sent (for the door's counts), or its close."""
+    def receive(self, worker, report: msg.SocketError | msg.SocketClosed) -> None:
+        """`worker`'s word on a socket it serves: an error event it sent (for the door's counts), or
+        its close."""
         match report:
             case msg.SocketError(kind=kind, code=code) if self._door is not None:
                 self._door.stats_by_kind[kind].error(code)
             case msg.SocketClosed(handoff=number):
-                self._closed(number)
+                self._closed(worker, number)
 
     def worker_gone(self, worker) -> None:
         """On the sockets' loop: `worker` stopped, and its sockets' connections with it."""
         if worker.handoff is not None:
             worker.handoff.close()
         for number in list(worker.sockets):
-            self._closed(number)
+            self._closed(worker, number)
 
-    def _closed(self, number: int) -> None:
-        handed = self._handed.pop(number, None)
-        if handed is None:
-            return
-        worker, kind, address = handed
-        worker.sockets.discard(number)
-        if self._door is not None:
-            self._door.handed_closed(kind, address)
+    def _closed(self, worker, number: int) -> None:
+        handed = worker.sockets.pop(number, None)
+        if handed is not None and self._door is not None:
+            self._door.handed_closed(*handed)

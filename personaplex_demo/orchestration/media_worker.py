@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 UNLIMITED = 1 << 30  # the main process enforces the page's concurrency limit across workers
 RELINK_SECONDS = 2.0  # a lost engine on another machine is tried again this often
 CALLS_END_SECONDS = 2.0  # at a stop, the longest wait for the sockets whose calls the room ended
+CONNECT_SECONDS = 600.0  # for the engines to answer: they may still be loading their model
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,6 @@ class WorkerSpec:
     authkey: bytes
     recordings_dir: str
     server_rtc_configuration: dict[str, Any] | None = None
-    connect_timeout: float = 600.0  # the engines may still be loading their model
     log_level: int = logging.INFO
     api: ApiConfig | None = None  # the API door's settings, when this worker serves its sockets
     handoff: socket.socket | None = None  # where their connections arrive (socket_handoff.py)
@@ -111,43 +111,33 @@ class MediaHost(WebRTCConnectionMixin):
 
 def _connect(spec: WorkerSpec) -> list[EngineLink | UnreachableEngine]:
     """Connect to every engine, waiting while they load their model. Engines on other machines
-    (`watch_silence`) had loaded before any worker started: one that does not answer now (its
+    (`watch_silence`) had loaded before any worker started: once one answers, one that does not (its
     machine may be gone) is linked to later if it comes back (`WorkerLoop.keep_linked`)."""
-    if spec.watch_silence:
-        return _connect_remote(spec)
-    deadline = time.monotonic() + spec.connect_timeout
-    engines = []
-    for address in spec.engines:
-        while True:
-            try:
-                engines.append(EngineLink(address, spec.authkey))
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"no engine at {address} within {spec.connect_timeout:.0f} s") from None
-                parent = multiprocessing.parent_process()
-                if parent is not None and not parent.is_alive():
-                    raise SystemExit("the main process is gone") from None
-                time.sleep(0.2)
-    return engines
-
-
-def _connect_remote(spec: WorkerSpec) -> list[EngineLink | UnreachableEngine]:
-    deadline = time.monotonic() + spec.connect_timeout
+    engines: list[EngineLink | UnreachableEngine] = [UnreachableEngine(a, f"engine-{i}")
+                                                     for i, a in enumerate(spec.engines)]
+    # Which errors mean "not listening yet": on this machine, only a socket that is not there or refuses.
+    retry = Exception if spec.watch_silence else (FileNotFoundError, ConnectionRefusedError)
+    deadline = time.monotonic() + CONNECT_SECONDS
     while True:
-        engines: list[EngineLink | UnreachableEngine] = []
         for index, address in enumerate(spec.engines):
+            if engines[index].alive:
+                continue
             try:
-                engines.append(EngineLink(address, spec.authkey))
-            except Exception as exc:  # refused, unreachable, timed out
-                log.warning("media worker %d: engine %d at %s does not answer (%s); linking to it later",
-                            spec.index, index, address, type(exc).__name__)
-                engines.append(UnreachableEngine(address, f"engine-{index}"))
-        if any(e.alive for e in engines):
+                engines[index] = EngineLink(address, spec.authkey)
+            except retry as exc:  # refused, unreachable, timed out
+                if spec.watch_silence:
+                    log.warning("media worker %d: engine %d at %s does not answer (%s); linking to it later",
+                                spec.index, index, address, type(exc).__name__)
+        alive = [e.alive for e in engines]
+        if all(alive) or (spec.watch_silence and any(alive)):
             return engines
         if time.monotonic() > deadline:
-            raise RuntimeError(f"no engine answered within {spec.connect_timeout:.0f} s")
-        time.sleep(1.0)
+            missing = ", ".join(str(e.address) for e in engines if not e.alive)
+            raise RuntimeError(f"no engine at {missing} within {CONNECT_SECONDS:.0f} s")
+        parent = multiprocessing.parent_process()
+        if parent is not None and not parent.is_alive():
+            raise SystemExit("the main process is gone")
+        time.sleep(1.0 if spec.watch_silence else 0.2)
 
 
 class WorkerLoop:
@@ -227,7 +217,7 @@ class WorkerLoop:
                     self.spawn(self.relink(index))
                 case msg.Stop():
                     self.stopped.set()
-                case msg.Grant() | msg.QueueNews() | msg.Dropped() | msg.Refused() | msg.QueueLength():
+                case msg.Grant() | msg.StateChange() | msg.Refused() | msg.QueueLength():
                     self.room.receive(message)
                 case _:
                     log.warning("media worker %d: unexpected %s ignored", self.spec.index, type(message).__name__)
@@ -241,11 +231,11 @@ class WorkerLoop:
         try:
             result = await self.host.handle_offer(body, self.host.outputs_to_main(str(body.get("webrtc_id"))))
             # A refusal is a JSONResponse: it keeps its status code.
-            answer = (msg.OfferAnswer(json.loads(bytes(result.body)), result.status_code)
-                      if isinstance(result, JSONResponse) else msg.OfferAnswer(result, None))
+            answer = ((json.loads(bytes(result.body)), result.status_code) if isinstance(result, JSONResponse)
+                      else (result, None))
         except Exception as exc:
             log.exception("media worker %d: the offer for %s failed", self.spec.index, body.get("webrtc_id"))
-            answer = msg.OfferAnswer({"status": "failed", "meta": {"error": f"{type(exc).__name__}: {exc}"}}, 200)
+            answer = ({"status": "failed", "meta": {"error": f"{type(exc).__name__}: {exc}"}}, 200)
         self.channel.send(msg.Reply(rid, answer))
 
     async def keep_linked(self) -> None:
@@ -275,7 +265,7 @@ class WorkerLoop:
     async def find_recording(self, rid: int, call_id: str, timeout: float) -> None:
         rec = self.recordings.get(call_id)
         files = await rec.wait_finished(timeout) if rec is not None else None
-        paths = None if files is None else msg.RecordingPaths(str(files.wav), str(files.transcript))
+        paths = None if files is None else (str(files.wav), str(files.transcript))
         self.channel.send(msg.Reply(rid, paths))
 
 

@@ -22,7 +22,7 @@ from ..procs import messages as msg
 from ..procs.launcher import Child, stop_children
 from ..procs.pool_router import PoolRouter
 from ..procs.queue_desk import QueueDesk
-from ..web.recording import RecordingFiles, recordings_prefix
+from ..web.recording import RecordingFiles, RecordingStore, recordings_prefix
 from .handed_sockets import HandedSockets
 from .media_worker import WorkerSpec, run_worker
 from .page_relay import PageRelay
@@ -45,7 +45,8 @@ class _Worker:
     pid: int | None = None  # as the worker reports it, once ready
     torch_imported: bool | None = None
     calls: set[str] = field(default_factory=set)  # webrtc ids
-    sockets: set[int] = field(default_factory=set)  # API sockets handed to it, by hand-over number
+    # The API sockets handed to it: number -> (kind, address).
+    sockets: dict[int, tuple[str, str]] = field(default_factory=dict)
     pending: dict[int, concurrent.futures.Future] = field(default_factory=dict)
     handoff: socket.socket | None = None  # where API sockets' connections are handed to it
 
@@ -71,7 +72,7 @@ class MediaWorkers:
         self.recordings = RemoteRecordings(self)
         self.desk: QueueDesk | None = None  # the room's queue, for the workers' callers (several engines)
         self.page = PageRelay(self)  # the page's WebRTC component, its calls in the workers
-        self.sockets = HandedSockets(self.least_loaded, self.on_loop)  # the API sockets the workers serve
+        self.sockets = HandedSockets(self)  # the API sockets the workers serve
 
     # ---- processes -----------------------------------------------------------------------------
 
@@ -192,10 +193,10 @@ class MediaWorkers:
             match message:
                 case msg.Outputs() | msg.Closed():
                     self.page.mirror(message)
-                case msg.Admit() | msg.Placed() | msg.Leave() if self.desk is not None:
+                case msg.Start() | msg.Placed() | msg.Release() if self.desk is not None:
                     self.desk.receive(worker.generation, message)
                 case msg.SocketError() | msg.SocketClosed():
-                    self.sockets.receive(message)
+                    self.sockets.receive(worker, message)
                 case _:
                     log.warning("media worker %d: unexpected %s ignored", worker.index, type(message).__name__)
 
@@ -239,13 +240,12 @@ class MediaWorkers:
         self.page.worker_gone(worker)
 
 
+@dataclass(frozen=True)
 class RemoteRecordings:
     """The workers' recordings, as the page's Stop button looks them up (as in a `RecordingStore`)."""
 
-    max_age_seconds = 3600.0  # each worker's RecordingStore keeps its default
-
-    def __init__(self, media: MediaWorkers) -> None:
-        self.media = media
+    media: MediaWorkers
+    max_age_seconds = RecordingStore.max_age_seconds  # each worker's store keeps its default
 
     def get(self, call_id: str) -> RemoteRecording | None:
         return RemoteRecording(self.media, call_id) if call_id else None
@@ -263,6 +263,6 @@ class RemoteRecording:
         asks = [self.media.request(w, lambda rid: msg.RecordingQuery(rid, self.call_id, timeout), timeout + 2.0)
                 for w in self.media.workers(lambda w: w.usable)]
         for found in await asyncio.gather(*asks, return_exceptions=True):
-            if isinstance(found, msg.RecordingPaths):
-                return RecordingFiles(Path(found.wav), Path(found.transcript))
+            if isinstance(found, tuple):  # its (wav, transcript) paths
+                return RecordingFiles(*map(Path, found))
         return None

@@ -62,13 +62,11 @@ class PageRelay:
 
     async def _forward_offer(self, worker, body: dict[str, Any]):
         try:
-            answer: msg.OfferAnswer = await self.workers.request(worker, lambda rid: msg.Offer(rid, body),
-                                                                 OFFER_TIMEOUT)
+            content, status_code = await self.workers.request(worker, lambda rid: msg.Offer(rid, body),
+                                                              OFFER_TIMEOUT)
         except Exception as exc:
             return _failed(f"media worker {worker.index}: {exc}")
-        if answer.status_code is not None:
-            return JSONResponse(status_code=answer.status_code, content=answer.json)
-        return answer.json
+        return content if status_code is None else JSONResponse(status_code=status_code, content=content)
 
     def set_input(self, webrtc_id: str, *args) -> None:
         worker = self._owner.get(webrtc_id)

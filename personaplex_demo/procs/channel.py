@@ -1,11 +1,7 @@
-"""Message channels between this app's processes, from the standard library only.
-
-A `Channel` wraps one `multiprocessing.connection.Connection` (a socket pair to a child, or a link from
-links.py) so that event loops and real-time threads never block on it: `send` only queues, and a writer
-thread sends what has queued up as ONE pickled batch (every call's output of one engine tick costs one
-write and one wake-up on the other side, not one per frame); a reader thread hands each batch to
-`on_batch`; `on_close` runs once when the other side goes away.
-"""
+"""A `Channel` over one `multiprocessing.connection.Connection` (a socket pair to a child, or a link from
+links.py) on which event loops and real-time threads never block: `send` only queues, a writer thread sends
+what has queued up as one pickled batch (docs/processes.md § How they talk), a reader thread hands each batch
+to `on_batch`, and `on_close` runs once when the other side goes away."""
 
 from __future__ import annotations
 

@@ -15,11 +15,10 @@ from ..serving.headroom import WaitReason
 from ..serving.metrics import PoolMetrics
 from ..serving.room import CallState, EndReason, PoolClosedError
 from . import messages as msg
-from .engine_link import START_TIMEOUT, EngineLink, refusal
+from .engine_link import EngineLink, refusal
 from .pool_router import EngineSet, UnreachableEngine
+from .queue_desk import GRANT_TIMEOUT
 from .routed_call import RoutedCall
-
-ANSWER_SECONDS = START_TIMEOUT + 5.0  # per engine the room may offer a seat on (queue_desk.GRANT_TIMEOUT)
 
 
 class DeskRoom(EngineSet):
@@ -44,9 +43,10 @@ class DeskRoom(EngineSet):
         call.on_leave = lambda reason: self._leave(rid, reason)
         first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._calls[rid], self._first[rid] = call, first
-        self._send(msg.Admit(rid, call.voice, call.persona, dataclasses.asdict(call.sampling), call.door))
+        self._send(msg.Start(rid, call.voice, call.persona, dataclasses.asdict(call.sampling), may_queue=True,
+                             door=call.door))
         # The room may offer it a seat on each engine in turn before it answers.
-        answer_within = ANSWER_SECONDS * (len(self.engines) + 1)
+        answer_within = GRANT_TIMEOUT * (len(self.engines) + 1)
         try:
             await asyncio.wait_for(first, answer_within)
         except TimeoutError:
@@ -60,11 +60,11 @@ class DeskRoom(EngineSet):
 
     def _leave(self, rid: int, reason: str) -> None:
         if self._calls.pop(rid, None) is not None:
-            self._send(msg.Leave(rid, reason))
+            self._send(msg.Release(rid, reason))
 
     # ---- the desk's messages (on the worker's loop) --------------------------------------------
 
-    def receive(self, message: msg.Grant | msg.QueueNews | msg.Dropped | msg.Refused | msg.QueueLength) -> None:
+    def receive(self, message: msg.Grant | msg.StateChange | msg.Refused | msg.QueueLength) -> None:
         if isinstance(message, msg.QueueLength):
             self.queued_in_room = message.count
             return
@@ -74,12 +74,12 @@ class DeskRoom(EngineSet):
                 task = asyncio.get_running_loop().create_task(self._take(rid, call, index))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
-            case msg.QueueNews(rid=rid, position=position, reason=reason) if call is not None:
-                call.moved(position, WaitReason(reason))
-                self._answered(rid)
-            case msg.Dropped(rid=rid, reason=reason) if call is not None:
-                call.end(reason)
+            case msg.StateChange(rid=rid, state=CallState.ENDED, end_reason=reason) if call is not None:
+                call.end(reason or "ended")  # its wait limit, no engine left
                 self._calls.pop(rid, None)
+                self._answered(rid)
+            case msg.StateChange(rid=rid, queue_position=position, wait_reason=reason) if call is not None:
+                call.moved(position, WaitReason(reason))
                 self._answered(rid)
             case msg.Refused(rid=rid, kind=kind, message=text, cause=cause):
                 self._calls.pop(rid, None)

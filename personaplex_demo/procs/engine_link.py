@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 START_TIMEOUT = 15.0  # seconds an engine may take to answer a start (it is one dict lookup away)
 ENGINE_LOST = EndReason.error("the engine process stopped")
 START_TIMED_OUT = EndReason.error("start timed out")
+WORKER_LOST = EndReason.error("media worker lost")  # its calls, on the engines and in the room's queue
 DEFAULT_SAMPLING = SamplingParams()
 
 
@@ -45,7 +46,7 @@ class RemoteCall(CallView, WaitingCall):
         self.rid = started.rid
         self.on_change: Callable[[], None] | None = None  # a `RoutedCall` that holds it listens
         self._deadline: float | None = None
-        self.update(started.state, started.queue_position, started.slot, started.time_left, None, started.wait_reason)
+        self.update(started)
 
     def __repr__(self) -> str:
         return f"RemoteCall({self.id}@{self.engine.name}, {self.state}, slot={self.slot}, queue={self.queue_position})"
@@ -67,21 +68,21 @@ class RemoteCall(CallView, WaitingCall):
         if self.state == CallState.ENDED:
             return
         self.engine.send(msg.Release(self.rid, str(reason)))  # a plain string on the wire
-        self.update(CallState.ENDED, None, self.slot, None, reason)
+        self.update(msg.StateChange(rid=self.rid, state=CallState.ENDED, slot=self.slot, end_reason=reason))
 
     # ---- the engine's side -------------------------------------------------------------------
 
-    def update(self, state: str, queue_position: int | None, slot: int | None, time_left: float | None,
-               end_reason: str | None, wait_reason: str | None = None) -> None:
+    def update(self, news: msg.StateChange) -> None:
         if self.state == CallState.ENDED:
             return  # released here first: the engine's late news changes nothing
-        self.state, self.queue_position, self.slot = CallState(state), queue_position, slot
-        self.wait_reason = WaitReason(wait_reason) if wait_reason and self.state == CallState.QUEUED else None
+        self.state, self.queue_position, self.slot = CallState(news.state), news.queue_position, news.slot
+        queued = news.wait_reason and self.state == CallState.QUEUED
+        self.wait_reason = WaitReason(news.wait_reason) if queued else None
         if self.state == CallState.ENDED:
-            self.end_reason = end_reason or "ended"
+            self.end_reason = news.end_reason or "ended"
             self.queue_position = None
-        if time_left is not None:
-            self._deadline = time.monotonic() + time_left
+        if news.time_left is not None:
+            self._deadline = time.monotonic() + news.time_left
         self._wake()
 
     def deliver(self, out: SlotOutput) -> None:
@@ -100,7 +101,7 @@ def refusal(kind: str, message: str, cause: str | None = None) -> Exception:
     """The exception a refusal on the wire (`messages.Refused`) stands for."""
     if kind == "caller":
         return CallerError(message)
-    if kind in ("busy", "full"):
+    if kind == "full":
         return PoolFullError(message, WaitReason(cause) if cause else WaitReason.SLOTS)
     return PoolClosedError(message)
 
@@ -108,12 +109,12 @@ def refusal(kind: str, message: str, cause: str | None = None) -> Exception:
 Refusable = CallerError | PoolFullError | PoolClosedError
 
 
-def refused(rid: int, exc: Refusable, full: msg.RefusalKind = "full") -> msg.Refused:
-    """`exc` on the wire, for `refusal` on the other side; `full` names a PoolFullError."""
+def refused(rid: int, exc: Refusable) -> msg.Refused:
+    """`exc` on the wire, for `refusal` on the other side."""
     if isinstance(exc, CallerError):
         return msg.Refused(rid, "caller", str(exc))
     if isinstance(exc, PoolFullError):
-        return msg.Refused(rid, full, str(exc), str(exc.cause))
+        return msg.Refused(rid, "full", str(exc), str(exc.cause))
     return msg.Refused(rid, "closed", str(exc))
 
 
@@ -219,8 +220,7 @@ class EngineLink:
                     self._started(message)
                 case msg.StateChange(rid=rid):
                     if (call := self._calls.get(rid)) is not None:
-                        call.update(message.state, message.queue_position, message.slot, message.time_left,
-                                    message.end_reason, message.wait_reason)
+                        call.update(message)
                         if call.state == CallState.ENDED:
                             self._calls.pop(rid, None)
                 case msg.Refused(rid=rid, kind=kind, message=text, cause=cause):
@@ -254,7 +254,8 @@ class EngineLink:
 
     def _end_everything(self) -> None:
         for call in list(self._calls.values()):
-            call.update(CallState.ENDED, None, call.slot, None, self.lost_reason)
+            call.update(msg.StateChange(rid=call.rid, state=CallState.ENDED, slot=call.slot,
+                                        end_reason=self.lost_reason))
         self._calls.clear()
         for fut in self._pending.values():
             if not fut.done():

@@ -35,13 +35,12 @@ def _io_limit(conn: Connection, seconds: float) -> None:
 
 def listen(address: Address) -> socket.socket:
     """A listening socket at `address` (a path, or (host, port) with port 0 for any free one)."""
-    if isinstance(address, str):
+    if isinstance(address, str):  # socket.create_server is documented for IP families only
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(address)
-    else:
-        sock = socket.create_server(address)
-    sock.listen(64)
-    return sock
+        sock.listen(64)
+        return sock
+    return socket.create_server(address, backlog=64)
 
 
 def open_link(address: Address, authkey: bytes, timeout: float = HANDSHAKE_SECONDS) -> tuple[Connection, Any]:
@@ -66,7 +65,7 @@ def open_link(address: Address, authkey: bytes, timeout: float = HANDSHAKE_SECON
     return _handshake(sock, client, timeout)
 
 
-def accept_link(sock: socket.socket, authkey: bytes, first: Any, timeout: float = HANDSHAKE_SECONDS) -> Connection:
+def accept_link(sock: socket.socket, authkey: bytes, first: Any) -> Connection:
     """The server's side of `open_link` on an accepted socket: authenticate, send `first`."""
 
     def server(conn: Connection) -> None:
@@ -74,7 +73,7 @@ def accept_link(sock: socket.socket, authkey: bytes, first: Any, timeout: float 
         answer_challenge(conn, authkey)
         conn.send(first)
 
-    return _handshake(sock, server, timeout)[0]
+    return _handshake(sock, server, HANDSHAKE_SECONDS)[0]
 
 
 def _handshake(sock: socket.socket, exchange: Callable[[Connection], Any], timeout: float) -> tuple[Connection, Any]:

@@ -26,7 +26,8 @@ class Hello:
 
 @dataclass(frozen=True, slots=True)
 class Start:
-    """Place a call: a free slot, else (when `may_queue`) a place in the queue."""
+    """Place a call: a free slot, else (when `may_queue`) a place in the queue; a media worker's caller asks
+    the room's one queue with it too."""
 
     rid: int
     voice: str
@@ -44,6 +45,8 @@ class Push:
 
 @dataclass(frozen=True, slots=True)
 class Release:
+    """The caller ends its call, or gives up its place in the room's queue."""
+
     rid: int
     reason: str  # an EndReason, as a plain string
 
@@ -53,16 +56,17 @@ class MediaLag:
     seconds: float  # the client's event loop ran up to this late lately: its media falls behind
 
 
-RefusalKind = Literal["caller", "busy", "full", "closed"]  # a bad request | no free slot | queue full | shut
+# A bad request | no seat (and no place in the queue) | shut.
+RefusalKind = Literal["caller", "full", "closed"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)  # by name: two neighbouring `int | None` fields
 class StateChange:
     rid: int
     state: str  # a CallState value
-    queue_position: int | None
-    slot: int | None
-    time_left: float | None
+    queue_position: int | None = None
+    slot: int | None = None
+    time_left: float | None = None
     end_reason: str | None = None  # once ended
     wait_reason: str | None = None  # while queued: why
 
@@ -162,17 +166,7 @@ class WorkerReady:
 
 
 # ---- the room's one queue, kept by the main process for the media workers' callers ----------------
-
-
-@dataclass(frozen=True, slots=True)
-class Admit:
-    """A worker's caller asks the room for a place: a seat now (a `Grant`), or one in its queue."""
-
-    rid: int
-    voice: str
-    persona: str
-    sampling: dict[str, Any]  # a SamplingParams's fields
-    door: str
+# (beside Start, StateChange, Refused and Release, as between a pool and its clients)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,53 +188,18 @@ class Placed:
 
 
 @dataclass(frozen=True, slots=True)
-class QueueNews:
-    """The caller waits in the room's queue: its place, and why it waits."""
-
-    rid: int
-    position: int
-    reason: str  # a serving.headroom.WaitReason value
-
-
-@dataclass(frozen=True, slots=True)
 class QueueLength:
     count: int  # callers in the room's queue, sent to every worker when it changes (their pages' room line)
 
 
 @dataclass(frozen=True, slots=True)
-class Dropped:
-    """The room ended a queued call (its wait limit, its silence, no engine left)."""
-
-    rid: int
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Leave:
-    rid: int  # a queued caller gave up its place (hung up)
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class OfferAnswer:
-    """fastrtc's answer to an offer (or its refusal), as JSON."""
-
-    json: Any
-    status_code: int | None  # when fastrtc answered with a JSONResponse
-
-
-@dataclass(frozen=True, slots=True)
-class RecordingPaths:
-    wav: str  # where the worker wrote the call's recording
-    transcript: str
-
-
-@dataclass(frozen=True, slots=True)
 class Reply:
-    """The answer to an `Offer` (an `OfferAnswer`) or a `RecordingQuery` (`RecordingPaths` or None)."""
+    """The answer to an `Offer`: fastrtc's answer (or refusal) as JSON, and its status code when fastrtc
+    answered with a JSONResponse (else None); to a `RecordingQuery`: the recording's (wav, transcript)
+    paths, or None."""
 
     rid: int
-    value: OfferAnswer | RecordingPaths | None
+    value: tuple[Any, int | None] | tuple[str, str] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,5 +233,5 @@ class SocketClosed:
 
 ClientMessage = Start | Push | Release | MediaLag
 ServerMessage = Started | Refused | StateChange | Out | PoolFigures
-WorkerCommand = Offer | Input | RecordingQuery | Relink | Stop | Grant | QueueNews | Dropped | Refused | QueueLength
-WorkerReport = WorkerReady | Reply | Outputs | Closed | Admit | Placed | Leave | SocketError | SocketClosed
+WorkerCommand = Offer | Input | RecordingQuery | Relink | Stop | Grant | StateChange | Refused | QueueLength
+WorkerReport = WorkerReady | Reply | Outputs | Closed | Start | Placed | Release | SocketError | SocketClosed

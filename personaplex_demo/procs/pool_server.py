@@ -25,7 +25,7 @@ from ..serving.pool import SlotPool
 from ..serving.room import CallEnded, CallState, EndReason, PoolClosedError, PoolFullError
 from . import messages as msg
 from .channel import Channel, daemon_threads
-from .engine_link import refused
+from .engine_link import WORKER_LOST, refused
 from .links import Address, accept_link, listen
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 FIGURES_SECONDS = 0.5  # how often every client gets the pool's figures (and the ticks since the last time)
 MAX_SAMPLES = 1000  # ticks kept between two figures messages (12.5 a second are due)
 STATE_POLL_SECONDS = 0.5  # a waiting call's queue position is re-read this often
-CLIENT_GONE = EndReason.error("media worker lost")
 RELAY_FAILED = EndReason.error("engine relay failed")
 
 
@@ -81,7 +80,7 @@ class _Client:
             self.send(msg.Refused(rid, "caller", f"bad sampling settings: {exc}"))
             return
         except (CallerError, PoolFullError, PoolClosedError) as exc:
-            self.send(refused(rid, exc, "full" if start.may_queue else "busy"))
+            self.send(refused(rid, exc))
             return
         with self.lock:
             self.calls[rid] = call
@@ -91,7 +90,7 @@ class _Client:
         self.send(msg.Started(rid=rid, call_id=call.id, state=told[0].value, queue_position=told[1], slot=told[2],
                               time_left=call.time_left(), wait_reason=told[3]))
         if self.channel.closed:  # gone while we were placing it
-            call.release(CLIENT_GONE)
+            call.release(WORKER_LOST)
             return
         asyncio.run_coroutine_threadsafe(self.pump(rid, call, told), self.server.loop)
 
@@ -131,7 +130,7 @@ class _Client:
         if live and not self.server.closing:
             log.warning("%s disconnected: ending its %d call(s) and freeing their slots", self.name, len(live))
         for call in live:
-            call.release(CLIENT_GONE)
+            call.release(WORKER_LOST)
 
 
 class PoolServer:

@@ -1,6 +1,6 @@
 """The main process's desk for the media workers' callers: each waits in the router's one queue as a
-`DeskEntry`, in order of arrival among every other caller; the messages (Admit, Grant, Placed, QueueNews,
-Dropped, Leave) are in docs/processes.md, "One room, one queue". Every method runs on the router's loop.
+`DeskEntry`, in order of arrival among every other caller; the messages (Start, Grant, Placed, StateChange,
+Release) are in docs/processes.md, "One room, one queue". Every method runs on the router's loop.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ..errors import CallerError
 from ..serving.headroom import WaitReason
 from ..serving.room import CallState, EndReason, PoolClosedError, PoolFullError
 from . import messages as msg
-from .engine_link import START_TIMEOUT, EngineLink, Refusable, refused
+from .engine_link import START_TIMEOUT, WORKER_LOST, EngineLink, Refusable, refused
 from .pool_router import PoolRouter
 from .routed_call import RoutedCall
 
@@ -23,15 +23,12 @@ log = logging.getLogger(__name__)
 # A worker's time to start a granted call on its engine and say so: longer than its own wait for
 # the engine (START_TIMEOUT), so that a slow engine's refusal comes back as an answer.
 GRANT_TIMEOUT = START_TIMEOUT + 5.0
-WORKER_GONE = EndReason.error("media worker lost")
-
-DeskMessage = msg.Admit | msg.Placed | msg.Leave
 
 
 class DeskEntry(RoutedCall):
     """A media worker's caller in the router's queue. Seating it is the worker's part (`Grant`)."""
 
-    def __init__(self, desk: QueueDesk, worker: int, admit: msg.Admit) -> None:
+    def __init__(self, desk: QueueDesk, worker: int, admit: msg.Start) -> None:
         super().__init__(admit.voice, admit.persona, SamplingParams(**admit.sampling), admit.door)
         self.desk, self.worker, self.rid = desk, worker, admit.rid
         self.placed = False  # seated on an engine by its worker: the room's queue is done with it
@@ -55,7 +52,8 @@ class DeskEntry(RoutedCall):
     def moved(self, position: int, reason: WaitReason) -> bool:
         if not super().moved(position, reason):
             return False
-        self.desk.send(self.worker, msg.QueueNews(self.rid, position, str(reason)))
+        self.desk.send(self.worker, msg.StateChange(rid=self.rid, state=CallState.QUEUED.value,
+                                                    queue_position=position, wait_reason=str(reason)))
         return True
 
     def end(self, reason: str) -> None:
@@ -75,10 +73,10 @@ class QueueDesk:
         self._tasks: set[asyncio.Task] = set()
         self._gone: set[int] = set()  # workers that stopped: nobody answers for their callers
 
-    def receive(self, worker: int, message: DeskMessage) -> None:
+    def receive(self, worker: int, message: msg.Start | msg.Placed | msg.Release) -> None:
         key = (worker, message.rid)
         match message:
-            case msg.Admit() if worker not in self._gone:
+            case msg.Start() if worker not in self._gone:
                 task = asyncio.get_running_loop().create_task(self._admit(worker, message))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -86,11 +84,11 @@ class QueueDesk:
                 fut = self._grants.pop(key, None)
                 if fut is not None and not fut.done():
                     fut.set_result(message)
-            case msg.Leave(reason=reason):
+            case msg.Release(reason=reason):
                 if (entry := self._entries.get(key)) is not None:
                     entry.release(reason)
 
-    async def _admit(self, worker: int, admit: msg.Admit) -> None:
+    async def _admit(self, worker: int, admit: msg.Start) -> None:
         entry = DeskEntry(self, worker, admit)
         self._entries[(worker, admit.rid)] = entry
         try:
@@ -130,7 +128,8 @@ class QueueDesk:
     def ended(self, entry: DeskEntry) -> None:
         """The room ended a waiting caller: the worker is told unless the caller itself left."""
         if self._entries.pop((entry.worker, entry.rid), None) is not None and entry.end_reason != EndReason.HANGUP:
-            self.send(entry.worker, msg.Dropped(entry.rid, entry.end_reason or "ended"))
+            ended = msg.StateChange(rid=entry.rid, state=CallState.ENDED.value, end_reason=entry.end_reason)
+            self.send(entry.worker, ended)
 
     def worker_gone(self, worker: int) -> None:
         """A worker stopped: its callers leave the queue, and a pending seat finds nobody."""
@@ -140,4 +139,4 @@ class QueueDesk:
                 fut.set_result(msg.Placed(rid, "gone"))
         for (w, _), entry in list(self._entries.items()):
             if w == worker:
-                entry.end(WORKER_GONE)
+                entry.end(WORKER_LOST)

@@ -77,14 +77,11 @@ class RoutedCall(WaitingCall):
             return False
         if self.state == CallState.ENDED:  # hung up while the engine was seating it
             inner.release(self.end_reason or EndReason.HANGUP)
-        else:
-            self.seat(inner)
-        return True
-
-    def seat(self, inner: RemoteCall) -> None:
+            return True
         self.inner = inner
         inner.on_change = self._wake  # a door waiting here hears the engine's news
         self._wake()
+        return True
 
     def end(self, reason: str) -> None:
         if self.inner is None and self._ended is None:

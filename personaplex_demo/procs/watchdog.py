@@ -16,10 +16,10 @@ CHECK_SECONDS = 0.1
 
 
 class SilenceWatchdog:
-    """One thread that gives up on every watched link (`EngineLink.lose`) silent for more than `limit` seconds."""
+    """One thread that gives up on every watched link (`EngineLink.lose`) silent for more than
+    SILENCE_LIMIT s."""
 
-    def __init__(self, limit: float = SILENCE_LIMIT) -> None:
-        self.limit = limit
+    def __init__(self) -> None:
         self._links: list[EngineLink] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -39,14 +39,14 @@ class SilenceWatchdog:
             with self._lock:
                 links = list(self._links)
             now = time.monotonic()
-            if now - last > self.limit / 2:
+            if now - last > SILENCE_LIMIT / 2:
                 # This process itself stalled (swapping, a long pause): its reader threads stalled
                 # too and have not caught up yet. Silence heard through a stall is no evidence.
-                grace_until = now + self.limit
+                grace_until = now + SILENCE_LIMIT
             last = now
             if now < grace_until:
                 continue
             for link in links:
                 silent = now - link.heard_at
-                if link.alive and silent > self.limit:
+                if link.alive and silent > SILENCE_LIMIT:
                     link.lose(f"no word for {silent:.1f} s (its machine may be gone); ending its calls")
