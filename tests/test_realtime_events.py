@@ -183,7 +183,8 @@ def test_appended_audio_is_cut_into_frames_across_chunks_of_any_length():
     first, second = audio.pop(), audio.pop()
     assert np.array_equal(np.concatenate([first, second]), samples[:2 * FRAME_SAMPLES])
     assert audio.pop() is None and audio.samples == 7
-    assert audio.clear() == 7 and audio.samples == 0
+    audio.clear()
+    assert audio.samples == 0
 
 
 def test_audio_beyond_the_bound_is_refused_whole():
@@ -354,7 +355,7 @@ def test_sockets_are_limited_per_client_address():
     limiter = SocketLimiter(2)
     assert limiter.take("a") and limiter.take("a") and not limiter.take("a") and limiter.take("b")
     limiter.give_back("a")
-    assert limiter.take("a") and limiter.total == 3
+    assert limiter.take("a") and not limiter.take("a")
 
 
 # ---- the flags -------------------------------------------------------------------------------
@@ -458,11 +459,11 @@ class FakeSocket:
 async def test_a_gpt_live_session_the_room_ends_is_closed_with_the_rooms_reason():
     import asyncio
 
-    from personaplex_demo.api.live_socket import LiveSocket
+    from personaplex_demo.api.live_socket import LiveDoor, LiveSocket
     from personaplex_demo.api.stats import DoorStats
 
     ws = FakeSocket()
-    sock = LiveSocket(ws, room=None, rules=Rules(), config=ApiConfig(), stats=DoorStats())
+    sock = LiveSocket(ws, LiveDoor(None, Rules(), ApiConfig(), DoorStats()))
     sock.settings = start_settings({"instructions": "You are Ada."}, Rules(), None)
     writer = asyncio.create_task(sock._write())
     await sock.on_ended("time_limit")

@@ -48,8 +48,3 @@ class SocketLimiter:
             self._open[address] -= 1
             if self._open[address] <= 0:
                 del self._open[address]
-
-    @property
-    def total(self) -> int:
-        with self._lock:
-            return sum(self._open.values())

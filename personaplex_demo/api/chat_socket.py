@@ -15,16 +15,14 @@ from starlette.websockets import WebSocket
 
 from ..call_settings import SamplingParams
 from ..frame import SAMPLE_RATE
-from ..serving.room import CallHandle, Room, SlotOutput
+from ..serving.room import CallHandle, SlotOutput
 from . import errors as e
 from .client_events import ClientEvent
 from .config import ApiConfig
 from .errors import RealtimeError
 from .feeder import to_pcm16
 from .session import PromptRules, SessionSettings, check_persona
-from .socket_base import INVALID_DATA, POLICY, UNSUPPORTED_DATA, ApiSocket, Refused
-from .socket_door import SocketDoor
-from .stats import DoorStats
+from .socket_base import INVALID_DATA, POLICY, UNSUPPORTED_DATA, ApiSocket, Refused, SocketDoor
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +73,7 @@ class ChatDoor(SocketDoor):
 
     async def check(self, ws: WebSocket) -> bool:
         try:
-            chat_request(ws.query_params, self.doors.rules)
+            chat_request(ws.query_params, self.rules)
         except RealtimeError as err:
             self.stats.refuse(err.code)
             await ws.accept()
@@ -85,15 +83,15 @@ class ChatDoor(SocketDoor):
         return True
 
     def open(self, ws: WebSocket) -> tuple[str, ApiSocket]:
-        request = chat_request(ws.query_params, self.doors.rules)  # checked at the door
-        return f"chat (voice {request.voice})", ChatSocket(ws, self.doors.room, self.config, self.stats, request)
+        socket = ChatSocket(ws, self)
+        return f"chat (voice {socket.request.voice})", socket
 
     def routes(self) -> list[BaseRoute]:
         return [Route("/api/voices", self.voices)]
 
     async def voices(self, _: Request) -> JSONResponse:
         """The reference server's voice list, as its clients read it."""
-        names = [f"{voice}.pt" for voice in self.doors.rules.voice_names]
+        names = [f"{voice}.pt" for voice in self.rules.voice_names]
         return JSONResponse({"voices": names, "count": len(names)})
 
 
@@ -101,12 +99,12 @@ class ChatSocket(ApiSocket):
     protocol = "chat"
     start_hint = "the call could not be placed"
 
-    def __init__(self, ws: WebSocket, room: Room, config: ApiConfig, stats: DoorStats, request: SessionSettings) -> None:
-        super().__init__(ws, room, config, stats, ChatDoor.kind, speech=False)
+    def __init__(self, ws: WebSocket, door: SocketDoor) -> None:
+        super().__init__(ws, door)
         import sphn  # the reference's Opus streams; imported with the first call of this door
 
-        self.request = request
-        self.room_events = request.room_events
+        self.request = chat_request(ws.query_params, door.rules)  # checked at the door
+        self.room_events = self.request.room_events
         self.outbox.frame_bytes = OPUS_FRAME_BYTES
         self._opus_in = sphn.OpusStreamReader(SAMPLE_RATE)
         self._opus_out = sphn.OpusStreamWriter(SAMPLE_RATE)
@@ -152,4 +150,4 @@ class ChatSocket(ApiSocket):
             self.send(bytes([TEXT]) + out.text.encode())
 
     def tell_ended(self, reason: str, message: str) -> None:
-        self.room_event("call_ended", reason=reason, message=message)  # the close says it to everyone
+        """The room event only: the close says it to everyone."""

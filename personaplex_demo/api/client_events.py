@@ -61,13 +61,11 @@ def parse(text: str | bytes | None, max_bytes: int, known: tuple[str, ...] = KNO
     return ClientEvent(kind, event_id, body)
 
 
-def field(event: ClientEvent, name: str, kind: type, required: bool = True) -> Any:
-    """`event.body[name]`, checked to be of `kind`; None when absent and not required."""
-    if name not in event.body or event.body[name] is None:
-        if required:
-            raise RealtimeError(e.MISSING_FIELD, f"{event.type} needs \"{name}\"", param=name,
-                                event_id=event.event_id)
-        return None
+def field(event: ClientEvent, name: str, kind: type) -> Any:
+    """`event.body[name]`, checked to be of `kind` (missing_field when absent or null)."""
+    if event.body.get(name) is None:
+        raise RealtimeError(e.MISSING_FIELD, f"{event.type} needs \"{name}\"", param=name,
+                            event_id=event.event_id)
     return typed(event.body[name], kind, name, event.event_id, where=f"\"{name}\" of {event.type}")
 
 

@@ -148,10 +148,6 @@ class TurnTracker:
         would read as a failure to the clients)."""
         return self._close("cancelled", {"type": "cancelled", "reason": reason}) if self.current is not None else []
 
-    @property
-    def open_item(self) -> str | None:
-        return self.current.item_id if self.current is not None else None
-
     def _open(self, metadata: Any) -> list[dict[str, Any]]:
         self.current = ResponseEvents(self.dialect, new_id("resp"), new_id("item"), metadata)
         self._transcript, self._frames, self._spoke = [], 0, False

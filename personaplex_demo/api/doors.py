@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket
@@ -23,8 +22,7 @@ from .config import ApiConfig
 from .live_socket import LiveDoor
 from .realtime_socket import RealtimeDoor
 from .session import PromptRules
-from .socket_base import ApiSocket
-from .socket_door import SocketDoor, deny
+from .socket_base import ApiSocket, SocketDoor, deny
 from .stats import DoorStats
 from .twilio_socket import TwilioDoor
 
@@ -49,12 +47,8 @@ class ApiDoors:
         self.limiter = SocketLimiter(config.max_sockets_per_client)
         self.hand_off: HandOff | None = None
         self.serving: set[ApiSocket] = set()  # the sockets this process runs, until each closes
-        self.doors = {cls.kind: cls(self, (stats or {}).get(cls.kind) or DoorStats())
+        self.doors = {cls.kind: cls(room, rules, config, (stats or {}).get(cls.kind) or DoorStats())
                       for cls in DOOR_TABLE if cls.enabled(config)}
-
-    @property
-    def stats_by_kind(self) -> dict[str, DoorStats]:
-        return {kind: door.stats for kind, door in self.doors.items()}
 
     def routes(self) -> list[BaseRoute]:
         routes: list[BaseRoute] = []
@@ -73,22 +67,18 @@ class ApiDoors:
         address = await self._admit(ws, door)
         if address is None:
             return
+        door.stats.opened()
+        handed = False
         try:
             handed = self.hand_off is not None and await self.hand_off(ws, door.kind, address)
-            door.stats.opened()
-            if handed:
-                address = None  # the serving process reports the close: `handed_closed`
-                return
-            try:
+            if not handed:
                 await self.serve(ws, door.kind)
-            finally:
-                door.stats.closed()
         finally:
-            if address is not None and door.keyed:
-                self.limiter.give_back(address)
+            if not handed:  # else the serving process reports the close
+                self.handed_closed(door.kind, address)
 
     def handed_closed(self, kind: str, address: str) -> None:
-        """A socket served by another process closed (or that process stopped)."""
+        """A socket closed: served here, or by another process (or that process stopped)."""
         door = self.doors[kind]
         door.stats.closed()
         if door.keyed:
@@ -133,24 +123,4 @@ class ApiDoors:
         return {cls.kind: self.doors[cls.kind].status() if cls.kind in self.doors else None for cls in DOOR_TABLE}
 
     def collectors(self) -> list[Collector]:
-        return [DoorCollector(door.stats, kind, door.label) for kind, door in self.doors.items()]
-
-
-class DoorCollector(Collector):
-    def __init__(self, stats: DoorStats, prefix: str, name: str) -> None:
-        self.stats, self.prefix, self.name = stats, prefix, name
-
-    def collect(self) -> Iterable[Metric]:
-        s = self.stats.as_dict()
-        yield GaugeMetricFamily(f"personaplex_{self.prefix}_sockets", f"Open {self.name} sockets.",
-                                value=s["sockets_open"])
-        refused = CounterMetricFamily(f"personaplex_{self.prefix}_sockets_refused",
-                                      f"{self.name} sockets refused at the door, by why.", labels=["why"])
-        for why in sorted({"api_key": 0, "too_many_sockets": 0, **s["refused"]}):
-            refused.add_metric([why], s["refused"].get(why, 0))
-        yield refused
-        errors = CounterMetricFamily(f"personaplex_{self.prefix}_errors", f"Error events sent to {self.name} "
-                                     "clients, by code.", labels=["code"])
-        for code, count in sorted(s["errors"].items()):
-            errors.add_metric([code], count)
-        yield errors
+        return list(self.doors.values())

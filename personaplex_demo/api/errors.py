@@ -14,10 +14,10 @@ class RealtimeError(Exception):
         super().__init__(f"{code}: {message}")
         self.code, self.message, self.param, self.event_id, self.kind = code, message, param, event_id, kind
 
-    def as_error(self) -> dict[str, Any]:
-        """The `error` field of the event, as OpenAI's servers shape it."""
+    def as_error(self, id_name: str = "event_id") -> dict[str, Any]:
+        """The `error` field of the event, as OpenAI's servers shape it (GPT-Live: `client_event_id`)."""
         return {"type": self.kind, "code": self.code, "message": self.message, "param": self.param,
-                "event_id": self.event_id}
+                id_name: self.event_id}
 
 
 # The codes, one per rule, so that a client can match on them.

@@ -67,12 +67,9 @@ class InputAudio:
         """The oldest whole frame, or None."""
         return self._frames.popleft() if self._frames else None
 
-    def clear(self) -> int:
-        """Drop everything held; how many samples that was."""
-        dropped = self.samples
+    def clear(self) -> None:
         self._frames.clear()
         self._partial = np.zeros(0, np.int16)
-        return dropped
 
 
 class Feeder:

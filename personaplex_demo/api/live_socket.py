@@ -13,17 +13,14 @@ import numpy as np
 from starlette.websockets import WebSocket
 
 from ..frame import FRAME_SECONDS, SAMPLE_RATE
-from ..serving.room import CallHandle, Room, SlotOutput
+from ..serving.room import CallHandle, SlotOutput
 from . import errors as e
 from .client_events import ClientEvent, field, typed
-from .config import ApiConfig
 from .conversation import is_speech
 from .errors import RealtimeError
 from .server_events import event, pcm16_base64
 from .session import PromptRules, SessionSettings, apply_update, join_persona
-from .socket_base import ApiSocket
-from .socket_door import SocketDoor
-from .stats import DoorStats
+from .socket_base import ApiSocket, SocketDoor
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +90,7 @@ class LiveDoor(SocketDoor):
     kind, path, label = "live", "/v1/live/sessions", "GPT-Live"
 
     def open(self, ws: WebSocket) -> tuple[str, ApiSocket]:
-        return "gpt-live", LiveSocket(ws, self.doors.room, self.doors.rules, self.config, self.stats)
+        return "gpt-live", LiveSocket(ws, self)
 
 
 class LiveSocket(ApiSocket):
@@ -101,17 +98,14 @@ class LiveSocket(ApiSocket):
     start_hint = "send session.start to start one"
     known, unsupported = KNOWN, {}
 
-    def __init__(self, ws: WebSocket, room: Room, rules: PromptRules, config: ApiConfig, stats: DoorStats) -> None:
-        super().__init__(ws, room, config, stats, LiveDoor.kind, speech=False)
-        self.rules = rules
+    def __init__(self, ws: WebSocket, door: SocketDoor) -> None:
+        super().__init__(ws, door)
         self.settings: SessionSettings | None = None
         self._held_text: list[str] = []
         self._held_since = 0
 
     def error_event(self, err: RealtimeError) -> dict[str, Any]:
-        return event("error", client_event_id=err.event_id,
-                     error={"type": err.kind, "code": err.code, "message": err.message, "param": err.param,
-                            "client_event_id": err.event_id})
+        return event("error", client_event_id=err.event_id, error=err.as_error("client_event_id"))
 
     def _resource(self, status: str = "active") -> dict[str, Any]:
         """The session as `session.started`, `session.updated` and `session.closed` show it."""
@@ -159,7 +153,7 @@ class LiveSocket(ApiSocket):
                                 "socket for another session", param="type", event_id=ev.event_id)
         settings = start_settings(ev.body.get("session"), self.rules, ev.event_id)
         self.room_events = settings.room_events
-        if await self.runner.start(*settings.call_fields(), ev.event_id):
+        if await self.start_call(*settings.call_fields(), ev.event_id):
             self.settings = settings
             self.send(answer("session.started", ev, session=self._resource()))
 
@@ -183,7 +177,6 @@ class LiveSocket(ApiSocket):
             self.send(event("session.usage.updated", usage={"seconds": round(self.frames_out * FRAME_SECONDS, 3)}))
 
     def tell_ended(self, reason: str, message: str) -> None:
-        self.room_event("call_ended", reason=reason, message=message)
         self.send(event("session.closed", **self._closed_fields(reason, message)))
 
     async def _close_requested(self, ev: ClientEvent) -> None:

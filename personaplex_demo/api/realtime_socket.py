@@ -11,17 +11,14 @@ from typing import Any
 
 from starlette.websockets import WebSocket
 
-from ..serving.room import Room, SlotOutput
+from ..serving.room import SlotOutput
 from .access import BETA_SUBPROTOCOL
 from .client_events import ClientEvent, field
-from .config import ApiConfig
 from .conversation import Conversation, TurnTracker
 from .errors import RealtimeError
 from .server_events import event, new_id
-from .session import Dialect, PromptRules, SessionSettings, apply_update, check_persona, join_persona, session_object
-from .socket_base import ApiSocket
-from .socket_door import SocketDoor
-from .stats import DoorStats
+from .session import Dialect, SessionSettings, apply_update, check_persona, join_persona, session_object
+from .socket_base import ApiSocket, SocketDoor
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +27,8 @@ class RealtimeDoor(SocketDoor):
     kind, path, label = "realtime", "/v1/realtime", "Realtime API"
 
     def open(self, ws: WebSocket) -> tuple[str, ApiSocket]:
-        # The beta event names for clients that ask for them (`OpenAI-Beta: realtime=v1`).
-        beta = ("realtime=v1" in ws.headers.get("openai-beta", "").replace(" ", "")
-                or BETA_SUBPROTOCOL in (ws.scope.get("subprotocols") or []))
-        dialect = Dialect.BETA if beta else Dialect.CURRENT
-        socket = RealtimeSocket(ws, self.doors.room, self.doors.rules, self.config, dialect, self.stats)
-        return f"realtime ({dialect.value} events)", socket
+        socket = RealtimeSocket(ws, self)
+        return f"realtime ({socket.dialect.value} events)", socket
 
     def subprotocol(self, ws: WebSocket) -> str | None:
         return "realtime" if "realtime" in (ws.scope.get("subprotocols") or []) else None
@@ -44,14 +37,18 @@ class RealtimeDoor(SocketDoor):
 class RealtimeSocket(ApiSocket):
     protocol = "realtime"
     start_hint = "send audio or response.create to start one"
+    hears_speech = True
 
-    def __init__(self, ws: WebSocket, room: Room, rules: PromptRules, config: ApiConfig, dialect: Dialect,
-                 stats: DoorStats) -> None:
-        super().__init__(ws, room, config, stats, RealtimeDoor.kind)
-        self.rules, self.dialect = rules, dialect
+    def __init__(self, ws: WebSocket, door: SocketDoor) -> None:
+        super().__init__(ws, door)
+        # The beta event names for clients that ask for them (`OpenAI-Beta: realtime=v1`).
+        beta = ("realtime=v1" in ws.headers.get("openai-beta", "").replace(" ", "")
+                or BETA_SUBPROTOCOL in (ws.scope.get("subprotocols") or []))
+        self.dialect = dialect = Dialect.BETA if beta else Dialect.CURRENT
         self.settings = SessionSettings()
         self.conversation = Conversation(dialect)
-        self.turns = TurnTracker(dialect, config.turn_end_seconds, config.speech_dbfs, self.conversation)
+        self.turns = TurnTracker(dialect, self.config.turn_end_seconds, self.config.speech_dbfs,
+                                 self.conversation)
         self.update_refused = False  # a session.update was refused and none taken since
         self._changed_at = time.monotonic()  # the last change to the call's settings before it started
         self._starting = False
@@ -101,7 +98,9 @@ class RealtimeSocket(ApiSocket):
                 self._create_item(ev)
             case "conversation.item.truncate":
                 truncated = self.conversation.truncate(ev)
-                if truncated["item_id"] == self.turns.open_item:  # the caller cut the agent off mid-turn
+                current = self.turns.current
+                # The caller cut the agent off.
+                if current is not None and truncated["item_id"] == current.item_id:
                     self.send_all(self.turns.cancel())
                 self.send(truncated)
             case "conversation.item.delete":
@@ -163,8 +162,8 @@ class RealtimeSocket(ApiSocket):
         # The persona: the instructions (a reply's, else the session's), then the context's text.
         instructions = self._reply_instructions if self._reply_instructions is not None else self.settings.persona
         try:
-            await self.runner.start(self.settings.voice, join_persona(instructions, *self._context),
-                                    self.settings.sampling, event_id)
+            await self.start_call(self.settings.voice, join_persona(instructions, *self._context),
+                                  self.settings.sampling, event_id)
         finally:
             self._starting = False
 

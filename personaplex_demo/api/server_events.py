@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from .errors import RealtimeError
 from .feeder import to_pcm16
 from .session import Dialect
 
@@ -35,10 +34,6 @@ def new_id(prefix: str) -> str:
 
 def event(kind: str, **fields: Any) -> dict[str, Any]:
     return {"type": kind, "event_id": new_id("event"), **fields}
-
-
-def error_event(err: RealtimeError) -> dict[str, Any]:
-    return event("error", error=err.as_error())
 
 
 def pcm16_base64(pcm: np.ndarray) -> str:

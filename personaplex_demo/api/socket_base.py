@@ -1,14 +1,20 @@
-"""What every API socket does, whatever protocol it speaks: client events in, one call in the room,
-server events out, on the server's event loop. The call is released when the socket closes for any
-reason, so a slot never outlives its socket."""
+"""The door base: what the table of doors (api/doors.py) knows of one door (`SocketDoor`), and what every
+API socket does, whatever protocol it speaks (`ApiSocket`): client events in, one call in the room, server
+events out, on the server's event loop. The call is released when the socket closes for any reason, so a
+slot never outlives its socket."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.responses import JSONResponse
+from starlette.routing import BaseRoute
 from starlette.websockets import WebSocket
 
 from ..call_settings import SamplingParams
@@ -16,12 +22,14 @@ from ..errors import PersonaTooLongError, UnknownVoiceError
 from ..serving.door import DoorCall, Ended, Frame, Live, Preparing, Queued, Refusal, RefusalKind
 from ..serving.room import CallHandle, EndReason, Room, SlotOutput, end_message
 from . import errors as e
+from .access import presented_key
 from .client_events import KNOWN, UNSUPPORTED, ClientEvent, parse
 from .config import ApiConfig
 from .errors import RealtimeError
 from .feeder import Feeder
 from .outbox import Outbox
-from .server_events import error_event, event, new_id
+from .server_events import event, new_id
+from .session import PromptRules
 from .speech_detector import SpeechConfig, SpeechEvents
 from .stats import DoorStats
 
@@ -35,6 +43,24 @@ CLOSE_CODES = {EndReason.TIME_LIMIT: 1000, EndReason.IDLE: 1000, EndReason.QUEUE
 # The close codes of bad input (RFC 6455): data of a kind not taken, data that cannot be read, a
 # request or pace refused.
 UNSUPPORTED_DATA, INVALID_DATA, POLICY = 1003, 1007, 1008
+# A refusal that is not the caller's to fix: its error code and words, then the close's code and words.
+ROOM_REFUSALS = {
+    RefusalKind.FULL: (e.ROOM_FULL, "the room is full and its queue too ({}); try again in a minute", 1013,
+                       "the room is full"),
+    RefusalKind.CLOSED: (e.ROOM_CLOSED, "the room is not taking calls: {}", 1001, "the room is closed"),
+}
+
+
+def room_refusal(refusal: Refusal, event_id: str | None) -> tuple[RealtimeError, int, str]:
+    """The room's refusal as the client hears it: raised when the request was bad (the caller's to fix),
+    else the error to send and the close's code and words."""
+    exc = refusal.error
+    if refusal.kind == RefusalKind.CALLER:
+        code = (e.UNKNOWN_VOICE if isinstance(exc, UnknownVoiceError) else
+                e.PERSONA_TOO_LONG if isinstance(exc, PersonaTooLongError) else e.INVALID_FIELD)
+        raise RealtimeError(code, str(exc), param="session", event_id=event_id)
+    code, words, close_code, reason = ROOM_REFUSALS[refusal.kind]
+    return RealtimeError(code, words.format(exc), event_id=event_id, kind="server_error"), close_code, reason
 
 
 class Refused(Exception):
@@ -53,13 +79,16 @@ class ApiSocket:
     start_hint = "send an event that starts one"  # what a client that starts no call should do
     known: tuple[str, ...] = KNOWN  # the client events taken, and those refused with a reason
     unsupported: dict[str, str] = UNSUPPORTED
+    hears_speech = False  # the speech detector runs on the caller's audio (`on_speech`)
 
-    def __init__(self, ws: WebSocket, room: Room, config: ApiConfig, stats: DoorStats, door: str,
-                 speech: bool = True) -> None:
-        self.ws, self.config, self.stats = ws, config, stats
+    def __init__(self, ws: WebSocket, door: SocketDoor) -> None:
+        self.ws, self.config, self.stats = ws, door.config, door.stats
         self.session_id = new_id("sess")
-        self.runner = SocketCall(self, room, door, config.speech if speech else SpeechConfig(enabled=False))
-        self.door_call, self.feeder = self.runner.door_call, self.runner.feeder
+        self.rules = door.rules
+        self.door_call = DoorCall(door.room, door.kind)
+        self.speech = SpeechEvents(self.config.speech if self.hears_speech else SpeechConfig(enabled=False),
+                                   self.on_speech)  # hears each frame the feeder hands the room
+        self.feeder = Feeder(self.config, self.door_call, self.speech.hear)
         self.outbox = Outbox()
         self.room_events = False  # personaplex.* events (queue, live, ended): clients that know them opt in
         self.closing = False
@@ -85,7 +114,7 @@ class ApiSocket:
 
     def error_event(self, err: RealtimeError) -> dict[str, Any] | bytes | None:
         """The protocol's error message (None: it has none, the error is counted and logged only)."""
-        return error_event(err)
+        return event("error", error=err.as_error())
 
     def on_live(self, call: CallHandle) -> None:
         """The call went live: the agent's first frame comes next."""
@@ -102,17 +131,17 @@ class ApiSocket:
             await self.close(1000, "hang-up")
             return
         message = end_message(reason)
+        self.room_event("call_ended", reason=reason, message=message)
         self.tell_ended(reason, message)
         await self.close(CLOSE_CODES.get(reason, 1011), message)
 
     def tell_ended(self, reason: str, message: str) -> None:
-        """Room news to a client that asked for it, else an `error` with code call_ended."""
-        if self.room_events:
-            self.room_event("call_ended", reason=reason, message=message)
-        else:
+        """The end in the protocol's words, beside the room event; by default an `error` (code
+        call_ended) to a client without room events."""
+        if not self.room_events:
             self.error(RealtimeError(e.CALL_ENDED, f"the call ended ({reason}): {message}", kind="server_error"))
 
-    # ---- the socket's life ---------------------------------------------------------------------
+    # ---- the socket's life and its call --------------------------------------------------------
 
     async def run(self) -> None:
         """Serve the socket until it closes (the door counts it open and closed)."""
@@ -122,8 +151,9 @@ class ApiSocket:
         self._reader = asyncio.create_task(self._read())
         try:
             await asyncio.wait({self._reader})
-        finally:
-            self.runner.release()
+        finally:  # the call goes with the socket (a call that ended keeps its reason)
+            self.door_call.hang_up()
+            self.speech.close()
             for task in [self._reader, *self._tasks]:
                 task.cancel()
             log.info("%s %s closed: %d frames in, %d out", self.protocol, self.session_id, self.feeder.frames_in,
@@ -200,7 +230,7 @@ class ApiSocket:
     async def start_checked(self, voice: str, persona: str, sampling: SamplingParams) -> None:
         """Start a call the door checked already; the room refusing it all the same closes the socket."""
         try:
-            await self.runner.start(voice, persona, sampling, None)
+            await self.start_call(voice, persona, sampling, None)
         except RealtimeError as err:
             await self.refuse(POLICY, err.message)
 
@@ -221,85 +251,54 @@ class ApiSocket:
         task.add_done_callback(self._tasks.discard)
         return task
 
-
-class SocketCall:
-    """The call behind one API socket: placed in the room, its wait told (room events), then the
-    agent's frames handed to the socket's protocol and the client's audio fed at the room's pace."""
-
-    def __init__(self, socket: ApiSocket, room: Room, door: str, speech: SpeechConfig) -> None:
-        self.socket = socket
-        self.door_call = DoorCall(room, door)
-        self.speech = SpeechEvents(speech, socket.on_speech)  # hears each frame the feeder hands the room
-        self.feeder = Feeder(socket.config, self.door_call, self.speech.hear)
-
-    def release(self) -> None:
-        """The socket closed: the call goes with it (a call that ended keeps its reason)."""
-        self.door_call.hang_up()
-        self.speech.close()
-
-    async def start(self, voice: str, persona: str, sampling: SamplingParams, event_id: str | None) -> bool:
+    async def start_call(self, voice: str, persona: str, sampling: SamplingParams,
+                         event_id: str | None) -> bool:
         """Ask the room for the call; True once it holds one (seated or queued). A refusal is the
         client's error: raised for a bad request, sent (and the socket closed) otherwise."""
-        socket = self.socket
-        refusal = await self.door_call.start(voice, persona, sampling)
-        if refusal is not None:
-            await self._refused(refusal, event_id)
+        if (refusal := await self.door_call.start(voice, persona, sampling)) is not None:
+            err, close_code, reason = room_refusal(refusal, event_id)
+            self.error(err)
+            await self.close(close_code, reason)
             return False
         call = self.door_call.call
-        if socket.closing:  # the socket went while the room placed the call
+        if self.closing:  # the socket went while the room placed the call
             self.door_call.hang_up()
             return False
-        log.info("%s %s: call %s (%s), voice %s, persona %r", socket.protocol, socket.session_id, call.id, call.state,
-                 voice, persona if len(persona) <= 200 else persona[:200] + "…")
-        socket.spawn(self._run(call))
+        log.info("%s %s: call %s (%s), voice %s, persona %r", self.protocol, self.session_id, call.id,
+                 call.state, voice, persona if len(persona) <= 200 else persona[:200] + "…")
+        self.spawn(self._run(call))
         return True
 
-    async def _refused(self, refusal: Refusal, event_id: str | None) -> None:
-        exc = refusal.error
-        if refusal.kind == RefusalKind.CALLER:
-            code = (e.UNKNOWN_VOICE if isinstance(exc, UnknownVoiceError) else
-                    e.PERSONA_TOO_LONG if isinstance(exc, PersonaTooLongError) else e.INVALID_FIELD)
-            raise RealtimeError(code, str(exc), param="session", event_id=event_id)
-        if refusal.kind == RefusalKind.FULL:
-            self.socket.error(RealtimeError(e.ROOM_FULL, f"the room is full and its queue too ({exc}); try again in "
-                                            "a minute", event_id=event_id, kind="server_error"))
-            await self.socket.close(1013, "the room is full")
-        else:
-            self.socket.error(RealtimeError(e.ROOM_CLOSED, f"the room is not taking calls: {exc}", event_id=event_id,
-                                            kind="server_error"))
-            await self.socket.close(1001, "the room is closed")
-
     async def _run(self, call: CallHandle) -> None:
-        socket = self.socket
         try:
             event = await self._wait_for_live()
             if event is None:
                 return
-            socket.room_event("live", call_id=call.id, time_left=call.time_left())
-            socket.on_live(call)
+            self.room_event("live", call_id=call.id, time_left=call.time_left())
+            self.on_live(call)
             self.feeder.live()
             self.feeder.feed()
             while True:
                 match event if isinstance(event, Frame) else await self.door_call.next_event(0.25):
                     case Frame(out=out):
                         self.feeder.answered()
-                        socket.frames_out += 1
-                        socket.on_frame(out)
+                        self.frames_out += 1
+                        self.on_frame(out)
                     case Ended(reason=reason):
-                        await socket.on_ended(reason)
+                        await self.on_ended(reason)
                         return
                 event = None
                 self.feeder.feed()
-                if socket.outbox.client_stopped_reading(socket.ws.scope, socket.config.send_backlog_seconds):
-                    log.warning("%s %s: the client stopped reading; closing", socket.protocol, socket.session_id)
+                if self.outbox.client_stopped_reading(self.ws.scope, self.config.send_backlog_seconds):
+                    log.warning("%s %s: the client stopped reading; closing", self.protocol, self.session_id)
                     self.door_call.hang_up(EndReason.NOT_READING)
-                    socket.stats.error("client_not_reading")
-                    await socket.close(1008, "the client stopped reading its audio")
+                    self.stats.error("client_not_reading")
+                    await self.close(1008, "the client stopped reading its audio")
                     return
         except Exception as exc:
-            log.exception("%s %s: the call's runner failed", socket.protocol, socket.session_id)
-            self.door_call.hang_up(EndReason.error(f"{socket.protocol} door: {type(exc).__name__}"))
-            await socket.close(1011, "the server failed on this call")
+            log.exception("%s %s: the call's runner failed", self.protocol, self.session_id)
+            self.door_call.hang_up(EndReason.error(f"{self.protocol} door: {type(exc).__name__}"))
+            await self.close(1011, "the server failed on this call")
 
     async def _wait_for_live(self) -> Live | Frame | None:
         """Tell the client its place in the queue and when it is being prepared, until the call is
@@ -308,11 +307,81 @@ class SocketCall:
         while True:
             match event := await self.door_call.next_event(1.0):
                 case Queued(position=position, reason=reason):
-                    self.socket.room_event("queue", position=position, reason=reason)
+                    self.room_event("queue", position=position, reason=reason)
                 case Preparing():
-                    self.socket.room_event("preparing")
+                    self.room_event("preparing")
                 case Live() | Frame():
                     return event
                 case Ended(reason=reason):
-                    await self.socket.on_ended(reason)
+                    await self.on_ended(reason)
                     return None
+
+
+class SocketDoor(Collector):
+    """One door of the table. Subclasses name it (`kind`, `path`, `label`) and open its sockets;
+    as a Collector it gives the door's /metrics rows."""
+
+    kind: ClassVar[str]  # its calls' label in the room, its /api/status key, its metrics' prefix
+    path: ClassVar[str]
+    label: ClassVar[str]  # for people: /metrics help and the log
+    # Admission by the API key and a count of open sockets per client address. A door whose
+    # client cannot carry a key (a phone network) admits by a check of its own instead.
+    keyed: ClassVar[bool] = True
+
+    def __init__(self, room: Room, rules: PromptRules, config: ApiConfig, stats: DoorStats) -> None:
+        self.room, self.rules, self.config, self.stats = room, rules, config, stats
+
+    @classmethod
+    def enabled(cls, config: ApiConfig) -> bool:
+        return True
+
+    def key_required(self) -> bool:
+        return self.config.api_key is not None
+
+    def presented_key(self, ws: WebSocket) -> str | None:
+        return presented_key(ws.headers, list(ws.scope.get("subprotocols") or []))
+
+    async def check(self, ws: WebSocket) -> bool:
+        """Before the key and the count: False when the socket was refused (and told why) here."""
+        return True
+
+    def open(self, ws: WebSocket) -> tuple[str, ApiSocket]:
+        """For an admitted socket: the words for the log and the protocol that serves it."""
+        raise NotImplementedError
+
+    def subprotocol(self, ws: WebSocket) -> str | None:
+        """The subprotocol the accepted socket names (browsers fail a handshake without one they offered)."""
+        return None
+
+    def routes(self) -> list[BaseRoute]:
+        """HTTP routes the door adds beside its socket's (in the main process)."""
+        return []
+
+    def status(self) -> dict[str, Any]:
+        """For /api/status."""
+        extra = {"max_sockets_per_client": self.config.max_sockets_per_client} if self.keyed else {}
+        return {"path": self.path, "api_key_required": self.keyed and self.key_required(), **extra,
+                **self.stats.as_dict()}
+
+    def collect(self) -> Iterable[Metric]:
+        s, prefix = self.stats.as_dict(), f"personaplex_{self.kind}"
+        yield GaugeMetricFamily(f"{prefix}_sockets", f"Open {self.label} sockets.", value=s["sockets_open"])
+        refused = CounterMetricFamily(f"{prefix}_sockets_refused",
+                                      f"{self.label} sockets refused at the door, by why.", labels=["why"])
+        for why, count in sorted({"api_key": 0, "too_many_sockets": 0, **s["refused"]}.items()):
+            refused.add_metric([why], count)
+        yield refused
+        errors = CounterMetricFamily(f"{prefix}_errors",
+                                     f"Error events sent to {self.label} clients, by code.", labels=["code"])
+        for code, count in sorted(s["errors"].items()):
+            errors.add_metric([code], count)
+        yield errors
+
+
+async def deny(ws: WebSocket, status: int, code: str, message: str) -> None:
+    """Refuse a socket before accepting it, with an HTTP answer its client can read."""
+    body = {"error": {"type": "invalid_request_error", "code": code, "message": message}}
+    try:
+        await ws.send_denial_response(JSONResponse(body, status_code=status))
+    except RuntimeError:  # a server without the denial-response extension: a bare 403
+        await ws.close(1008, message[:120])

@@ -7,14 +7,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import dataclasses
 import functools
 import json
 import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -25,7 +23,6 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.websockets import WebSocket
 
-from ..call_settings import SamplingParams
 from ..frame import SAMPLE_RATE
 from ..runtime.personas import load_presets
 from ..runtime.voice_names import DEFAULT_VOICE
@@ -35,9 +32,8 @@ from .client_events import ClientEvent
 from .config import ApiConfig
 from .errors import RealtimeError
 from .feeder import to_pcm16
-from .session import check_persona
-from .socket_base import INVALID_DATA, POLICY, UNSUPPORTED_DATA, ApiSocket, Refused
-from .socket_door import Doors, SocketDoor, deny
+from .session import PromptRules, SessionSettings, check_persona
+from .socket_base import INVALID_DATA, POLICY, UNSUPPORTED_DATA, ApiSocket, Refused, SocketDoor, deny
 from .stats import DoorStats
 
 log = logging.getLogger(__name__)
@@ -50,20 +46,11 @@ MAX_PAYLOAD_BYTES = 2 * PHONE_RATE  # 2 s of mu-law in one media event: far past
 HOLD_STEP_SECONDS = 0.08  # a waiting caller's tone goes out in steps of this much audio
 
 
-@dataclass(frozen=True)
-class PhoneCall:
-    """What a number's webhook asked for: the call's voice and persona."""
-
-    voice: str
-    persona: str
-
-    def header(self) -> tuple[bytes, bytes]:
-        """As a request header of the stream socket, for the process that serves it."""
-        return CALL_HEADER, base64.urlsafe_b64encode(json.dumps(dataclasses.asdict(self)).encode())
-
-    @classmethod
-    def from_headers(cls, headers: Any) -> PhoneCall:
-        return cls(**json.loads(base64.urlsafe_b64decode(headers[CALL_HEADER.decode()])))
+def call_header(call: SessionSettings) -> tuple[bytes, bytes]:
+    """What a number's webhook asked for (the voice and persona) as a request header of the stream
+    socket, for the process that serves it."""
+    settings = json.dumps({"voice": call.voice, "persona": call.persona})
+    return CALL_HEADER, base64.urlsafe_b64encode(settings.encode())
 
 
 class Tickets:
@@ -71,10 +58,10 @@ class Tickets:
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self._open: dict[str, tuple[float, PhoneCall]] = {}
+        self._open: dict[str, tuple[float, SessionSettings]] = {}
         self._lock = threading.Lock()
 
-    def issue(self, call: PhoneCall) -> str:
+    def issue(self, call: SessionSettings) -> str:
         ticket = secrets.token_urlsafe(18)
         now = time.monotonic()
         with self._lock:
@@ -82,7 +69,7 @@ class Tickets:
             self._open[ticket] = (now + self.seconds, call)
         return ticket
 
-    def take(self, ticket: str) -> PhoneCall | None:
+    def take(self, ticket: str) -> SessionSettings | None:
         with self._lock:
             until, call = self._open.pop(ticket, (0.0, None))
         return call if until > time.monotonic() else None
@@ -114,8 +101,8 @@ class TwilioDoor(SocketDoor):
     kind, path, label = "twilio", WEBHOOK_PATH + "/stream/{ticket}", "phone (Twilio Media Streams)"
     keyed = False  # a phone network carries no key; a signed webhook's ticket admits the socket
 
-    def __init__(self, doors: Doors, stats: DoorStats) -> None:
-        super().__init__(doors, stats)
+    def __init__(self, room: Room, rules: PromptRules, config: ApiConfig, stats: DoorStats) -> None:
+        super().__init__(room, rules, config, stats)
         self.tickets = Tickets(self.config.phone_ticket_seconds)
 
     @classmethod
@@ -126,15 +113,15 @@ class TwilioDoor(SocketDoor):
         call = self.tickets.take(ws.path_params.get("ticket", ""))
         if call is not None:
             # The settings ride with the socket (the only such header: a client's own is dropped).
-            ws.scope["headers"] = [*(h for h in ws.scope["headers"] if h[0] != CALL_HEADER), call.header()]
+            ws.scope["headers"] = [*(h for h in ws.scope["headers"] if h[0] != CALL_HEADER), call_header(call)]
             return True
         self.stats.refuse("ticket")
         await deny(ws, 403, "invalid_ticket", "a stream socket needs the one-time URL a signed webhook answered")
         return False
 
     def open(self, ws: WebSocket) -> tuple[str, ApiSocket]:
-        call = PhoneCall.from_headers(ws.headers)
-        return f"phone (voice {call.voice})", TwilioSocket(ws, self.doors.room, self.config, self.stats, call)
+        socket = TwilioSocket(ws, self)
+        return f"phone (voice {socket.phone_call.voice})", socket
 
     def routes(self) -> list[BaseRoute]:
         return [Route(WEBHOOK_PATH, self.webhook, methods=["POST"])]
@@ -175,9 +162,9 @@ class TwilioDoor(SocketDoor):
         log.warning("phone: a webhook for %s with %s was refused", url, what)
         return PlainTextResponse(reason, status_code=403)
 
-    def _call_of(self, query: Any) -> PhoneCall:
+    def _call_of(self, query: Any) -> SessionSettings:
         """The call a number's webhook URL names (RealtimeError when the room cannot take it)."""
-        rules = self.doors.rules
+        rules = self.rules
         voice = str(query.get("voice") or DEFAULT_VOICE).removesuffix(".pt")
         if voice not in rules.voice_names:
             raise RealtimeError(e.UNKNOWN_VOICE, f"unknown voice {voice!r}: one of {', '.join(rules.voice_names)}")
@@ -186,7 +173,7 @@ class TwilioDoor(SocketDoor):
             raise RealtimeError(e.INVALID_FIELD, f"unknown preset {preset!r}: one of {', '.join(presets)}")
         persona = presets[preset] if preset else str(query.get("persona") or "")
         check_persona(persona, rules, "the persona", "persona")
-        return PhoneCall(voice, persona)
+        return SessionSettings(voice, persona)
 
 
 @functools.cache
@@ -196,7 +183,7 @@ def hold_tone(seconds: float = 2.0) -> bytes:
     note = np.sin(2 * np.pi * 440 * t) * np.sin(np.pi * t / 0.5) * 0.1
     cycle = np.zeros(int(PHONE_RATE * seconds))
     cycle[:note.size] = note
-    return PhoneAudio().said(to_pcm16(cycle), PHONE_RATE)
+    return PhoneAudio().said(cycle, PHONE_RATE)
 
 
 class PhoneAudio:
@@ -216,10 +203,8 @@ class PhoneAudio:
         return np.concatenate([f.to_ndarray()[0] for f in frames]) if frames else np.zeros(0, np.int16)
 
     def said(self, pcm: np.ndarray, rate: int = SAMPLE_RATE) -> bytes:
-        """int16 or float (-1..1) samples at `rate` as mu-law at the phone's rate."""
-        if pcm.dtype != np.int16:
-            pcm = to_pcm16(pcm)
-        frame = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
+        """Float samples (-1..1) at `rate` as mu-law at the phone's rate."""
+        frame = av.AudioFrame.from_ndarray(to_pcm16(pcm).reshape(1, -1), format="s16", layout="mono")
         frame.sample_rate = rate
         frames = self._down.resample(frame) if rate != PHONE_RATE else [frame]
         return b"".join(bytes(packet) for f in frames for packet in self._encoder.encode(f))
@@ -229,9 +214,10 @@ class TwilioSocket(ApiSocket):
     protocol = "phone"
     start_hint = "a stream starts with its start event"
 
-    def __init__(self, ws: WebSocket, room: Room, config: ApiConfig, stats: DoorStats, call: PhoneCall) -> None:
-        super().__init__(ws, room, config, stats, TwilioDoor.kind, speech=False)
-        self.phone_call = call
+    def __init__(self, ws: WebSocket, door: SocketDoor) -> None:
+        super().__init__(ws, door)
+        header = ws.headers[CALL_HEADER.decode()]
+        self.phone_call = SessionSettings(**json.loads(base64.urlsafe_b64decode(header)))
         self.room_events = True  # the queue's news starts and stops the hold tone
         self.outbox.frame_bytes = 4 * 330  # one room frame: four 20 ms media events
         self.audio = PhoneAudio()
@@ -281,7 +267,7 @@ class TwilioSocket(ApiSocket):
                 "audio/x-mulaw", str(PHONE_RATE), "1"):
             raise Refused(POLICY, f"media format {fmt!r}: this door takes audio/x-mulaw, 8000 Hz, one channel")
         self.stream_sid, self.call_sid = start["streamSid"], str(start.get("callSid") or "?")
-        await self.start_checked(self.phone_call.voice, self.phone_call.persona, SamplingParams())
+        await self.start_checked(*self.phone_call.call_fields())
 
     def _media(self, media: Any) -> None:
         if self.stream_sid is None:
@@ -339,7 +325,7 @@ class TwilioSocket(ApiSocket):
                                  separators=(",", ":")), audio=i == 0)
 
     def on_frame(self, out: SlotOutput) -> None:
-        self._send_audio(self.audio.said(np.asarray(out.pcm, np.float32)))
+        self._send_audio(self.audio.said(out.pcm))
 
     def tell_ended(self, reason: str, message: str) -> None:
         log.info("phone %s: the room ended call %s (%s): %s", self.session_id, self.call_sid, reason, message)

@@ -56,7 +56,7 @@ class HandedSockets:
         its close."""
         match report:
             case msg.SocketError(kind=kind, code=code) if self._door is not None:
-                self._door.stats_by_kind[kind].error(code)
+                self._door.doors[kind].stats.error(code)
             case msg.SocketClosed(handoff=number):
                 self._closed(worker, number)
 
