@@ -260,6 +260,10 @@ class LaunchedApp:
     def status(self) -> dict:
         return self.call(get_json, f"{self.base_url}/api/status", 2.0)
 
+    def log_tail(self, lines: int = 60) -> str:
+        """The end of the app's log, for a failure's message (a module's app outlives its tests)."""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
     def metrics(self) -> str:
         return self.call(get_text, f"{self.base_url}/metrics")
 

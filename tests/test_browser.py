@@ -83,7 +83,8 @@ def test_a_call_in_chromium(mode, request, mic_wav, tmp_path):
         # The answer asks for 40 ms packets (a=ptime:40), and Chromium sends them: 25 a second, not 50.
         rate = (page.evaluate(OUTBOUND_PACKETS) - sent_before) / (time.monotonic() - since)
         assert 18 < rate < 32, f"{rate:.1f} microphone packets a second"
-        assert len(set(texts)) >= 3, f"the transcript did not keep changing: {texts[-3:]}"
+        assert len(set(texts)) >= 3, (f"the transcript did not keep changing: {texts[-3:]}; status line "
+                                      f"{page.locator('#status-line').inner_text()!r}; the app's log:\n{app.log_tail()}")
         assert texts[-1].startswith(texts[1])  # it streams: each update extends the last one
         assert app.status()["slots_live"] == 1
         assert "Live" in page.locator("#status-line").inner_text()
