@@ -113,10 +113,10 @@ def plan_on_device(lm, mimi, device: torch.device, dtype: torch.dtype, weights_b
     mem = device_memory(device)  # after a gc and emptying the allocator's cache
     if mem is None:
         raise ValueError(f"plan_on_device needs a CUDA device, not {device}")
-    free, source = mem.free, f"{device} as measured"
+    (free, total), source = mem, f"{device} as measured"
     if free_gib is not None and int(free_gib * GiB) - weights_bytes < free:
         free, source = int(free_gib * GiB) - weights_bytes, f"{device} limited by --free-gib {free_gib:g}"
-    return plan_batches(lm.cfg, mimi_state_bytes(mimi), free_bytes=free, total_bytes=mem.total,
+    return plan_batches(lm.cfg, mimi_state_bytes(mimi), free_bytes=free, total_bytes=total,
                         itemsize=torch.finfo(dtype).bits // 8, voice_frames=voice_frames, cuda_graphs=cuda_graphs,
                         source=source, probe=probe)
 

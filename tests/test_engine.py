@@ -191,7 +191,7 @@ def test_nan_and_clipped_audio_are_sanitised_without_touching_neighbours(tiny_ca
         np.testing.assert_array_equal(a.tokens[0], b.tokens[0])
         np.testing.assert_array_equal(a.pcm[0], b.pcm[0])
         assert np.isfinite(b.pcm).all()
-    assert dirty.stats.sanitized_frames == len(audio)
+    assert dirty.sanitized_frames == len(audio)
 
 
 def test_agent_audio_saturates_at_full_scale(tiny_cache_dir):

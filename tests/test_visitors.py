@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from personaplex_demo.web.page_cache import PageCache
-from personaplex_demo.web.visitor_limits import VisitorConfig, VisitorCounts, VisitorLimits
+from personaplex_demo.web.visitor_limits import VisitorCounts, VisitorLimits
 
 from .browser_support import launched_app
 from .callers import PageCaller, PageConfig, until
@@ -77,8 +77,7 @@ def join(fn: int) -> bytes:
 
 async def test_one_address_is_limited_and_the_others_and_every_call_go_on():
     clock, page, counts = FakeClock(), Page(), VisitorCounts()
-    limits = VisitorLimits(page, VisitorConfig(page_loads_per_minute=60), call_events=frozenset({3, 4}),
-                           counts=counts, clock=clock)
+    limits = VisitorLimits(page, frozenset({3, 4}), page_loads_per_minute=60, counts=counts, clock=clock)
     answers = [(await call(limits, scope()))[0]["status"] for _ in range(40)]
     assert answers == [200] * 30 + [429] * 10  # half a minute's worth at once, then one a second
     refused = await call(limits, scope())
@@ -109,11 +108,11 @@ async def test_behind_a_proxy_each_forwarded_address_has_its_own_limit():
     def via_proxy(address: str) -> dict:
         return scope(client="10.9.9.9", headers=[(b"x-forwarded-for", f"6.6.6.6, {address}".encode())])
 
-    trusted = VisitorLimits(Page(), VisitorConfig(page_loads_per_minute=2, trust_forwarded_for=True), frozenset(),
+    trusted = VisitorLimits(Page(), frozenset(), page_loads_per_minute=2, trust_forwarded_for=True,
                             clock=clock)
     assert [(await call(trusted, via_proxy(a)))[0]["status"] for a in ("1.1.1.1", "1.1.1.1", "2.2.2.2")] == \
         [200, 429, 200]  # the proxy's last hop names the visitor; what the client wrote before it does not count
-    direct = VisitorLimits(Page(), VisitorConfig(page_loads_per_minute=2), frozenset(), clock=clock)
+    direct = VisitorLimits(Page(), frozenset(), page_loads_per_minute=2, clock=clock)
     assert [(await call(direct, via_proxy(a)))[0]["status"] for a in ("1.1.1.1", "2.2.2.2")] == [200, 429]
 
 
@@ -127,7 +126,7 @@ async def test_too_many_visitor_requests_at_once_are_asked_to_come_back():
         await send({"type": "http.response.body", "body": b""})
 
     counts = VisitorCounts()
-    limits = VisitorLimits(slow, VisitorConfig(page_loads_per_minute=0, in_flight=3), frozenset({1}), counts=counts)
+    limits = VisitorLimits(slow, frozenset({1}), page_loads_per_minute=0, counts=counts, max_in_flight=3)
     waiting = [asyncio.ensure_future(call(limits, scope(client=f"10.0.0.{i}"))) for i in range(3)]
     await until(lambda: len(inside) == 3, 2, "three requests inside")
     busy = await call(limits, scope(client="10.0.0.9"))

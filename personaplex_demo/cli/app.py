@@ -206,11 +206,9 @@ def server_parts(cfg: AppConfig, topology: Topology, door, demo) -> dict[str, li
     from ..web.page import call_events, status_routes
     from ..web.page_cache import PageCache
     from ..web.prometheus import EngineCollector, VisitorCollector, metrics_routes
-    from ..web.visitor_limits import VisitorConfig, VisitorCounts, VisitorLimits
+    from ..web.visitor_limits import VisitorCounts, VisitorLimits
 
     room, visitors = topology.room, VisitorCounts()
-    limits = VisitorConfig(page_loads_per_minute=cfg.page_loads_per_minute,
-                           trust_forwarded_for=cfg.trust_forwarded_for)
     routes = (status_routes(topology.runtime, room, lambda: {**topology.status(), "visitors": visitors.as_dict(),
                                                              **(door.status() if door is not None else {})})
               + metrics_routes(room, [EngineCollector(topology.engine_status),
@@ -219,7 +217,9 @@ def server_parts(cfg: AppConfig, topology: Topology, door, demo) -> dict[str, li
               + (door.routes() if door else []))
     return {"routes": routes,
             "middleware": [Middleware(RefuseLongQueries),
-                           Middleware(VisitorLimits, config=limits, call_events=call_events(demo), counts=visitors),
+                           Middleware(VisitorLimits, call_events=call_events(demo), counts=visitors,
+                                      page_loads_per_minute=cfg.page_loads_per_minute,
+                                      trust_forwarded_for=cfg.trust_forwarded_for),
                            Middleware(PageCache)]}
 
 

@@ -1,10 +1,6 @@
-"""Stop: a clean exit on SIGTERM or SIGINT.
-
-A Space restarts its app with SIGTERM, whose default kills the process at once (exit 143): callers
-hear the audio stop without a word and their recordings stay behind. Here both signals end every
-call with a message, delete the recordings and exit 0 within `SHUTDOWN_SECONDS`; a second signal
-exits at once.
-"""
+"""Stop: a clean exit on SIGTERM or SIGINT (docs/operations.md § Restarts): every call ended with a
+message and the recordings deleted within `SHUTDOWN_SECONDS`, where SIGTERM's default would kill the
+process at once; a second signal exits at once."""
 
 from __future__ import annotations
 

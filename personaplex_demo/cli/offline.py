@@ -52,7 +52,7 @@ class OfflineError(Exception):
 # ---- reading ------------------------------------------------------------------------------------
 
 
-def _read_pyav(path: Path) -> tuple[np.ndarray, int]:
+def _decode(path: Path) -> tuple[np.ndarray, int]:
     """Decode the first audio stream with FFmpeg; returns float32 [channels, n] and the rate."""
     with av.open(str(path)) as container:
         if not container.streams.audio:
@@ -97,17 +97,11 @@ def read_input(path: Path) -> np.ndarray:
     if not os.access(path, os.R_OK):
         raise OfflineError(f"cannot read the input file {path}: permission denied")
     try:
-        data, rate = sf.read(str(path), dtype="float32", always_2d=True)  # [n, channels]
-        channels, rate = data.T, int(rate)
-    except (sf.SoundFileError, RuntimeError) as sf_exc:
-        log.debug("soundfile cannot read %s (%s); trying FFmpeg", path, sf_exc)
-        try:
-            channels, rate = _read_pyav(path)
-        except (av.FFmpegError, OSError, ValueError) as av_exc:
-            reason = getattr(av_exc, "strerror", None) or str(av_exc).strip() or type(av_exc).__name__
-            reason = reason.splitlines()[0]
-            raise OfflineError(f"cannot read {path} as audio: not a recognised or readable audio file "
-                               f"({reason})") from None
+        channels, rate = _decode(path)
+    except (av.FFmpegError, OSError, ValueError) as exc:
+        reason = (getattr(exc, "strerror", None) or str(exc).strip() or type(exc).__name__).splitlines()[0]
+        raise OfflineError(f"cannot read {path} as audio: not a recognised or readable audio file "
+                           f"({reason})") from None
     if channels.shape[1] == 0:
         raise OfflineError(f"{path} holds no audio samples")
     if rate <= 0:

@@ -103,12 +103,9 @@ def specs(cls: type) -> list[Spec]:
     hints = typing.get_type_hints(cls)
     result = []
     for f in dataclasses.fields(cls):
-        opt = f.metadata.get("option")
-        if opt is None:
-            continue
-        kind = hints[f.name]
-        plain = [a for a in typing.get_args(kind) if a is not type(None)]  # `str | None` -> str
-        result.append(Spec(f.name, plain[0] if plain else kind, f.default, opt))
+        if (opt := f.metadata.get("option")) is not None:
+            plain = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]  # `str | None` -> str
+            result.append(Spec(f.name, plain[0] if plain else hints[f.name], f.default, opt))
     return result
 
 

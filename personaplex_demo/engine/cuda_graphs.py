@@ -19,7 +19,6 @@ import torch
 log = logging.getLogger(__name__)
 
 
-@dataclass
 class CudaBackend:
     """Every `torch.cuda` call of the wrapper, so that tests can stand in a CPU fake."""
 
@@ -88,8 +87,7 @@ class CudaGraphed:
         self._seen: set[Hashable] = set()  # keys warmed up by one eager call
         self._graphs: dict[Hashable, _Captured] = {}
         self._failed: set[Hashable] = set()  # keys whose capture failed: eager for good
-        self._pools: dict[torch.device, Any] = {}  # one pool per device, shared by all keys
-        self._streams: dict[torch.device, Any] = {}  # one capture stream per device
+        self._devices: dict[torch.device, tuple[Any, Any]] = {}  # per device: (pool all keys share, stream)
 
     @property
     def captured(self) -> int:
@@ -137,7 +135,7 @@ class CudaGraphed:
 
     def _warm_up(self, full: Hashable, inputs: tuple[torch.Tensor, ...]) -> object:
         device = inputs[0].device
-        with self._backend.device_context(device), self._backend.warmup_context(self._stream(device)):
+        with self._backend.device_context(device), self._backend.warmup_context(self._pool_stream(device)[1]):
             output = self.fn(*inputs)
         self._seen.add(full)
         return output
@@ -145,10 +143,11 @@ class CudaGraphed:
     def _capture(self, full: Hashable, key: Hashable, inputs: tuple[torch.Tensor, ...]) -> _Captured | None:
         device = inputs[0].device
         static = tuple(t.clone() for t in inputs)  # outside the pool: the caller's allocator
+        pool, stream = self._pool_stream(device)
         try:
             with self._backend.device_context(device):
                 graph = self._backend.graph()
-                output = self._backend.capture(graph, self.fn, static, self._pool(device), self._stream(device))
+                output = self._backend.capture(graph, self.fn, static, pool, stream)
         except Exception as e:  # this key runs eagerly; other keys' graphs stay as they are
             self._failed.add(full)
             log.warning("%s: CUDA graph capture failed for key %s (%s: %s); that key runs eagerly",
@@ -171,15 +170,10 @@ class CudaGraphed:
             # Clone: the next replay overwrites the static output; the caller's result outlives it.
             return _clone(cap.output)
 
-    def _pool(self, device: torch.device) -> Any:
-        if device not in self._pools:
-            self._pools[device] = self._backend.pool(device)
-        return self._pools[device]
-
-    def _stream(self, device: torch.device) -> Any:
-        if device not in self._streams:
-            self._streams[device] = self._backend.stream(device)
-        return self._streams[device]
+    def _pool_stream(self, device: torch.device) -> tuple[Any, Any]:
+        if device not in self._devices:
+            self._devices[device] = (self._backend.pool(device), self._backend.stream(device))
+        return self._devices[device]
 
 
 def _clone(output: object) -> object:

@@ -35,11 +35,6 @@ class TickOutput:
     rows: int | None = None  # the batch the tick stepped (its bucket); None: every slot
 
 
-@dataclass
-class EngineStats:
-    sanitized_frames: int = 0  # frames with NaN/inf or out-of-range samples that were cleaned
-
-
 class LockstepEngine:
     """B conversations of PCM in, PCM and transcript out, one 80 ms frame per `step`. Only the engine
     thread may call `start_session`, `end_session` and `step`; the request checks are thread-safe."""
@@ -71,7 +66,7 @@ class LockstepEngine:
         self.tokenizer = tokenizer
         self.voices = voices
         self.max_persona_tokens = max_persona_tokens
-        self.stats = EngineStats()
+        self.sanitized_frames = 0  # frames with NaN/inf or out-of-range samples that were cleaned
         self._transcripts = [tokenizer.transcript_decoder(lm.cfg.text_card) for _ in range(batch_size)]
         # Slots whose codec state must start fresh when their conversation begins.
         self._codec_reset: set[int] = set()
@@ -173,7 +168,7 @@ class LockstepEngine:
         pcm = pcm.astype(np.float32, copy=False)
         bad = ~np.isfinite(pcm) | (np.abs(pcm) > 1.0)
         if bad.any():
-            self.stats.sanitized_frames += int(bad.any(axis=1).sum())
+            self.sanitized_frames += int(bad.any(axis=1).sum())
             pcm = np.clip(np.nan_to_num(pcm, nan=0.0, posinf=0.0, neginf=0.0), -1.0, 1.0)
         return pcm
 

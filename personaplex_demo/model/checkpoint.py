@@ -12,7 +12,7 @@ import logging
 import math
 import struct
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -58,9 +58,9 @@ def check_keys(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int,
 
 
 def load_checkpoint(module: nn.Module, path: Path | str, dtype: torch.dtype, device: torch.device | str = "cpu",
-                    int8: Callable[[str], bool] | None = None) -> nn.Module:
+                    int8: bool = False) -> nn.Module:
     """Assign the tensors of `path` to `module` (usually built on the meta device), floating ones
-    cast to `dtype`. Keys for which `int8(key)` is true are quantized as they are read, one at a
+    cast to `dtype`. With `int8`, the `quantized_key` keys are quantized as they are read, one at a
     time (so the load never holds more than one of them at full precision), and get their scales
     (model/int8.py)."""
     path = Path(path)
@@ -74,15 +74,14 @@ def load_checkpoint(module: nn.Module, path: Path | str, dtype: torch.dtype, dev
             state, scales = {}, {}
             # With int8, plain reads: the file's pages do not stay mapped beside the int8 copies (peak
             # memory near the int8 size); otherwise the tensors stay views of the mapped file.
-            streamed = int8 is not None
-            tensors = read_tensors(path, list(expected)) if streamed else ((k, f.get_tensor(k)) for k in expected)
+            tensors = read_tensors(path, list(expected)) if int8 else ((k, f.get_tensor(k)) for k in expected)
             for key, t in tensors:
-                if streamed and int8(key):  # on the device: a GPU rounds 8 B weights in seconds
+                if int8 and quantized_key(key):  # on the device: a GPU rounds 8 B weights in seconds
                     t, scales[key] = quantize_rows(t.to(device), dtype)
                     return_freed_memory()
                 elif t.is_floating_point():
-                    t = t.to(dtype, copy=streamed)  # read_tensors reuses its buffer
-                elif streamed:
+                    t = t.to(dtype, copy=int8)  # read_tensors reuses its buffer
+                elif int8:
                     t = t.clone()
                 state[key] = t.to(device)
     except CheckpointError:
@@ -184,7 +183,7 @@ def load_lm(cfg: LMConfig, path: Path | str, dtype: torch.dtype = torch.float32,
     as int8, model/int8.py)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
-    lm = load_checkpoint(meta_lm(cfg), path, dtype, device, int8=quantized_key if weights == "int8" else None)
+    lm = load_checkpoint(meta_lm(cfg), path, dtype, device, int8=weights == "int8")
     return lm.eval().requires_grad_(False)
 
 

@@ -3,7 +3,6 @@ follow NVIDIA's `LMModel` / `MimiModel` keyword arguments where one exists."""
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
@@ -110,10 +109,6 @@ class MimiConfig:
     def frame_size(self) -> int:
         """PCM samples per 80 ms frame (1920)."""
         return int(self.sample_rate / self.frame_rate)
-
-    @property
-    def hop_length(self) -> int:
-        return math.prod(self.ratios)
 
     @classmethod
     def tiny(cls) -> MimiConfig:

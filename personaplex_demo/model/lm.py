@@ -42,13 +42,6 @@ class LMLayer(TransformerLayer):
         return self.gating(x) if step is None else self.gating[step](x)
 
 
-def depformer_masks(steps: int, device: torch.device | str) -> torch.Tensor:
-    """[steps, 1, 1, steps] bool: the slots of the frame's depformer ring step s sees, under the
-    ring rule: slots 0..s, except that the last step cannot see slot 0 (kept for parity)."""
-    s = torch.arange(steps, device=device)
-    return ring_mask(s[:, None], s + 1, steps, None)
-
-
 class PersonaPlexLM(nn.Module):
     def __init__(self, cfg: LMConfig):
         super().__init__()
@@ -126,7 +119,11 @@ class PersonaPlexLM(nn.Module):
         n = cfg.dep_q
         masks = self._step_masks.get((h.device, h.dtype))
         if masks is None:
-            masks = self._step_masks[(h.device, h.dtype)] = additive(depformer_masks(n, h.device), h.dtype)
+            # [n, 1, 1, n]: step s sees slots 0..s under the ring rule, except that the last step
+            # cannot see slot 0 (kept for parity).
+            idx = torch.arange(n, device=h.device)
+            masks = additive(ring_mask(idx[:, None], idx + 1, n, None), h.dtype)
+            self._step_masks[(h.device, h.dtype)] = masks
         # Step s writes slot s of a ring of dep_q slots. Attending the whole ring under a mask,
         # as the reference does, keeps bf16 rounding identical to it.
         kv = RingKV.empty(cfg.depformer_num_layers, h.shape[0], cfg.depformer_num_heads, n,

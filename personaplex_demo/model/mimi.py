@@ -6,6 +6,7 @@ names reproduce the official checkpoint's 318 keys, and the numerics the referen
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -84,41 +85,27 @@ class ProjectedTransformer(nn.Module):
         return self.transformer(x, attend, kv).transpose(1, 2)
 
 
-class ConvDownsample1d(nn.Module):
-    """Learnt causal conv, kernel 2*stride, no bias, replicate left padding on a row's first call."""
-
-    def __init__(self, stride: int, dimension: int):
-        super().__init__()
-        self.conv = StreamingConv1d(dimension, dimension, 2 * stride, stride=stride, bias=False, replicate=True)
-
-
-class ConvTrUpsample1d(nn.Module):
-    """Learnt transposed conv, kernel 2*stride, no bias, channel-wise (groups = dimension)."""
-
-    def __init__(self, stride: int, dimension: int):
-        super().__init__()
-        self.convtr = StreamingConvTranspose1d(dimension, dimension, 2 * stride, stride=stride, groups=dimension,
-                                               bias=False)
-
-
 class Mimi(nn.Module):
     """Streaming Mimi codec with explicit, per-row resettable state."""
 
     def __init__(self, cfg: MimiConfig):
         super().__init__()
         self.cfg = cfg
-        encoder_rate = cfg.sample_rate / cfg.hop_length  # 25 Hz
+        encoder_rate = cfg.sample_rate / math.prod(cfg.ratios)  # 25 Hz: the SEANet's strides
         stride = encoder_rate / cfg.frame_rate
         assert stride == int(stride), (encoder_rate, cfg.frame_rate)
-        self.resample_stride = int(stride)
+        s, d = int(stride), cfg.dimension
         # Registration order gives the checkpoint's key order.
         self.encoder = SEANetEncoder(cfg)
         self.decoder = SEANetDecoder(cfg)
         self.encoder_transformer = ProjectedTransformer(cfg)
         self.decoder_transformer = ProjectedTransformer(cfg)
         self.quantizer = SplitResidualVectorQuantizer(cfg)
-        self.downsample = ConvDownsample1d(self.resample_stride, cfg.dimension)
-        self.upsample = ConvTrUpsample1d(self.resample_stride, cfg.dimension)
+        # Learnt resampling between 25 and 12.5 Hz, kernel 2 * stride, no bias: down with replicate padding
+        # on a row's first frame, up channel-wise. The extra key level is the reference's wrapper module.
+        self.downsample = nn.ModuleDict({"conv": StreamingConv1d(d, d, 2 * s, s, bias=False, replicate=True)})
+        self.upsample = nn.ModuleDict(
+            {"convtr": StreamingConvTranspose1d(d, d, 2 * s, s, groups=d, bias=False)})
         logger.debug("Mimi: latent %d, %d+%d transformer layers, frame %d samples, %d of %d codebooks",
                      cfg.dimension, cfg.transformer_num_layers, cfg.transformer_num_layers,
                      cfg.frame_size, cfg.num_codebooks, cfg.quantizer_n_q)
@@ -129,11 +116,10 @@ class Mimi(nn.Module):
 
     # ---- state ----
 
-    def init_state(self, batch_size: int, device: torch.device | None = None,
-                   dtype: torch.dtype | None = None) -> MimiState:
+    def init_state(self, batch_size: int, device: torch.device | None = None) -> MimiState:
         """Fresh streams for `batch_size` rows (preallocated; stepping only updates it in place)."""
         d, t = self._param_device_dtype()
-        a = (batch_size, device or d, dtype or t)
+        a = (batch_size, device or d, t)
         return MimiState(
             EncoderState(self.encoder.init_state(*a), self.encoder_transformer.init_state(*a),
                          self.downsample.conv.init_state(*a)),

@@ -58,12 +58,6 @@ class VectorQuantization(nn.Module):
         return F.embedding(codes, self._codebook.embedding)
 
 
-class ResidualVectorQuantization(nn.Module):
-    def __init__(self, num_quantizers: int, dim: int, codebook_size: int):
-        super().__init__()
-        self.layers = nn.ModuleList(VectorQuantization(dim, codebook_size) for _ in range(num_quantizers))
-
-
 class ResidualVectorQuantizer(nn.Module):
     """1x1 conv input/output projections around a residual VQ."""
 
@@ -71,7 +65,9 @@ class ResidualVectorQuantizer(nn.Module):
         super().__init__()
         self.input_proj = nn.Conv1d(input_dim, dim, 1, bias=False)
         self.output_proj = nn.Conv1d(dim, input_dim, 1, bias=False)
-        self.vq = ResidualVectorQuantization(n_q, dim, codebook_size)
+        # The levels, under the reference's `vq.layers.N` keys.
+        levels = nn.ModuleList(VectorQuantization(dim, codebook_size) for _ in range(n_q))
+        self.vq = nn.ModuleDict({"layers": levels})
 
     def encode(self, z: Tensor, n_q: int) -> Tensor:
         # z: [B, C, 1] -> codes [B, n_q]

@@ -15,9 +15,9 @@ from .ring import RowStates
 
 @dataclass
 class ConvState(RowStates):
-    """Left context of one causal conv: the last `k_eff - stride` input samples of each row."""
+    """Left context of one causal conv: the last `k - stride` input samples of each row."""
 
-    carry: Tensor  # [B, C_in, k_eff - stride], zeros for a fresh row
+    carry: Tensor  # [B, C_in, k - stride], zeros for a fresh row
     fresh: Tensor | None = None  # [B] bool, only for replicate padding: row has not been fed yet
 
     def reset_rows(self, mask: Tensor) -> None:
@@ -33,40 +33,24 @@ class ConvTrState(RowStates):
     tail: Tensor  # [B, C_out, k - stride]
 
 
-class NormConv1d(nn.Module):
-    """Holds the conv. The checkpoint was trained with weight norm, folded before release; the
-    wrapper level survives in the key names (`….conv.conv.weight`)."""
-
-    def __init__(self, conv: nn.Conv1d):
-        super().__init__()
-        self.conv = conv
-
-
-class NormConvTranspose1d(nn.Module):
-    """Same as `NormConv1d` for transposed convs (`….convtr.convtr.weight`)."""
-
-    def __init__(self, convtr: nn.ConvTranspose1d):
-        super().__init__()
-        self.convtr = convtr
-
-
 class StreamingConv1d(nn.Module):
-    """Causal conv1d fed chunk by chunk: y = conv(cat(carry, x)), carry = last k_eff - stride inputs.
+    """Causal conv1d fed chunk by chunk: y = conv(cat(carry, x)), carry = last k - stride inputs.
     A fresh row's carry is zeros (the reference's constant left padding), or with `replicate=True`
     copies of its first input frame. Chunk lengths must be multiples of the stride."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1,
-                 dilation: int = 1, groups: int = 1, bias: bool = True, replicate: bool = False):
+                 bias: bool = True, replicate: bool = False):
         super().__init__()
-        self.conv = NormConv1d(nn.Conv1d(in_channels, out_channels, kernel_size, stride,
-                                         dilation=dilation, groups=groups, bias=bias))
-        self.in_channels = in_channels
+        # The checkpoint was trained with weight norm, folded before release; the wrapper's level
+        # survives in the key names (`….conv.conv.weight`).
+        conv = nn.Conv1d(in_channels, out_channels, kernel_size, stride, bias=bias)
+        self.conv = nn.ModuleDict({"conv": conv})
         self.stride = stride
-        self.context = (kernel_size - 1) * dilation + 1 - stride  # samples carried between calls
+        self.context = kernel_size - stride  # samples carried between calls
         self.replicate = replicate
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> ConvState:
-        carry = torch.zeros(batch_size, self.in_channels, self.context, device=device, dtype=dtype)
+        carry = torch.zeros(batch_size, self.conv.conv.in_channels, self.context, device=device, dtype=dtype)
         fresh = torch.ones(batch_size, dtype=torch.bool, device=device) if self.replicate else None
         return ConvState(carry, fresh)
 
@@ -99,15 +83,15 @@ class StreamingConvTranspose1d(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1,
                  groups: int = 1, bias: bool = True):
         super().__init__()
-        self.convtr = NormConvTranspose1d(nn.ConvTranspose1d(in_channels, out_channels, kernel_size,
-                                                             stride, groups=groups, bias=bias))
-        self.out_channels = out_channels
+        # The weight-norm wrapper's level, as in `StreamingConv1d` (`….convtr.convtr.weight`).
+        convtr = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride, groups=groups, bias=bias)
+        self.convtr = nn.ModuleDict({"convtr": convtr})
         self.stride = stride
         self.overlap = kernel_size - stride
         self.matmul_ok = groups == 1 and kernel_size == 2 * stride
 
     def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> ConvTrState:
-        return ConvTrState(torch.zeros(batch_size, self.out_channels, self.overlap,
+        return ConvTrState(torch.zeros(batch_size, self.convtr.convtr.out_channels, self.overlap,
                                        device=device, dtype=dtype))
 
     def step(self, x: Tensor, state: ConvTrState) -> Tensor:
@@ -130,7 +114,7 @@ class StreamingConvTranspose1d(nn.Module):
         PyTorch runs a short transposed conv through a slow generic kernel, several times this."""
         convtr = self.convtr.convtr
         B, c_in, T = x.shape
-        s, c_out = self.stride, self.out_channels
+        s, c_out = self.stride, convtr.out_channels
         z = torch.mm(x.transpose(1, 2).reshape(B * T, c_in), convtr.weight.reshape(c_in, c_out * 2 * s))
         z = z.view(B, T, c_out, 2, s)
         head, spill = z[:, :, :, 0], z[:, :, :, 1]  # [B, T, C_out, s] each
@@ -160,12 +144,12 @@ def _run_layers(layers: nn.Sequential, x: Tensor, states: Iterator) -> Tensor:
 class ResidualUnit(nn.Module):
     """x + conv1x1(elu(conv_k3(elu(x)))), the identity skip ("true skip")."""
 
-    def __init__(self, dim: int, kernel_size: int, dilation: int, compress: int):
+    def __init__(self, dim: int, kernel_size: int, compress: int):
         super().__init__()
         hidden = dim // compress
         self.block = nn.Sequential(
             nn.ELU(alpha=1.0),
-            StreamingConv1d(dim, hidden, kernel_size, dilation=dilation),
+            StreamingConv1d(dim, hidden, kernel_size),
             nn.ELU(alpha=1.0),
             StreamingConv1d(hidden, dim, 1),
         )
@@ -196,9 +180,9 @@ class SEANetEncoder(SEANet):
         layers: list[nn.Module] = [StreamingConv1d(cfg.channels, nf, cfg.kernel_size)]
         mult = 1
         for ratio in reversed(cfg.ratios):
-            # Mimi has one residual unit per stage (n_residual_layers = 1, dilation base**0).
+            # Mimi has one residual unit per stage (n_residual_layers = 1, so dilation base**0 = 1).
             layers += [
-                ResidualUnit(mult * nf, cfg.residual_kernel_size, 1, cfg.compress),
+                ResidualUnit(mult * nf, cfg.residual_kernel_size, cfg.compress),
                 nn.ELU(alpha=1.0),
                 StreamingConv1d(mult * nf, 2 * mult * nf, 2 * ratio, stride=ratio),
             ]
@@ -219,7 +203,7 @@ class SEANetDecoder(SEANet):
             layers += [
                 nn.ELU(alpha=1.0),
                 StreamingConvTranspose1d(mult * nf, mult * nf // 2, 2 * ratio, stride=ratio),
-                ResidualUnit(mult * nf // 2, cfg.residual_kernel_size, 1, cfg.compress),
+                ResidualUnit(mult * nf // 2, cfg.residual_kernel_size, cfg.compress),
             ]
             mult //= 2
         layers += [nn.ELU(alpha=1.0), StreamingConv1d(nf, cfg.channels, cfg.last_kernel_size)]

@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from huggingface_hub import get_token, hf_hub_download
 from huggingface_hub.errors import (
@@ -102,13 +101,10 @@ def _make_tqdm(on_bytes: Callable[[int, int | None], None]) -> type[hf_tqdm]:
     """A tqdm class for hf_hub_download that forwards byte counts to `on_bytes`."""
 
     class _ReportingTqdm(hf_tqdm):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._done = 0
+        _done = 0  # counted here: a disabled bar (HF_HUB_DISABLE_PROGRESS_BARS) does not track n
 
         def update(self, n: float | None = 1) -> bool | None:
             result = super().update(n)
-            # Count ourselves: a disabled bar (HF_HUB_DISABLE_PROGRESS_BARS) does not track n.
             self._done += int(n or 0)
             on_bytes(self._done, int(self.total) if self.total else None)
             return result

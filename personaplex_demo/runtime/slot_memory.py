@@ -103,20 +103,14 @@ def probe_tick_bytes(lm, mimi, device: torch.device, dtype: torch.dtype) -> tupl
     return max(0, p1 - per_slot * b1), per_slot
 
 
-@dataclasses.dataclass(frozen=True)
-class DeviceMemory:
-    free: int  # bytes free on the device now
-    total: int
-
-
-def device_memory(device: torch.device) -> DeviceMemory | None:
-    """Free and total bytes of a CUDA device (after returning the allocator's cached blocks)."""
+def device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of a CUDA device, after returning the allocator's cached blocks."""
     if device.type != "cuda":
         return None
     gc.collect()  # engines refer to themselves through their graph wrappers: free any dropped one first
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    return DeviceMemory(int(free), int(total))
+    return int(free), int(total)
 
 
 def slot_cost(cfg: LMConfig, mimi_bytes: int, frames: int, itemsize: int, cuda_graphs: bool,
@@ -142,12 +136,12 @@ def plan_for(lm, mimi, voices: VoiceCatalog, *, slots: int | str, max_slots: int
         except Exception as e:  # the arithmetic can still go on with the estimate
             log.warning("slot memory probe failed (%s: %s); using an estimate", type(e).__name__, e)
     cost, fixed = slot_cost(cfg, mimi_state_bytes(mimi), frames, itemsize, cuda_graphs and on_cuda, probe)
-    memory = device_memory(device)
-    reserve = 0
-    if memory is not None:
+    free, reserve = None, 0
+    if (memory := device_memory(device)) is not None:
+        free, total = memory
         reserve = (prefix_cache_bytes(cfg, itemsize, longest_voice(voices), prefix_cache_size)
-                   + fixed + safety_margin(memory.total))
+                   + fixed + safety_margin(total))
     per_frame = kv_ring_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, 1, itemsize)
-    return plan_slots(slots, device=str(device), free_bytes=memory.free if memory else None,
+    return plan_slots(slots, device=str(device), free_bytes=free,
                       reserve_bytes=reserve, cost=cost, context_frames=frames, max_slots=max_slots,
                       kv_bytes_per_frame=per_frame)

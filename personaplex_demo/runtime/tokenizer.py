@@ -12,6 +12,7 @@ import io
 import itertools
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import sentencepiece as spm
@@ -168,20 +169,10 @@ _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 
 
-def _synthetic_words() -> itertools.chain[str]:
+def _synthetic_words() -> Iterator[str]:
     """Pronounceable words of two, then three, consonant-vowel syllables, in a fixed order."""
     syllables = [c + v for c in _CONSONANTS for v in _VOWELS]
-    return itertools.chain(
-        ("".join(p) for p in itertools.product(syllables, repeat=2)),
-        ("".join(p) for p in itertools.product(syllables, repeat=3)),
-    )
-
-
-def _tiny_training_sentences() -> list[str]:
-    words = list(itertools.islice(_synthetic_words(), 600))
-    babble = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
-    tagged = [wrap_with_system_tags(s) for s in _TINY_CORPUS]
-    return list(_TINY_CORPUS) * 4 + tagged * 4 + babble
+    return ("".join(p) for n in (2, 3) for p in itertools.product(syllables, repeat=n))
 
 
 def build_tiny_tokenizer(path: Path) -> Path:
@@ -191,7 +182,6 @@ def build_tiny_tokenizer(path: Path) -> Path:
     vocabulary trained on a fixed corpus (one thread, fixed order: the same bytes every time); then
     synthetic "▁word" pieces scored below every trained piece, so they only win for a whole word.
     """
-    path = Path(path)
     with atomic_file(path) as f:
         f.write(_fill_with_synthetic_words(_train_tiny_bpe()))
     logger.debug("wrote the tiny tokenizer (%d pieces) to %s", TINY_VOCAB_SIZE, path)
@@ -199,9 +189,12 @@ def build_tiny_tokenizer(path: Path) -> Path:
 
 
 def _train_tiny_bpe() -> bytes:
+    words = list(itertools.islice(_synthetic_words(), 600))
+    babble = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
+    tagged = [wrap_with_system_tags(s) for s in _TINY_CORPUS]
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_tiny_training_sentences()),
+        sentence_iterator=iter(list(_TINY_CORPUS) * 4 + tagged * 4 + babble),
         model_writer=buf,
         # BPE rather than unigram: on a corpus this small unigram keeps mostly single letters,
         # while BPE learns whole words, so personas stay short in ticks.

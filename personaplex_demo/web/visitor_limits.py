@@ -1,6 +1,6 @@
 """Visitors' work is bounded; callers' never is (docs/serving.md § Visitors and callers): page loads and the
 page's events that are not a call's are limited per client address (a token bucket) and all together
-(`in_flight`). A refused page load gets a short page that reloads itself when the address may load again.
+(`max_in_flight`). A refused page load gets a short page that reloads itself when the address may load again.
 """
 
 from __future__ import annotations
@@ -30,13 +30,6 @@ MAX_ADDRESSES = 20_000  # addresses remembered at once; the longest idle is forg
 REPORT_SECONDS = 60.0
 
 
-@dataclass(frozen=True)
-class VisitorConfig:
-    page_loads_per_minute: int = 60  # per client address; 0: no limit per address
-    in_flight: int = 64  # visitors' requests being answered at once, all addresses together
-    trust_forwarded_for: bool = False  # behind a proxy that sets X-Forwarded-For (a Space)
-
-
 @dataclass
 class Bucket:
     """Tokens refilled at `rate` a second up to `capacity`; a request takes one."""
@@ -62,7 +55,7 @@ class VisitorCounts:
 
     page_loads_refused: int = 0  # over the per-address rate
     events_refused: int = 0
-    busy_refused: int = 0  # over `in_flight`, all addresses together
+    busy_refused: int = 0  # over `max_in_flight`, all addresses together
     addresses: set[str] = field(default_factory=set)  # refused since the last log line
 
     def as_dict(self) -> dict[str, int]:
@@ -72,9 +65,12 @@ class VisitorCounts:
 class VisitorLimits:
     """ASGI middleware. `call_events` are the fn_index of the page's call events, never limited."""
 
-    def __init__(self, app, config: VisitorConfig, call_events: frozenset[int],
-                 counts: VisitorCounts | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.app, self.config, self.call_events, self.clock = app, config, call_events, clock
+    def __init__(self, app, call_events: frozenset[int], page_loads_per_minute: int,
+                 trust_forwarded_for: bool = False, counts: VisitorCounts | None = None,
+                 max_in_flight: int = 64, clock: Callable[[], float] = time.monotonic) -> None:
+        self.app, self.call_events, self.clock = app, call_events, clock
+        self.per_minute, self.max_in_flight = page_loads_per_minute, max_in_flight  # per_minute 0: no limit
+        self.trust_forwarded_for = trust_forwarded_for
         self.counts = counts if counts is not None else VisitorCounts()
         self._buckets: collections.OrderedDict[tuple[str, str], Bucket] = collections.OrderedDict()
         self._in_flight = 0
@@ -97,7 +93,7 @@ class VisitorLimits:
             kind = "event"
         address = self.address(scope)
         wait = self.wait(kind, address)
-        why = kind if wait else "busy" if self._in_flight >= self.config.in_flight else None
+        why = kind if wait else "busy" if self._in_flight >= self.max_in_flight else None
         if why is not None:
             self.refused(why, address)
             status, message = REFUSALS[why]
@@ -115,15 +111,14 @@ class VisitorLimits:
 
     def address(self, scope) -> str:
         peer = scope["client"][0] if scope.get("client") else None
-        if not self.config.trust_forwarded_for:
+        if not self.trust_forwarded_for:
             return peer or "unknown"
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         return client_address(headers, peer, True)
 
     def wait(self, kind: str, address: str) -> float:
         """0 when `address` may go on, else the seconds until it may."""
-        per_minute = self.config.page_loads_per_minute
-        if not per_minute:
+        if not (per_minute := self.per_minute):
             return 0.0
         now = self.clock()
         bucket = self._buckets.get((kind, address))
@@ -157,7 +152,7 @@ class VisitorLimits:
 
 REFUSALS = {"page": (429, "Too many page loads from your address."),  # over the address's rate
             "event": (429, "Too many requests from your address."),
-            "busy": (503, "The server is busy with live calls.")}  # over `in_flight`, all addresses together
+            "busy": (503, "The server is busy with live calls.")}  # over `max_in_flight`
 
 
 async def read_body(receive) -> bytes | None:
