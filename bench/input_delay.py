@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import md_table, replace_section  # noqa: E402
-from personaplex_demo.rtc.audio import PACKET_MS, make_jitter_buffer_class  # noqa: E402
+from personaplex_demo.rtc.audio import PACKET_MS, ArrivalJitterBuffer  # noqa: E402
 from personaplex_demo.rtc.patches import install_packet_encoder  # noqa: E402
 
 log = logging.getLogger("bench.input_delay")
@@ -49,7 +49,7 @@ async def one_run(packet_ms: int, timed: bool, seconds: float) -> list[float]:
 
     aioice.ice.get_host_addresses = loopback_host_addresses
     original_encoder = sender.get_encoder
-    receiver.JitterBuffer = make_jitter_buffer_class() if timed else JitterBuffer
+    receiver.JitterBuffer = ArrivalJitterBuffer if timed else JitterBuffer
     if packet_ms == PACKET_MS:
         install_packet_encoder()
     sent: dict[int, float] = {}

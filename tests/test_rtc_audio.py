@@ -12,9 +12,9 @@ from av import AudioFrame
 
 from personaplex_demo.rtc.audio import (
     PACKET_MS,
+    ArrivalJitterBuffer,
+    PacketOpusEncoder,
     answering_with_packet_time,
-    make_encoder_class,
-    make_jitter_buffer_class,
     output_frame_samples,
     with_packet_time,
 )
@@ -33,7 +33,7 @@ def packet_time(sdp: str) -> int | None:
 
 
 def test_packets_carry_40_ms_and_decode_to_the_same_tone():
-    encoder, decoder = make_encoder_class()(), OpusDecoder()
+    encoder, decoder = PacketOpusEncoder(), OpusDecoder()
     step = output_frame_samples(24000)  # what fastrtc hands the sender: 40 ms of 24 kHz stereo s16
     assert step == 960
     packets, stamps = [], []
@@ -169,7 +169,7 @@ def _released(buffer, seqs: list[int], step: int = 48 * PACKET_MS) -> list[int]:
 def test_the_callers_packets_are_released_as_they_arrive_and_a_loss_holds_nothing_back():
     from aiortc.jitterbuffer import JitterBuffer
 
-    arrival = make_jitter_buffer_class()
+    arrival = ArrivalJitterBuffer
     clean = list(range(1000, 1012))
     assert _released(arrival(capacity=16, prefetch=4), clean) == clean  # nothing held
     # aiortc's own holds back 4 packets on a clean link: 160 ms at the 40 ms asked for...
@@ -228,7 +228,7 @@ async def test_a_waiting_callers_packets_are_dropped_before_decoding_and_taken_a
 
 
 def _opus_packets(count: int) -> list:
-    encoder = make_encoder_class()()
+    encoder = PacketOpusEncoder()
     out = []
     for n in range(count):
         t = (np.arange(960) + n * 960) / 24000
@@ -389,7 +389,7 @@ def test_agent_packets_are_spaced_40_ms_apart_without_an_anchor_a_late_first_fra
 
     from fastrtc.tracks import AudioCallback
 
-    from personaplex_demo.rtc.audio import make_paced_callback_class
+    from personaplex_demo.rtc.audio import PacedAudioCallback
 
     def track(cls):
         cb = cls.__new__(cls)
@@ -431,7 +431,7 @@ def test_agent_packets_are_spaced_40_ms_apart_without_an_anchor_a_late_first_fra
         await feeding
         return waited
 
-    ours = asyncio.run(sent_after_produced(make_paced_callback_class()))
+    ours = asyncio.run(sent_after_produced(PacedAudioCallback))
     theirs = asyncio.run(sent_after_produced(AudioCallback))
     assert max(ours) < 0.03, ours  # each frame leaves as it comes (0.03: a loaded host's slack)
     assert min(theirs[4:]) > 0.2, theirs  # fastrtc's: 240 ms behind the first frames, for good

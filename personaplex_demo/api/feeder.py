@@ -8,12 +8,12 @@ import base64
 import binascii
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 
 from ..frame import FRAME_SAMPLES, SAMPLE_RATE
-from ..serving.door import DoorCall
+from ..serving.door import DoorCall, DoorEvent, Ended, Frame, Live
 from ..serving.room import CallState
 from . import errors as e
 from .config import ApiConfig
@@ -73,6 +73,8 @@ class InputAudio:
 
 
 class Feeder:
+    """One socket's call driven: the client's audio handed in at the room's pace, the call's events out."""
+
     def __init__(self, config: ApiConfig, door_call: DoorCall, heard: Callable[[np.ndarray], None]) -> None:
         self.config, self.door_call = config, door_call
         self.heard = heard  # called with each frame handed to the room
@@ -97,14 +99,6 @@ class Feeder:
         self.last_audio_at = time.monotonic()
         self.feed()
 
-    def live(self) -> None:
-        """The call went live: a pause is counted from now."""
-        self.last_audio_at = time.monotonic()
-
-    def answered(self) -> None:
-        """One agent frame was read back: the room took one frame (or stepped silence)."""
-        self.in_flight = max(0, self.in_flight - 1)
-
     def feed(self) -> None:
         """Hand the room what it may take now, through the call's door (`DoorCall.push`)."""
         if self.door_call.state != CallState.LIVE:
@@ -123,3 +117,27 @@ class Feeder:
             self.heard(frame)
             self.in_flight += 1
             self.frames_in += 1
+
+    async def events(self) -> AsyncIterator[DoorEvent | None]:
+        """The started call's events until its end: its news until it is live (a frame before the news
+        of it counts: the call went live and ended at once), then its frames, each live step followed by
+        None once the audio was fed."""
+        while not isinstance(ev := await self.door_call.next_event(1.0), (Live, Frame)):
+            if ev is not None:
+                yield ev
+            if isinstance(ev, Ended):
+                return
+        yield ev if isinstance(ev, Live) else Live(None)
+        self.last_audio_at = time.monotonic()  # a pause is counted from the start
+        self.feed()
+        while True:
+            match ev if isinstance(ev, Frame) else await self.door_call.next_event(0.25):
+                case Frame() as frame:  # the room took one frame (or stepped silence)
+                    self.in_flight = max(0, self.in_flight - 1)
+                    yield frame
+                case Ended() as end:
+                    yield end
+                    return
+            ev = None
+            self.feed()
+            yield None

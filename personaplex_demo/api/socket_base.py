@@ -1,12 +1,11 @@
 """The door base: what the table of doors (api/doors.py) knows of one door (`SocketDoor`), and what every
-API socket does, whatever protocol it speaks (`ApiSocket`): client events in, one call in the room, server
-events out, on the server's event loop. The call is released when the socket closes for any reason, so a
-slot never outlives its socket."""
+API socket does, whatever protocol it speaks (`ApiSocket`, on its `Wire`): client events in, one call in
+the room, server events out, on the server's event loop. The call is released when the socket closes for
+any reason, so a slot never outlives its socket."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -27,15 +26,13 @@ from .client_events import KNOWN, UNSUPPORTED, ClientEvent, parse
 from .config import ApiConfig
 from .errors import RealtimeError
 from .feeder import Feeder
-from .outbox import Outbox
-from .server_events import event, new_id
+from .server_events import event
 from .session import PromptRules
 from .speech_detector import SpeechConfig, SpeechEvents
 from .stats import DoorStats
+from .wire import Wire
 
 log = logging.getLogger(__name__)
-
-CLOSE_SECONDS = 2.0  # for the last events to leave and the close handshake, before giving up on a client
 
 # The WebSocket close code a call's end comes with (the words are the room's: serving/room.py).
 CLOSE_CODES = {EndReason.TIME_LIMIT: 1000, EndReason.IDLE: 1000, EndReason.QUEUE_TIMEOUT: 1013,
@@ -71,30 +68,24 @@ class Refused(Exception):
         self.code, self.reason = code, reason
 
 
-class ApiSocket:
+class ApiSocket(Wire):
     """The door's side of one accepted socket; `run` returns when it has closed. By default its
     events are JSON, read and written as the Realtime API's."""
 
-    protocol = "api"  # for the log
     start_hint = "send an event that starts one"  # what a client that starts no call should do
     known: tuple[str, ...] = KNOWN  # the client events taken, and those refused with a reason
     unsupported: dict[str, str] = UNSUPPORTED
     hears_speech = False  # the speech detector runs on the caller's audio (`on_speech`)
 
     def __init__(self, ws: WebSocket, door: SocketDoor) -> None:
-        self.ws, self.config, self.stats = ws, door.config, door.stats
-        self.session_id = new_id("sess")
-        self.rules = door.rules
+        super().__init__(ws)
+        self.config, self.stats, self.rules = door.config, door.stats, door.rules
         self.door_call = DoorCall(door.room, door.kind)
         self.speech = SpeechEvents(self.config.speech if self.hears_speech else SpeechConfig(enabled=False),
                                    self.on_speech)  # hears each frame the feeder hands the room
         self.feeder = Feeder(self.config, self.door_call, self.speech.hear)
-        self.outbox = Outbox()
         self.room_events = False  # personaplex.* events (queue, live, ended): clients that know them opt in
-        self.closing = False
         self.frames_out = 0
-        self._tasks: set[asyncio.Task] = set()
-        self._reader: asyncio.Task | None = None
 
     @property
     def call(self) -> CallHandle | None:
@@ -141,53 +132,31 @@ class ApiSocket:
         if not self.room_events:
             self.error(RealtimeError(e.CALL_ENDED, f"the call ended ({reason}): {message}", kind="server_error"))
 
-    # ---- the socket's life and its call --------------------------------------------------------
+    # ---- its events and its call ---------------------------------------------------------------
 
     async def run(self) -> None:
         """Serve the socket until it closes (the door counts it open and closed)."""
         self.opened()
-        self.spawn(self._write())
         self.spawn(self._expect_a_call())
-        self._reader = asyncio.create_task(self._read())
         try:
-            await asyncio.wait({self._reader})
+            await self.serve()
         finally:  # the call goes with the socket (a call that ended keeps its reason)
             self.door_call.hang_up()
             self.speech.close()
-            for task in [self._reader, *self._tasks]:
-                task.cancel()
             log.info("%s %s closed: %d frames in, %d out", self.protocol, self.session_id, self.feeder.frames_in,
                      self.frames_out)
 
-    async def _read(self) -> None:
-        while True:
-            message = await self.ws.receive()
-            if message["type"] == "websocket.disconnect":
-                return
-            try:
-                await self.handle(self.parse(message.get("text", message.get("bytes"))))
-            except Refused as refused:
-                await self.refuse(refused.code, refused.reason)
-            except RealtimeError as err:
-                self.error(err)
-            except Exception:  # a bug here must not cost the caller the call: say so and go on
-                log.exception("%s %s: handling an event failed", self.protocol, self.session_id)
-                self.error(RealtimeError(e.INTERNAL_ERROR, "the server failed on this event; it was dropped",
-                                         kind="server_error"))
-
-    async def _write(self) -> None:
+    async def receive(self, data: str | bytes | None) -> None:
         try:
-            while True:
-                message, audio = await self.outbox.get()
-                if isinstance(message, bytes):
-                    await self.ws.send_bytes(message)
-                else:
-                    await self.ws.send_text(message)
-                self.outbox.sent(audio)
-        except Exception as exc:  # the client is gone: stop reading too
-            log.info("%s %s: sending failed (%s); closing", self.protocol, self.session_id, type(exc).__name__)
-            if self._reader is not None:
-                self._reader.cancel()
+            await self.handle(self.parse(data))
+        except Refused as refused:
+            await self.refuse(refused.code, refused.reason)
+        except RealtimeError as err:
+            self.error(err)
+        except Exception:  # a bug here must not cost the caller the call: say so and go on
+            log.exception("%s %s: handling an event failed", self.protocol, self.session_id)
+            self.error(RealtimeError(e.INTERNAL_ERROR, "the server failed on this event; it was dropped",
+                                     kind="server_error"))
 
     async def _expect_a_call(self) -> None:
         """An open socket holds a place in its client's socket limit: one that starts no call is closed."""
@@ -196,26 +165,6 @@ class ApiSocket:
             self.error(RealtimeError(e.NO_SESSION, f"no call was started within {self.config.start_timeout_seconds:g}"
                                      f" s of connecting; {self.start_hint}", kind="server_error"))
             await self.close(1000, "no call was started")
-
-    async def close(self, code: int, reason: str) -> None:
-        """Send what is queued (briefly), close the socket, stop reading."""
-        if self.closing:
-            return
-        self.closing = True
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.outbox.drained(), CLOSE_SECONDS)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.ws.close(code, reason[:120]), CLOSE_SECONDS)
-        if self._reader is not None:
-            self._reader.cancel()
-
-    def send(self, ev: dict[str, Any] | str | bytes, audio: bool = False) -> None:
-        if not self.closing:
-            self.outbox.put(ev, audio)
-
-    def send_all(self, events: list[dict[str, Any]]) -> None:
-        for ev in events:
-            self.send(ev)
 
     async def refuse(self, code: int, reason: str) -> None:
         """Bad input that ends the call: counted, said as the protocol's error, the call hung up and
@@ -244,13 +193,6 @@ class ApiSocket:
         if self.room_events:
             self.send(event(f"personaplex.{kind}", **fields))
 
-    def spawn(self, coro) -> asyncio.Task:
-        """A task of this socket's, cancelled when it closes."""
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
     async def start_call(self, voice: str, persona: str, sampling: SamplingParams,
                          event_id: str | None) -> bool:
         """Ask the room for the call; True once it holds one (seated or queued). A refusal is the
@@ -270,51 +212,34 @@ class ApiSocket:
         return True
 
     async def _run(self, call: CallHandle) -> None:
+        """The room's events as the protocol's hooks, until the call ends or the client stops reading."""
+        backlog = self.config.send_backlog_seconds
         try:
-            event = await self._wait_for_live()
-            if event is None:
-                return
-            self.room_event("live", call_id=call.id, time_left=call.time_left())
-            self.on_live(call)
-            self.feeder.live()
-            self.feeder.feed()
-            while True:
-                match event if isinstance(event, Frame) else await self.door_call.next_event(0.25):
+            async for ev in self.feeder.events():
+                match ev:
+                    case Queued(position=position, reason=reason):
+                        self.room_event("queue", position=position, reason=reason)
+                    case Preparing():
+                        self.room_event("preparing")
+                    case Live():
+                        self.room_event("live", call_id=call.id, time_left=call.time_left())
+                        self.on_live(call)
                     case Frame(out=out):
-                        self.feeder.answered()
                         self.frames_out += 1
                         self.on_frame(out)
                     case Ended(reason=reason):
                         await self.on_ended(reason)
+                    case None if self.outbox.client_stopped_reading(self.ws.scope, backlog):
+                        log.warning("%s %s: the client stopped reading; closing", self.protocol,
+                                    self.session_id)
+                        self.door_call.hang_up(EndReason.NOT_READING)
+                        self.stats.error("client_not_reading")
+                        await self.close(1008, "the client stopped reading its audio")
                         return
-                event = None
-                self.feeder.feed()
-                if self.outbox.client_stopped_reading(self.ws.scope, self.config.send_backlog_seconds):
-                    log.warning("%s %s: the client stopped reading; closing", self.protocol, self.session_id)
-                    self.door_call.hang_up(EndReason.NOT_READING)
-                    self.stats.error("client_not_reading")
-                    await self.close(1008, "the client stopped reading its audio")
-                    return
         except Exception as exc:
             log.exception("%s %s: the call's runner failed", self.protocol, self.session_id)
             self.door_call.hang_up(EndReason.error(f"{self.protocol} door: {type(exc).__name__}"))
             await self.close(1011, "the server failed on this call")
-
-    async def _wait_for_live(self) -> Live | Frame | None:
-        """Tell the client its place in the queue and when it is being prepared, until the call is
-        live (a frame before the news of it counts: the call went live and ended at once); None
-        when it ended first."""
-        while True:
-            match event := await self.door_call.next_event(1.0):
-                case Queued(position=position, reason=reason):
-                    self.room_event("queue", position=position, reason=reason)
-                case Preparing():
-                    self.room_event("preparing")
-                case Live() | Frame():
-                    return event
-                case Ended(reason=reason):
-                    await self.on_ended(reason)
-                    return None
 
 
 class SocketDoor(Collector):

@@ -14,8 +14,16 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
+from aiortc import rtcrtpsender, rtp
+from aiortc.codecs.opus import OpusEncoder
+from aiortc.jitterbuffer import JitterBuffer, JitterFrame
+from aiortc.mediastreams import MediaStreamError
+from aiortc.rtcrtpsender import RTCEncodedFrame
+from aiortc.utils import uint16_add
 from av import AudioFifo, AudioFrame, AudioResampler, CodecContext
 from av.frame import Frame
+from fastrtc.tracks import AudioCallback, CloseStream
+from fastrtc.utils import create_message, current_channel
 
 log = logging.getLogger(__name__)
 
@@ -62,82 +70,71 @@ def answering_with_packet_time(handle_offer):
     return handle_offer_with_packet_time
 
 
-def make_encoder_class():
-    from aiortc.codecs.opus import OpusEncoder
+class PacketOpusEncoder(OpusEncoder):
+    """aiortc's Opus encoder with `PACKET_MS` mono packets, encoding at the frames' own rate so that
+    nothing waits in a resampler; other rates are resampled to 48 kHz, with no fixed frame size."""
 
-    class PacketOpusEncoder(OpusEncoder):
-        """aiortc's Opus encoder with `PACKET_MS` mono packets, encoding at the frames' own rate so that
-        nothing waits in a resampler; other rates are resampled to 48 kHz, with no fixed frame size."""
+    def __init__(self) -> None:
+        super().__init__()
+        self._fifo: AudioFifo | None = None
+        self._packet_samples = 0
+        self._rtp_per_sample = fractions.Fraction(1)
+        self._packets = 0
 
-        def __init__(self) -> None:
-            super().__init__()
-            self._fifo: AudioFifo | None = None
-            self._packet_samples = 0
-            self._rtp_per_sample = fractions.Fraction(1)
-            self._packets = 0
+    def _open(self, frame) -> None:
+        rate = frame.sample_rate if frame.sample_rate in OPUS_INPUT_RATES else OPUS_RATE
+        codec = CodecContext.create("libopus", "w")
+        # Mono: fastrtc's two channels are copies of one (a third less encoding work than stereo).
+        codec.bit_rate, codec.format = self.codec.bit_rate, "s16"
+        codec.layout, codec.sample_rate = "mono", rate
+        codec.time_base = fractions.Fraction(1, rate)
+        codec.options = {"application": "voip", "frame_duration": str(PACKET_MS)}
+        self.codec = codec
+        self.resampler = AudioResampler(format="s16", layout="mono", rate=rate)  # no change of rate
+        self._fifo = AudioFifo()
+        self._packet_samples = rate * PACKET_MS // 1000
+        self._rtp_per_sample = fractions.Fraction(OPUS_RATE, rate)
 
-        def _open(self, frame) -> None:
-            rate = frame.sample_rate if frame.sample_rate in OPUS_INPUT_RATES else OPUS_RATE
-            codec = CodecContext.create("libopus", "w")
-            # Mono: fastrtc's two channels are copies of one (a third less encoding work than stereo).
-            codec.bit_rate, codec.format, codec.layout, codec.sample_rate = self.codec.bit_rate, "s16", "mono", rate
-            codec.time_base = fractions.Fraction(1, rate)
-            codec.options = {"application": "voip", "frame_duration": str(PACKET_MS)}
-            self.codec = codec
-            self.resampler = AudioResampler(format="s16", layout="mono", rate=rate)  # no change of rate
-            self._fifo = AudioFifo()
-            self._packet_samples = rate * PACKET_MS // 1000
-            self._rtp_per_sample = fractions.Fraction(OPUS_RATE, rate)
-
-        def encode(self, frame, force_keyframe: bool = False) -> tuple[list[bytes], int | None]:
-            if self._fifo is None:
-                self._open(frame)
-            for converted in self.resampler.resample(frame):
-                converted.pts = None  # the FIFO cuts packets; their RTP times are counted below
-                self._fifo.write(converted)
-            payloads: list[bytes] = []
-            first = self._packets
-            while self._fifo.samples >= self._packet_samples:
-                payloads += [bytes(p) for p in self.codec.encode(self._fifo.read(self._packet_samples))]
-                self._packets += 1
-            if not payloads:
-                return [], None
-            return payloads, int(first * self._packet_samples * self._rtp_per_sample)
-
-    return PacketOpusEncoder
+    def encode(self, frame, force_keyframe: bool = False) -> tuple[list[bytes], int | None]:
+        if self._fifo is None:
+            self._open(frame)
+        for converted in self.resampler.resample(frame):
+            converted.pts = None  # the FIFO cuts packets; their RTP times are counted below
+            self._fifo.write(converted)
+        payloads: list[bytes] = []
+        first = self._packets
+        while self._fifo.samples >= self._packet_samples:
+            payloads += [bytes(p) for p in self.codec.encode(self._fifo.read(self._packet_samples))]
+            self._packets += 1
+        if not payloads:
+            return [], None
+        return payloads, int(first * self._packet_samples * self._rtp_per_sample)
 
 
-def make_inline_encoding():
+async def next_encoded_frame(self, codec):
     """aiortc 1.16's `RTCRtpSender._next_encoded_frame`, step for step, except that an audio frame is
     encoded on the event loop: a 40 ms packet takes libopus less time than the executor's thread hop.
     Video frames still go to the executor."""
-    from aiortc import rtcrtpsender as sender
-    from aiortc import rtp
-    from aiortc.rtcrtpsender import RTCEncodedFrame
-
-    async def _next_encoded_frame(self, codec):
-        data = await self._RTCRtpSender__track.recv()
-        if not self._enabled:  # a disabled sender drops the frame, as aiortc's does
-            return None
-        audio_level = None
-        if self._RTCRtpSender__encoder is None:
-            self._RTCRtpSender__encoder = sender.get_encoder(codec)
-        encoder = self._RTCRtpSender__encoder
-        if isinstance(data, Frame):
-            force_keyframe, self._RTCRtpSender__force_keyframe = self._RTCRtpSender__force_keyframe, False
-            if isinstance(data, AudioFrame):
-                audio_level = rtp.compute_audio_level_dbov(data)
-                payloads, timestamp = encoder.encode(data, force_keyframe)
-            else:
-                payloads, timestamp = await self._RTCRtpSender__loop.run_in_executor(
-                    None, encoder.encode, data, force_keyframe)
+    data = await self._RTCRtpSender__track.recv()
+    if not self._enabled:  # a disabled sender drops the frame, as aiortc's does
+        return None
+    audio_level = None
+    if self._RTCRtpSender__encoder is None:
+        self._RTCRtpSender__encoder = rtcrtpsender.get_encoder(codec)
+    encoder = self._RTCRtpSender__encoder
+    if isinstance(data, Frame):
+        force_keyframe, self._RTCRtpSender__force_keyframe = self._RTCRtpSender__force_keyframe, False
+        if isinstance(data, AudioFrame):
+            audio_level = rtp.compute_audio_level_dbov(data)
+            payloads, timestamp = encoder.encode(data, force_keyframe)
         else:
-            payloads, timestamp = encoder.pack(data)
-        if not payloads:
-            return None
-        return RTCEncodedFrame(payloads, timestamp, audio_level)
-
-    return _next_encoded_frame
+            payloads, timestamp = await self._RTCRtpSender__loop.run_in_executor(
+                None, encoder.encode, data, force_keyframe)
+    else:
+        payloads, timestamp = encoder.pack(data)
+    if not payloads:
+        return None
+    return RTCEncodedFrame(payloads, timestamp, audio_level)
 
 
 class LoopDecoding:
@@ -217,75 +214,62 @@ def audio_level_dbov(frame) -> int:
     return round(min(max(20 * math.log10(rms), -127), 0)) if rms > 0 else -127
 
 
-def make_jitter_buffer_class():
-    from aiortc.jitterbuffer import JitterBuffer, JitterFrame
-    from aiortc.utils import uint16_add
+class ArrivalJitterBuffer(JitterBuffer):
+    """aiortc's jitter buffer for video; for audio, each packet released as it arrives. A packet older
+    than one already released is dropped: its place was filled with silence (`InputResampler`)."""
 
-    class ArrivalJitterBuffer(JitterBuffer):
-        """aiortc's jitter buffer for video; for audio, each packet released as it arrives. A packet older
-        than one already released is dropped: its place was filled with silence (`InputResampler`)."""
+    def __init__(self, capacity: int, prefetch: int = 0, is_video: bool = False) -> None:
+        super().__init__(capacity, prefetch, is_video)
+        self._last: int | None = None  # sequence number of the last packet released
 
-        def __init__(self, capacity: int, prefetch: int = 0, is_video: bool = False) -> None:
-            super().__init__(capacity, prefetch, is_video)
-            self._last: int | None = None  # sequence number of the last packet released
-
-        def add(self, packet):
-            if self._is_video:
-                return super().add(packet)
-            seq = packet.sequence_number
-            # Late or repeated: at most RESTART_DISTANCE behind the last one released (modulo 2**16).
-            if self._last is not None and uint16_add(self._last, -seq) < RESTART_DISTANCE:
-                return False, None
-            self._last = seq
-            if not packet._data:
-                return False, None
-            return False, JitterFrame(data=packet._data, timestamp=packet.timestamp)
-
-    return ArrivalJitterBuffer
+    def add(self, packet):
+        if self._is_video:
+            return super().add(packet)
+        seq = packet.sequence_number
+        # Late or repeated: at most RESTART_DISTANCE behind the last one released (modulo 2**16).
+        if self._last is not None and uint16_add(self._last, -seq) < RESTART_DISTANCE:
+            return False, None
+        self._last = seq
+        if not packet._data:
+            return False, None
+        return False, JitterFrame(data=packet._data, timestamp=packet.timestamp)
 
 
-def make_paced_callback_class():
-    from aiortc.mediastreams import MediaStreamError
-    from fastrtc.tracks import AudioCallback, CloseStream
-    from fastrtc.utils import create_message, current_channel
+class PacedAudioCallback(AudioCallback):
+    """fastrtc's outgoing audio track, paced without an anchor: a packet waits only for the previous
+    one's 40 ms, and only while nothing queues behind it."""
 
-    class PacedAudioCallback(AudioCallback):
-        """fastrtc's outgoing audio track, paced without an anchor: a packet waits only for the previous
-        one's 40 ms, and only while nothing queues behind it."""
+    _next_due: float | None = None
+    _peeked = None  # a frame that came in while the one before it waited its turn
 
-        _next_due: float | None = None
-        _peeked = None  # a frame that came in while the one before it waited its turn
-
-        async def recv(self):  # the preamble is fastrtc 0.0.34's own
-            try:
-                if self.readyState != "live":
-                    raise MediaStreamError
-                if not self.event_handler.channel_set.is_set():
-                    await self.event_handler.channel_set.wait()
-                if current_channel.get() != self.event_handler.channel:
-                    current_channel.set(self.event_handler.channel)
-                await self.start()
-                frame, self._peeked = (self._peeked if self._peeked is not None else await self.queue.get()), None
-                if isinstance(frame, CloseStream):
-                    self.channel.send(create_message("end_stream", frame.msg))
-                    self.stop()
-                    raise MediaStreamError  # the sender stops here, as it did on fastrtc's None
+    async def recv(self):  # the preamble is fastrtc 0.0.34's own
+        try:
+            if self.readyState != "live":
+                raise MediaStreamError
+            if not self.event_handler.channel_set.is_set():
+                await self.event_handler.channel_set.wait()
+            if current_channel.get() != self.event_handler.channel:
+                current_channel.set(self.event_handler.channel)
+            await self.start()
+            frame, self._peeked = (self._peeked if self._peeked is not None else await self.queue.get()), None
+            if isinstance(frame, CloseStream):
+                self.channel.send(create_message("end_stream", frame.msg))
+                self.stop()
+                raise MediaStreamError  # the sender stops here, as it did on fastrtc's None
+            now = time.monotonic()
+            if self._next_due is not None and now < self._next_due and self.queue.empty():
+                try:  # wait for its turn, unless more audio comes meanwhile: then it is a backlog
+                    self._peeked = await asyncio.wait_for(self.queue.get(), self._next_due - now)
+                except TimeoutError:
+                    pass
                 now = time.monotonic()
-                if self._next_due is not None and now < self._next_due and self.queue.empty():
-                    try:  # wait for its turn, unless more audio comes meanwhile: then it is a backlog
-                        self._peeked = await asyncio.wait_for(self.queue.get(), self._next_due - now)
-                    except TimeoutError:
-                        pass
-                    now = time.monotonic()
-                self._next_due = now + frame.samples / frame.sample_rate
-                return frame
-            except MediaStreamError:
-                raise
-            except Exception as exc:  # fastrtc logs it and its sender stops; say so, then stop
-                log.warning("outgoing audio stopped: %s", exc, exc_info=True)
-                raise MediaStreamError from exc
-
-    return PacedAudioCallback
+            self._next_due = now + frame.samples / frame.sample_rate
+            return frame
+        except MediaStreamError:
+            raise
+        except Exception as exc:  # fastrtc logs it and its sender stops; say so, then stop
+            log.warning("outgoing audio stopped: %s", exc, exc_info=True)
+            raise MediaStreamError from exc
 
 
 class InputResampler:

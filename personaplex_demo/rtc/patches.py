@@ -7,18 +7,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
 from .audio import (
+    ArrivalJitterBuffer,
+    PacedAudioCallback,
+    PacketOpusEncoder,
     answering_with_packet_time,
     audio_level_dbov,
-    make_encoder_class,
-    make_inline_encoding,
-    make_jitter_buffer_class,
     make_loop_decoder_worker,
-    make_paced_callback_class,
+    next_encoded_frame,
 )
 from .candidates import accepting_candidates
 from .ice import LOOPBACK_VAR
@@ -48,12 +47,11 @@ def written_for(package: str) -> bool:
     return True
 
 
-def _replace(owner: Any, name: str, package: str, make: Callable[[], Any]) -> None:
-    """`owner.<name>`, which `package` looks up there at run time, replaced by what `make()` returns; once only."""
+def _replace(owner: Any, name: str, package: str, replacement: Any) -> None:
+    """`owner.<name>`, which `package` looks up there at run time, replaced by `replacement`; once only."""
     written_for(package)
     if getattr(getattr(owner, name), "patched_here", False):
         return
-    replacement = make()
     replacement.patched_here = True
     setattr(owner, name, replacement)
 
@@ -65,7 +63,7 @@ def install_audio_level() -> None:
     """aiortc's senders in this process compute each packet's audio level with `audio_level_dbov`."""
     import aiortc.rtp as rtp
 
-    _replace(rtp, "compute_audio_level_dbov", "aiortc", lambda: audio_level_dbov)
+    _replace(rtp, "compute_audio_level_dbov", "aiortc", audio_level_dbov)
 
 
 def install_packet_encoder() -> None:
@@ -73,40 +71,37 @@ def install_packet_encoder() -> None:
     negotiated codec through `get_encoder`); other codecs keep aiortc's own encoders."""
     import aiortc.rtcrtpsender as sender
 
-    def make():
-        original, encoder_class = sender.get_encoder, make_encoder_class()
+    original = sender.get_encoder
 
-        def get_encoder(codec):
-            return encoder_class() if codec.mimeType.lower() == "audio/opus" else original(codec)
+    def get_encoder(codec):
+        return PacketOpusEncoder() if codec.mimeType.lower() == "audio/opus" else original(codec)
 
-        return get_encoder
-
-    _replace(sender, "get_encoder", "aiortc", make)
+    _replace(sender, "get_encoder", "aiortc", get_encoder)
 
 
 def install_loop_codecs() -> None:
     """aiortc's audio senders in this process encode on the event loop, and its audio receivers decode
-    there, instead of in a thread each (rtc/audio.py `make_inline_encoding`, `make_loop_decoder_worker`)."""
+    there, instead of in a thread each (rtc/audio.py `next_encoded_frame`, `make_loop_decoder_worker`)."""
     import aiortc.rtcrtpreceiver as receiver
     from aiortc.rtcrtpsender import RTCRtpSender
 
-    _replace(RTCRtpSender, "_next_encoded_frame", "aiortc", make_inline_encoding)
-    _replace(receiver, "decoder_worker", "aiortc", make_loop_decoder_worker)
+    _replace(RTCRtpSender, "_next_encoded_frame", "aiortc", next_encoded_frame)
+    _replace(receiver, "decoder_worker", "aiortc", make_loop_decoder_worker())
 
 
 def install_jitter_buffer() -> None:
-    """aiortc's receivers in this process use `ArrivalJitterBuffer` (built from the name `JitterBuffer`)."""
+    """aiortc's receivers in this process use `ArrivalJitterBuffer` (by the name `JitterBuffer`)."""
     import aiortc.rtcrtpreceiver as receiver
 
-    _replace(receiver, "JitterBuffer", "aiortc", make_jitter_buffer_class)
+    _replace(receiver, "JitterBuffer", "aiortc", ArrivalJitterBuffer)
 
 
 def install_output_pacing() -> None:
-    """fastrtc's connections in this process send audio through `PacedAudioCallback` (built from the
-    name `AudioCallback` in `webrtc_connection_mixin`)."""
+    """fastrtc's connections in this process send audio through `PacedAudioCallback` (by the name
+    `AudioCallback` in `webrtc_connection_mixin`)."""
     import fastrtc.webrtc_connection_mixin as mixin
 
-    _replace(mixin, "AudioCallback", "fastrtc", make_paced_callback_class)
+    _replace(mixin, "AudioCallback", "fastrtc", PacedAudioCallback)
 
 
 def receive_audio(pc: Any, on: bool) -> bool:
