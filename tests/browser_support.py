@@ -344,8 +344,7 @@ def launched_app(tmp: Path, cache_dir: Path, *, args: Sequence[str] = (), env: d
     except BaseException:
         # The app's own account of what happened (who was seated, queued or released, and why) is in
         # its log; show its end beside the failure, as CI keeps nothing else of a clean clone's run.
-        tail = log.read_text(errors="replace").splitlines()[-200:]
-        print(f"---- the app's log, last {len(tail)} lines ----", *tail, sep="\n", file=sys.stderr)
+        print("---- the app's log, its end ----", app.log_tail(200), sep="\n", file=sys.stderr)
         raise
     finally:
         app.stop()
