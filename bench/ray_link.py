@@ -32,8 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import fmt_ms, machine, md_table, replace_section  # noqa: E402
 from personaplex_demo.frame import FRAME_SAMPLES  # noqa: E402
 from personaplex_demo.procs import messages as msg  # noqa: E402
-from personaplex_demo.procs.channel import Channel  # noqa: E402
-from personaplex_demo.procs.links import no_delay  # noqa: E402
+from personaplex_demo.procs.channel import Channel, no_delay  # noqa: E402
 
 log = logging.getLogger("bench.ray_link")
 CLK_TCK = os.sysconf("SC_CLK_TCK")

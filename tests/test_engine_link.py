@@ -177,7 +177,7 @@ async def test_a_link_over_tcp_and_strangers_who_stall_or_lack_the_key_hold_up_n
     import socket
     from multiprocessing.connection import AuthenticationError
 
-    from personaplex_demo.procs import links
+    from personaplex_demo.procs.channel import open_link
 
     with served(runtimes[0], ("127.0.0.1", 0), "tcp") as (_, server):
         host, port = server.address
@@ -198,7 +198,7 @@ async def test_a_link_over_tcp_and_strangers_who_stall_or_lack_the_key_hold_up_n
     try:
         t0 = time.monotonic()
         with pytest.raises(OSError):
-            links.open_link(silent.getsockname()[:2], KEY, timeout=0.5)
+            open_link(silent.getsockname()[:2], KEY, timeout=0.5)
         assert time.monotonic() - t0 < 2.0
     finally:
         silent.close()

@@ -72,11 +72,11 @@ def test_one_more_row_is_admitted_while_its_predicted_tick_fits_with_the_margin(
     policy = HeadroomPolicy(PoolConfig())  # 80 ms budget, 15 % margin: 68 ms
     now = measured(policy, 2, 30 * MS, 0.0)
     # One size known: its cost is shared out per row (30 ms / 2 rows), so 3 rows -> 45 ms.
-    assert policy.curve.predict(now, 3) == pytest.approx(45 * MS)
+    assert policy.predict(now, 3) == pytest.approx(45 * MS)
     assert policy.admits(now, 2)
     now = measured(policy, 3, 50 * MS, now)
     # Two sizes: the fitted slope (20 ms a row) from the largest: 4 rows -> 70 ms > 68 ms.
-    assert policy.curve.predict(now, 4) == pytest.approx(70 * MS)
+    assert policy.predict(now, 4) == pytest.approx(70 * MS)
     assert not policy.admits(now, 3)
     assert policy.admits(now, 2)  # 3 rows measured at 50 ms
     assert policy.headroom(now, 3) == pytest.approx(10 * MS)
@@ -109,7 +109,7 @@ def test_a_size_not_ticked_at_for_a_while_is_forgotten():
     now = measured(policy, 2, 30 * MS, now)
     assert not policy.admits(now, 2)  # 3 rows measured recently at 90 ms
     later = measured(policy, 2, 30 * MS, now + 40.0)
-    assert policy.curve.predict(later, 3) == pytest.approx(45 * MS)  # from 2 rows only
+    assert policy.predict(later, 3) == pytest.approx(45 * MS)  # from 2 rows only
     assert policy.admits(later, 2)
 
 
@@ -181,13 +181,13 @@ def test_one_more_call_costs_the_rows_it_adds_and_the_room_grows_one_measured_ca
     policy = HeadroomPolicy(PoolConfig(), bucket=lambda n: batch_bucket(n, [1, 2, 4, 8]))
     now = measured(policy, 1, 20 * MS, 0.0)
     now = measured(policy, 2, 30 * MS, now)  # 10 ms a row
-    assert policy.curve.predict(now, 3) == pytest.approx(50 * MS)  # 2 more rows
+    assert policy.predict(now, 3) == pytest.approx(50 * MS)  # 2 more rows
     assert policy.admits(now, 2)
-    assert policy.curve.predict(now, 4) is None and not policy.admits(now, 3)  # 3 calls not measured yet
+    assert policy.predict(now, 4) is None and not policy.admits(now, 3)  # 3 calls not measured yet
     now = measured(policy, 3, 52 * MS, now)
-    assert policy.curve.predict(now, 4) == pytest.approx(52 * MS)  # the same 4 rows: only the call's own share
+    assert policy.predict(now, 4) == pytest.approx(52 * MS)  # the same 4 rows: only the call's own share
     now = measured(policy, 4, 60 * MS, now)
-    assert policy.curve.predict(now, 5) > 90 * MS and not policy.admits(now, 4)  # 4 more rows at ~10 ms
+    assert policy.predict(now, 5) > 90 * MS and not policy.admits(now, 4)  # 4 more rows at ~10 ms
 
 
 def test_a_short_spike_is_not_an_overload_and_shedding_can_be_turned_off():

@@ -17,8 +17,8 @@ import pytest
 from personaplex_demo.engine.pcm import SamplingParams, TickOutput
 from personaplex_demo.errors import AudioFormatError, CallerError, UnknownVoiceError
 from personaplex_demo.serving.call import Call
-from personaplex_demo.serving.clock import RealClock
 from personaplex_demo.serving.config import PoolConfig
+from personaplex_demo.serving.pacing import RealClock
 from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.serving.room import CallEnded, PoolClosedError, PoolFullError, SlotOutput
 

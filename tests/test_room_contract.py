@@ -36,11 +36,10 @@ import numpy as np
 import pytest
 
 from personaplex_demo.engine.pcm import SamplingParams
-from personaplex_demo.procs.desk_room import DeskRoom
 from personaplex_demo.procs.engine_link import EngineLink
 from personaplex_demo.procs.pool_router import PoolRouter
 from personaplex_demo.procs.pool_server import PoolServer
-from personaplex_demo.procs.queue_desk import QueueDesk
+from personaplex_demo.procs.queue_desk import DeskRoom, QueueDesk
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.door import DoorCall, Ended, Queued, RefusalKind

@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..procs.channel import Channel
+from ..procs.channel import Address, Channel
 from ..procs.launcher import Child, Inbox, stop_children
-from ..procs.links import Address
 from ..procs.messages import EndCalls, EngineFailed, EngineReady
 from ..procs.pool_server import FIGURES_SECONDS, PoolServer
 from ..runtime.build import Runtime, RuntimeOptions, build_runtime

@@ -27,13 +27,11 @@ from ..api.config import ApiConfig
 from ..api.doors import KINDS, ApiDoors
 from ..api.stats import DoorStats
 from ..procs import messages as msg
-from ..procs.channel import Channel
-from ..procs.desk_room import DeskRoom
-from ..procs.engine_link import EngineLink
-from ..procs.links import Address
+from ..procs.channel import Address, Channel
+from ..procs.engine_link import EngineLink, SilenceWatchdog
 from ..procs.pool_router import UnreachableEngine
+from ..procs.queue_desk import DeskRoom
 from ..procs.socket_handoff import WorkerSockets
-from ..procs.watchdog import SilenceWatchdog
 from ..rtc.ice import server_configuration
 from ..rtc.patches import answer_offers, apply_media_settings
 from ..runtime.facts import EngineFacts
@@ -62,7 +60,7 @@ class WorkerSpec:
     @property
     def watch_silence(self) -> bool:
         """Engines on other machines (a TCP address) may go silent or away: give up on one gone silent
-        (procs/watchdog.py), link to it again when it answers."""
+        (`SilenceWatchdog`), link to it again when it answers."""
         return any(not isinstance(a, str) for a in self.engines)
 
 

@@ -1,7 +1,10 @@
-"""A `Channel` over one `multiprocessing.connection.Connection` (a socket pair to a child, or a link from
-links.py) on which event loops and real-time threads never block: `send` only queues, a writer thread sends
-what has queued up as one pickled batch (docs/processes.md § How they talk), a reader thread hands each batch
-to `on_batch`, and `on_close` runs once when the other side goes away."""
+"""A `Channel` over one `multiprocessing.connection.Connection` (a socket pair to a child, or a link to a
+`PoolServer`) on which event loops and real-time threads never block: `send` only queues, a writer thread
+sends what has queued up as one pickled batch (docs/processes.md § How they talk), a reader thread hands
+each batch to `on_batch`, and `on_close` runs once when the other side goes away.
+
+The links to a `PoolServer` (`open_link`, `accept_link`) run `multiprocessing.connection`'s authkey handshake
+with a time limit on every read and write, which its own lacks (docs/processes.md § How they talk)."""
 
 from __future__ import annotations
 
@@ -10,9 +13,10 @@ import logging
 import os
 import queue
 import socket
+import struct
 import threading
 from collections.abc import Callable, Iterator
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -112,18 +116,14 @@ class Channel:
                 return
             self._closed.set()
         self._outbox.put(_STOP)
-        _shutdown(self.conn)  # wakes the reader if it is blocked in recv
+        # Both directions: wakes the reader if it is blocked in recv. OSError: closed, or never connected.
+        with contextlib.suppress(OSError), socket_of(self.conn) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
         if self._on_close is not None:
             try:
                 self._on_close()
             except Exception:
                 log.exception("%s: on_close failed", self.name)
-
-
-def _shutdown(conn: Connection) -> None:
-    """Shut a socket-backed connection down in both directions: a blocked recv or send returns."""
-    with contextlib.suppress(OSError), socket_of(conn) as sock:  # OSError: already closed, or never connected
-        sock.shutdown(socket.SHUT_RDWR)
 
 
 @contextlib.contextmanager
@@ -135,3 +135,84 @@ def socket_of(conn: Connection) -> Iterator[socket.socket]:
         yield sock
     finally:
         sock.close()
+
+
+HANDSHAKE_SECONDS = 5.0  # to connect, authenticate and get the first message
+Address = str | tuple[str, int]  # an AF_UNIX socket's path, or a TCP (host, port) between machines
+
+
+def no_delay(conn: Connection) -> None:
+    """TCP_NODELAY on a TCP connection (a no-op for AF_UNIX): a batch over 16 KiB goes out as two writes, and
+    Nagle's algorithm would hold the body back until the other side's delayed ACK, up to 40 ms."""
+    with socket_of(conn) as sock:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _io_limit(conn: Connection, seconds: float) -> None:
+    """SO_RCVTIMEO and SO_SNDTIMEO on the connection's socket: a blocked read or write fails with
+    an OSError after `seconds` (0: no limit). The descriptor stays blocking."""
+    limit = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    with socket_of(conn) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+
+
+def listen(address: Address) -> socket.socket:
+    """A listening socket at `address` (a path, or (host, port) with port 0 for any free one)."""
+    if isinstance(address, str):  # socket.create_server is documented for IP families only
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(address)
+        sock.listen(64)
+        return sock
+    return socket.create_server(address, backlog=64)
+
+
+def open_link(address: Address, authkey: bytes, timeout: float = HANDSHAKE_SECONDS) -> tuple[Connection, Any]:
+    """Connect, authenticate both ways, and read the server's first message, within `timeout` s each step.
+    Raises OSError (TimeoutError, ConnectionRefusedError...), EOFError or multiprocessing's
+    AuthenticationError."""
+    if isinstance(address, str):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(address)
+        except BaseException:
+            sock.close()
+            raise
+    else:
+        sock = socket.create_connection(address, timeout)
+
+    def client(conn: Connection) -> Any:
+        answer_challenge(conn, authkey)
+        deliver_challenge(conn, authkey)
+        return conn.recv()
+
+    return _handshake(sock, client, timeout)
+
+
+def accept_link(sock: socket.socket, authkey: bytes, first: Any) -> Connection:
+    """The server's side of `open_link` on an accepted socket: authenticate, send `first`."""
+
+    def server(conn: Connection) -> None:
+        deliver_challenge(conn, authkey)
+        answer_challenge(conn, authkey)
+        conn.send(first)
+
+    return _handshake(sock, server, HANDSHAKE_SECONDS)[0]
+
+
+def _handshake(sock: socket.socket, exchange: Callable[[Connection], Any],
+               timeout: float) -> tuple[Connection, Any]:
+    """`exchange` on the socket as a Connection, each read and write within `timeout`."""
+    sock.settimeout(None)  # blocking again: the Connection reads the descriptor directly
+    conn = Connection(sock.detach())
+    try:
+        no_delay(conn)
+        _io_limit(conn, timeout)
+        result = exchange(conn)
+        _io_limit(conn, 0)
+    except BaseException:
+        conn.close()
+        raise
+    return conn, result

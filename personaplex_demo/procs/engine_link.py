@@ -1,6 +1,6 @@
-"""An engine in another process as a `Room`: `EngineLink` over a `channel.Channel` to its `PoolServer`, and
-`RemoteCall`, a call on it. After the first `acquire` everything happens on that call's event loop: use one
-loop per client."""
+"""An engine in another process as a `Room`: `EngineLink` over a `channel.Channel` to its `PoolServer`,
+`RemoteCall`, a call on it, and `SilenceWatchdog`, which gives up on a link gone silent. After the first
+`acquire` everything happens on that call's event loop: use one loop per client."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,8 +25,7 @@ from ..serving.metrics import PoolMetrics, tell_listeners
 from ..serving.room import DOOR_PAGE, CallState, EndReason, PoolClosedError, PoolFullError, SlotOutput, TickListener
 from ..serving.waiting import CallView, WaitingCall
 from . import messages as msg
-from .channel import Channel
-from .links import Address, open_link
+from .channel import Address, Channel, open_link
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,8 @@ ENGINE_LOST = EndReason.error("the engine process stopped")
 START_TIMED_OUT = EndReason.error("start timed out")
 WORKER_LOST = EndReason.error("media worker lost")  # its calls, on the engines and in the room's queue
 DEFAULT_SAMPLING = SamplingParams()
+SILENCE_LIMIT = 1.5  # seconds without a word from a live engine (it speaks every 0.25 s)
+SILENCE_CHECK_SECONDS = 0.1
 
 
 class RemoteCall(CallView, WaitingCall):
@@ -133,7 +135,7 @@ class EngineLink:
         self.config = PoolConfig(**hello.config)
         self.figures = PoolMetrics(**hello.figures)
         self.alive = True
-        self.heard_at = time.monotonic()  # the engine's last word (a watchdog reads it: procs/watchdog.py)
+        self.heard_at = time.monotonic()  # the engine's last word (`SilenceWatchdog` reads it)
         where = self.facts.get("node")
         self.lost_reason = EndReason.error(f"the engine on {where} stopped") if where else ENGINE_LOST
         self._tick_listeners: list[TickListener] = []
@@ -260,3 +262,42 @@ class EngineLink:
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(PoolClosedError(f"engine {self.name} stopped"))
+
+
+class SilenceWatchdog:
+    """One thread that gives up on every watched link (`EngineLink.lose`) silent for more than
+    SILENCE_LIMIT s: a machine that vanished says no goodbye, and TCP (or Ray's health checks, 15-55 s)
+    would notice late. Every engine sends its figures several times a second, even with no call
+    (`PoolServer.figures_seconds`), so silence itself is the signal."""
+
+    def __init__(self) -> None:
+        self._links: list[EngineLink] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-watchdog", daemon=True)
+        self._thread.start()
+
+    def watch(self, link: EngineLink) -> None:
+        with self._lock:
+            self._links = [w for w in self._links if w.alive] + [link]
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        last = grace_until = time.monotonic()
+        while not self._stop.wait(SILENCE_CHECK_SECONDS):
+            with self._lock:
+                links = list(self._links)
+            now = time.monotonic()
+            if now - last > SILENCE_LIMIT / 2:
+                # This process itself stalled (swapping, a long pause): its reader threads stalled
+                # too and have not caught up yet. Silence heard through a stall is no evidence.
+                grace_until = now + SILENCE_LIMIT
+            last = now
+            if now < grace_until:
+                continue
+            for link in links:
+                silent = now - link.heard_at
+                if link.alive and silent > SILENCE_LIMIT:
+                    link.lose(f"no word for {silent:.1f} s (its machine may be gone); ending its calls")

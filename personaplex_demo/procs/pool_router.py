@@ -82,7 +82,7 @@ class RequestRules(Protocol):
 
 
 class EngineSet:
-    """The engine links of both rooms built on them (`PoolRouter`, `desk_room.DeskRoom`): the app's
+    """The engine links of both rooms built on them (`PoolRouter`, `queue_desk.DeskRoom`): the app's
     settings, their slots and figures, and the tick listeners, kept across a link made again (`replace`)."""
 
     def __init__(self, engines: list[EngineLink | UnreachableEngine]) -> None:

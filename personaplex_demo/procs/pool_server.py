@@ -24,9 +24,8 @@ from ..serving.call import Call
 from ..serving.pool import SlotPool
 from ..serving.room import CallEnded, CallState, EndReason, PoolClosedError, PoolFullError
 from . import messages as msg
-from .channel import Channel, daemon_threads
+from .channel import Address, Channel, accept_link, daemon_threads, listen
 from .engine_link import WORKER_LOST, refused
-from .links import Address, accept_link, listen
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +144,7 @@ class PoolServer:
         self._authkey = authkey
         self._listener = listen(address)  # AF_UNIX for a path, TCP for (host, port)
         self.address: Address = address if isinstance(address, str) else self._listener.getsockname()[:2]
-        self.figures_seconds = figures_seconds  # the figures double as a heartbeat: procs/watchdog.py
+        self.figures_seconds = figures_seconds  # the figures double as a heartbeat: `SilenceWatchdog`
         self._clients: list[_Client] = []
         self._lock = threading.Lock()
         self._numbers = itertools.count(1)

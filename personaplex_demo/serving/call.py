@@ -14,11 +14,11 @@ import numpy as np
 
 from ..call_settings import SamplingParams
 from ..errors import AudioFormatError
-from .clock import Clock
 from .config import PoolConfig
-from .counters import CallCounters, PoolCounters
 from .headroom import WaitReason
 from .inbox import Inbox, InboxConfig
+from .metrics import CallCounters, PoolCounters
+from .pacing import Clock
 from .room import DOOR_PAGE, CallState, EndReason, SlotOutput
 from .waiting import CallView, WaitingCall, queue_expiry
 

@@ -29,46 +29,6 @@ MEMORY_SECONDS = 30.0  # a size not ticked at for this long is forgotten (the ho
 MEDIA_LAG_MEMORY_SECONDS = 3.0  # a door's lag report counts for this long
 
 
-class CostCurve:
-    """Tick seconds by the number of calls a tick carried, as measured on this machine, priced
-    by the rows those calls step (`rows`: the engine's batch bucket of a number of calls)."""
-
-    def __init__(self, rows: Callable[[int], int] | None = None) -> None:
-        self.rows = rows if rows is not None else (lambda calls: calls)
-        self._ticks: dict[int, collections.deque[tuple[float, float]]] = {}  # calls -> (when, seconds)
-
-    def record(self, now: float, calls: int, seconds: float) -> None:
-        ticks = self._ticks.setdefault(calls, collections.deque(maxlen=SAMPLES_PER_SIZE))
-        ticks.append((now, seconds))
-
-    def measured(self, now: float) -> dict[int, float]:
-        """The mean tick time at each number of calls with enough recent ticks."""
-        out = {}
-        for calls, ticks in self._ticks.items():
-            if len(ticks) >= MIN_SAMPLES and now - ticks[-1][0] <= MEMORY_SECONDS:
-                out[calls] = float(np.mean([s for _, s in ticks]))
-        return out
-
-    def predict(self, now: float, calls: int, figures: dict[int, float] | None = None) -> float | None:
-        """Seconds a tick of `calls` calls is expected to take; None with nothing measured, or more
-        than one call beyond the nearest measured number below. One more call costs the rows it adds
-        at a slope per row: fitted when the figures span two batch sizes, else the nearest figure
-        shared out per row (errs on the safe side). `figures`: `measured(now)`, if already at hand."""
-        figures = self.measured(now) if figures is None else figures
-        if calls in figures:
-            return figures[calls]
-        below = [c for c in figures if c < calls]
-        if not below or calls - max(below) > 1:
-            return None
-        base = max(below)
-        slope = figures[base] / self.rows(base)
-        if len({self.rows(c) for c in figures}) >= 2:
-            known = sorted(figures)
-            fitted = float(np.polyfit([self.rows(c) for c in known], [figures[c] for c in known], 1)[0])
-            slope = max(fitted, 0.0)
-        return figures[base] + slope * (self.rows(calls) - self.rows(base))
-
-
 class HeadroomPolicy:
     """The admission and shedding rules, by `PoolConfig`'s headroom settings (its tick is the budget).
     Not thread-safe: the pool holds its lock around every call."""
@@ -77,7 +37,8 @@ class HeadroomPolicy:
         self.config = config
         self.budget = config.tick_seconds
         # The batch a tick of n calls steps (the engine's buckets); n itself where it steps every call.
-        self.curve = CostCurve(bucket)
+        self._bucket = bucket if bucket is not None else (lambda calls: calls)
+        self._ticks: dict[int, collections.deque[tuple[float, float]]] = {}  # calls -> (when, seconds)
         self._recent: collections.deque[float] = collections.deque(maxlen=SAMPLES_PER_SIZE)
         self._lags: dict[str, tuple[float, float]] = {}  # door -> (when, lag seconds)
         self._over_since: float | None = None
@@ -87,7 +48,7 @@ class HeadroomPolicy:
 
     def record_tick(self, now: float, calls: int, seconds: float) -> None:
         """One tick that carried `calls` live calls took `seconds`."""
-        self.curve.record(now, calls, seconds)
+        self._ticks.setdefault(calls, collections.deque(maxlen=SAMPLES_PER_SIZE)).append((now, seconds))
         self._recent.append(seconds)
         if self.recent() > self.budget:
             if self._over_since is None:
@@ -107,6 +68,30 @@ class HeadroomPolicy:
         """The mean of the most recent ticks, whatever their size (0 before any)."""
         return float(np.mean(self._recent)) if self._recent else 0.0
 
+    def measured(self, now: float) -> dict[int, float]:
+        """The mean tick time at each number of calls with enough recent ticks."""
+        return {calls: float(np.mean([s for _, s in ticks])) for calls, ticks in self._ticks.items()
+                if len(ticks) >= MIN_SAMPLES and now - ticks[-1][0] <= MEMORY_SECONDS}
+
+    def predict(self, now: float, calls: int, figures: dict[int, float] | None = None) -> float | None:
+        """Seconds a tick of `calls` calls is expected to take; None with nothing measured, or more
+        than one call beyond the nearest measured number below. One more call costs the rows it adds
+        at a slope per row: fitted when the figures span two batch sizes, else the nearest figure
+        shared out per row (errs on the safe side). `figures`: `measured(now)`, if already at hand."""
+        figures = self.measured(now) if figures is None else figures
+        if calls in figures:
+            return figures[calls]
+        below = [c for c in figures if c < calls]
+        if not below or calls - max(below) > 1:
+            return None
+        base = max(below)
+        slope = figures[base] / self._bucket(base)
+        if len({self._bucket(c) for c in figures}) >= 2:
+            known = sorted(figures)
+            fitted = float(np.polyfit([self._bucket(c) for c in known], [figures[c] for c in known], 1)[0])
+            slope = max(fitted, 0.0)
+        return figures[base] + slope * (self._bucket(calls) - self._bucket(base))
+
     def media_lag(self, now: float) -> float:
         """The worst lag any door reported lately."""
         recent = (lag for when, lag in self._lags.values() if now - when <= MEDIA_LAG_MEMORY_SECONDS)
@@ -120,7 +105,7 @@ class HeadroomPolicy:
             return True  # nobody to protect: a caller alone gets what the machine can do
         if self.media_lag(now) > self.config.media_lag_limit_seconds:
             return False
-        figures = self.curve.measured(now)
+        figures = self.measured(now)
         if not figures:  # nothing trusted yet: the memory arithmetic's count
             prior = self.config.headroom_prior_rows
             return prior is None or rows < prior
@@ -131,13 +116,13 @@ class HeadroomPolicy:
         known = figures.get(rows + 1)
         if known is not None:
             return known <= self.budget * (1.0 - MEASURED_MARGIN)
-        predicted = self.curve.predict(now, rows + 1, figures)
+        predicted = self.predict(now, rows + 1, figures)
         return predicted is not None and predicted <= self.budget * (1.0 - self.config.headroom_margin)
 
     def headroom(self, now: float, rows: int) -> float:
         """Seconds of the budget left if one more call joined `rows` (negative: over), for the gauge."""
         recent = self.recent()
-        predicted = self.curve.predict(now, rows + 1) if rows else None
+        predicted = self.predict(now, rows + 1) if rows else None
         return self.budget - max(recent if predicted is None else predicted, recent)
 
     def shed_due(self, now: float, live: int) -> bool:
@@ -147,7 +132,10 @@ class HeadroomPolicy:
         cfg = self.config
         if not (cfg.by_headroom and cfg.shed_when_overloaded) or live <= 1 or self._over_since is None:
             return False
-        if now - self._over_since < cfg.shed_after_seconds or not self.one_fewer_fits(now, live):
+        if now - self._over_since < cfg.shed_after_seconds:
+            return False
+        smaller = self.measured(now).get(live - 1)  # the room one call smaller, as it ticked lately
+        if smaller is None or smaller > self.budget * (1.0 - MEASURED_MARGIN):
             return False
         recent = self.recent()
         if self._shed_at is not None and recent > 0.95 * self._shed_at:
@@ -155,8 +143,3 @@ class HeadroomPolicy:
         self._over_since, self._shed_at = now, recent
         self._recent.clear()  # judge the smaller batch by its own ticks
         return True
-
-    def one_fewer_fits(self, now: float, live: int) -> bool:
-        """The room one call smaller ticked lately within the budget, with a measured size's margin."""
-        cost = self.curve.measured(now).get(live - 1)
-        return cost is not None and cost <= self.budget * (1.0 - MEASURED_MARGIN)

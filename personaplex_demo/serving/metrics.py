@@ -1,5 +1,5 @@
-"""The slot pool's figures: recent tick times and frame latencies, and the `PoolMetrics` snapshot
-that `/api/status`, the page's stats line, `/metrics` and the logs read."""
+"""The slot pool's counters (per call, and for the room), recent tick times and frame latencies, and
+the `PoolMetrics` snapshot that `/api/status`, the page's stats line, `/metrics` and the logs read."""
 
 from __future__ import annotations
 
@@ -7,11 +7,43 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from .counters import PoolCounters
+
+@dataclass
+class FrameCounters:
+    underruns: int = 0  # live ticks with no input frame (after the first): silence stood in
+    input_drops: int = 0  # oldest input frames dropped from a full jitter buffer or at a resync
+    output_drops: int = 0  # oldest outputs dropped because nobody read them in time
+
+
+@dataclass
+class CallCounters(FrameCounters):
+    frames_pushed: int = 0  # pushes of input audio (one per chunk a door handed on)
+    frames_out: int = 0
+
+
+@dataclass
+class PoolCounters(FrameCounters):
+    """The room's totals; a call's frame counters are added here as they happen."""
+
+    overruns: int = 0  # steps that finished after their deadline
+    resyncs: int = 0  # times the ticker fell more than `resync_after_seconds` behind and skipped ahead
+    engine_errors: int = 0  # exceptions from engine.step / start_session
+    calls_started: int = 0  # calls that went live
+    calls_refused: int = 0  # PoolFullError raised
+    calls_held_back: int = 0  # calls that waited with a slot free, for lack of headroom in the tick
+    calls_ended: collections.Counter[str] = field(default_factory=collections.Counter)  # by `EndReason.kind`
+    calls_started_by_door: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def plain(self) -> dict[str, Any]:
+        """Its fields now, the Counters as plain dicts (as `PoolMetrics` has them)."""
+        return {**vars(self), "calls_ended": dict(self.calls_ended),
+                "calls_started_by_door": dict(self.calls_started_by_door)}
+
 
 TickListener = Callable[[float, list[float]], None]  # (tick seconds, latencies of the frames it stepped)
 
@@ -43,7 +75,7 @@ class PoolMetrics(PoolCounters):
     admitting: int = 0  # 1 while a new caller would be seated now (summed: engines taking calls)
     media_lag_ms: float = 0.0  # the worst event-loop lag a door reported lately
     # Calls in the room now (waiting, preparing or live), by the door they came through (serving/room.py).
-    calls_by_door: dict[str, int] = dataclasses.field(default_factory=dict)
+    calls_by_door: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float | int]:
         return dataclasses.asdict(self)
@@ -97,41 +129,21 @@ class PoolWindows:
 
 
 @dataclass(frozen=True)
-class TableFigures:
-    """Who sits where (`SlotTable.figures`), and whether one more caller would be seated now."""
-
-    total: int
-    live: int
-    prefill: int
-    free: int
-    queued: int
-    by_door: dict[str, int]  # calls in the room (waiting, preparing or live) by the door they came through
-    headroom_ms: float
-    admitting: int
-    media_lag_ms: float
-
-
-@dataclass(frozen=True)
 class WindowSample:
     ticks: np.ndarray  # seconds
     latencies: np.ndarray
     added: np.ndarray
 
-    def metrics(self, slots: TableFigures, counters: PoolCounters, tick_count: int, tick_seconds: float
+    def metrics(self, seating: dict[str, Any], counters: dict[str, Any], tick_count: int, tick_seconds: float
                 ) -> PoolMetrics:
+        """The figures of these windows, the seating (`SlotTable.figures`) and the counters (`plain`)."""
         def ms(values: np.ndarray, q: float) -> float:
             return float(np.percentile(values, q) * 1e3) if values.size else 0.0
 
-        fields = {**vars(counters), "calls_ended": dict(counters.calls_ended),
-                  "calls_started_by_door": dict(counters.calls_started_by_door)}
         ticks, lat, added = self.ticks, self.latencies, self.added
         return PoolMetrics(
-            slots_total=slots.total, slots_live=slots.live, slots_prefill=slots.prefill, slots_free=slots.free,
-            queue_length=slots.queued, calls_by_door=dict(slots.by_door), ticks=tick_count,
-            tick_p50_ms=ms(ticks, 50), tick_p99_ms=ms(ticks, 99),
+            ticks=tick_count, tick_p50_ms=ms(ticks, 50), tick_p99_ms=ms(ticks, 99),
             realtime_factor=float(ticks.mean() / tick_seconds) if ticks.size else 0.0,
             latency_p50_ms=ms(lat, 50), latency_p99_ms=ms(lat, 99),
-            added_latency_p50_ms=ms(added, 50), added_latency_p99_ms=ms(added, 99),
-            headroom_ms=slots.headroom_ms, admitting=slots.admitting, media_lag_ms=slots.media_lag_ms,
-            **fields,
+            added_latency_p50_ms=ms(added, 50), added_latency_p99_ms=ms(added, 99), **seating, **counters,
         )

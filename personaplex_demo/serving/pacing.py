@@ -1,13 +1,32 @@
 """When the slot pool's ticker steps: one step per tick, on a schedule of deadlines, with catch-up
 steps after an overrun and a resync when far behind (docs/serving.md § Pacing). The schedule's phase
-follows the callers' packets (`PhaseAligner`; docs/serving.md § Latency budget).
+follows the callers' packets (`PhaseAligner`; docs/serving.md § Latency budget). The ticker reads and
+sleeps on a `Clock`: a seam for tests (tests/support/fake_clock.py).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import time
+from typing import NamedTuple, Protocol
 
-from .clock import Clock
+
+class Clock(Protocol):
+    def monotonic(self) -> float:
+        """Seconds on a clock that never goes backwards."""
+        ...
+
+    def sleep(self, seconds: float) -> None:
+        """Block the calling thread for `seconds` of this clock."""
+        ...
+
+
+class RealClock:
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
 
 
 class Lateness(NamedTuple):

@@ -10,10 +10,9 @@ from typing import TYPE_CHECKING
 
 from ..call_settings import SamplingParams
 from .call import Call, CallContext
-from .clock import Clock, RealClock
 from .config import PoolConfig
-from .counters import PoolCounters
-from .metrics import PoolMetrics, PoolWindows, TickListener
+from .metrics import PoolCounters, PoolMetrics, PoolWindows, TickListener
+from .pacing import Clock, RealClock
 from .room import DOOR_PAGE, EndReason, PoolClosedError
 from .slot_table import SlotTable
 from .ticker import Ticker
@@ -122,7 +121,6 @@ class SlotPool:
 
     def snapshot(self) -> PoolMetrics:
         with self._lock:
-            slots = self._table.figures()
-            counters = self._counters.copy()
+            seating, counters = self._table.figures(), self._counters.plain()
             sample, ticks = self._windows.sample(), self.ticker.ticks
-        return sample.metrics(slots, counters, ticks, self.config.tick_seconds)
+        return sample.metrics(seating, counters, ticks, self.config.tick_seconds)

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
 from .call import Call
-from .clock import Clock
 from .config import PoolConfig
-from .counters import PoolCounters
 from .headroom import HeadroomPolicy, WaitReason
-from .metrics import TableFigures
+from .metrics import PoolCounters
+from .pacing import Clock
 from .room import CallState, PoolFullError
 
 
@@ -156,12 +156,13 @@ class SlotTable:
             return None
         return max(live, key=lambda c: c.live_since or 0.0)
 
-    def figures(self) -> TableFigures:
+    def figures(self) -> dict[str, Any]:
+        """`PoolMetrics`'s fields of who sits where, and whether one more caller would be seated now."""
         now, states = self._clock.monotonic(), [c.state for c in self.slots if c is not None]
         free = len(self.slots) - len(states)
         by_door = collections.Counter(c.door for c in self.everyone() if c.state != CallState.ENDED)
-        return TableFigures(total=len(self.slots), live=states.count(CallState.LIVE),
-                            prefill=states.count(CallState.PREFILL), free=free, queued=len(self.queue),
-                            by_door=dict(by_door), admitting=int(free > 0 and self.fits()),
-                            headroom_ms=self.policy.headroom(now, self.rows_held) * 1e3,
-                            media_lag_ms=self.policy.media_lag(now) * 1e3)
+        return dict(slots_total=len(self.slots), slots_live=states.count(CallState.LIVE),
+                    slots_prefill=states.count(CallState.PREFILL), slots_free=free,
+                    queue_length=len(self.queue), calls_by_door=dict(by_door),
+                    admitting=int(free > 0 and self.fits()), media_lag_ms=self.policy.media_lag(now) * 1e3,
+                    headroom_ms=self.policy.headroom(now, self.rows_held) * 1e3)

@@ -19,10 +19,9 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
 
-from ...procs.engine_link import EngineLink
-from ...procs.links import Address
+from ...procs.channel import Address
+from ...procs.engine_link import EngineLink, SilenceWatchdog
 from ...procs.pool_router import PoolRouter
-from ...procs.watchdog import SilenceWatchdog
 from .engine_actor import CONCURRENCY, ENGINE_RESOURCE, EngineActor, RayEngineSpec
 
 log = logging.getLogger(__name__)
