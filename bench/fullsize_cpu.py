@@ -45,8 +45,7 @@ from personaplex_demo.model.config import LMConfig, MimiConfig, ModelFiles
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 from personaplex_demo.runtime.capacity import context_frames
 from personaplex_demo.runtime.hub import DEFAULT_HF_REPO
-from personaplex_demo.runtime.tiny import LM_SEED, MIMI_SEED, tiny_voice_prompts
-from personaplex_demo.runtime.tokenizer import build_tiny_tokenizer
+from personaplex_demo.runtime.tiny import LM_SEED, MIMI_SEED, build_tiny_tokenizer, tiny_voice_prompts
 from personaplex_demo.runtime.voices import write_voices_archive
 from tests.support.int8 import weight_bytes
 

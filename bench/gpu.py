@@ -134,7 +134,8 @@ class Setup:
     def __init__(self, dry_run: bool, device: torch.device, graphs: bool, workdir: Path):
         from personaplex_demo.model.checkpoint import meta_lm, meta_mimi
         from personaplex_demo.model.config import LMConfig, MimiConfig
-        from personaplex_demo.runtime.tokenizer import TextTokenizer, build_tiny_tokenizer
+        from personaplex_demo.runtime.tiny import build_tiny_tokenizer
+        from personaplex_demo.runtime.tokenizer import TextTokenizer
         from personaplex_demo.runtime.voices import VoiceCatalog, write_voices_archive
 
         self.device, self.graphs, self.dry_run = device, graphs, dry_run

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from personaplex_demo.orchestration.ray.engine_actor import ENGINE_RESOURCE  # noqa: E402
+from personaplex_demo.orchestration.ray.engines import ENGINE_RESOURCE  # noqa: E402
 
 
 def main() -> None:

@@ -1,16 +1,30 @@
-"""What a caller asks of a call beside its voice: the sampling settings, as the page and the engine
-exchange them, and the persona, as the token ids of its system prompt or a clear refusal.
+"""What a caller asks of a call: a voice by name, the sampling settings, as the page and the engine
+exchange them, and the persona (a preset, or any text), as the token ids of its system prompt or a
+clear refusal.
 
 Without torch: media worker processes build and check these on their event loop, before the caller
 waits, and must not import the model code to do it."""
 
 from __future__ import annotations
 
+import functools
+import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import CallerError, PersonaTooLongError
 from .frame import AUDIO_CARD, TEXT_CARD
 
+VOICE_NAMES: tuple[str, ...] = (
+    *(f"NATF{i}" for i in range(4)),
+    *(f"NATM{i}" for i in range(4)),
+    *(f"VARF{i}" for i in range(5)),
+    *(f"VARM{i}" for i in range(5)),
+)
+DEFAULT_VOICE = "NATF2"
+VOICE_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+ASSETS = Path(__file__).resolve().parent / "assets"
 MAX_PERSONA_TOKENS = 512
 MAX_PERSONA_CHARS = 4000
 _CONTROL = {c for c in range(32) if chr(c) not in "\n\t"} | set(range(127, 160))
@@ -36,6 +50,13 @@ class SamplingParams:
             raise CallerError(f"audio_top_k must be between 1 and {AUDIO_CARD}, got {self.audio_top_k}")
         if self.seed is not None and not (0 <= self.seed < 2**32):
             raise CallerError(f"seed must be between 0 and 4294967295, got {self.seed}")
+
+
+@functools.cache
+def load_presets() -> dict[str, str]:
+    """The persona presets (label -> text): the examples from NVIDIA's PersonaPlex README, offered by the
+    page and by name to a phone number's webhook."""
+    return json.loads((ASSETS / "personas.json").read_text(encoding="utf-8"))
 
 
 def persona_token_ids(tokenizer, persona: str, max_tokens: int = MAX_PERSONA_TOKENS) -> list[int]:

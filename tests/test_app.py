@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.common import free_port
-from personaplex_demo.cli.config import AppConfig, parse_config
-from personaplex_demo.cli.options import specs
+from personaplex_demo.cli.config import AppConfig, parse_config, specs
 
 from .conftest import project_deprecations_as_errors
 

@@ -83,7 +83,7 @@ def test_an_80_gb_card_fills_with_slots_and_a_large_one_is_capped_by_max_slots()
 
 def test_a_room_of_several_engines_is_bound_by_memory_only_when_every_engine_is(tmp_path):
     from personaplex_demo.orchestration.engine_process import RemoteRuntime
-    from personaplex_demo.runtime.tokenizer import build_tiny_tokenizer
+    from personaplex_demo.runtime.tiny import build_tiny_tokenizer
 
     def facts(bound: str, tmp) -> dict:
         return {"voice_names": ["NATF2"], "tokenizer_path": str(tmp), "max_persona_tokens": 64,

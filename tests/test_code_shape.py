@@ -20,9 +20,8 @@ MAX_TOP_LEVEL_MODULES = 6
 # and the room. orchestration/ starts both sides of the process boundary: its engine side loads the model.
 TORCH_FREE_FOLDERS = ("serving", "web", "rtc", "procs", "api")
 TORCH_FREE_MODULES = ("orchestration.media_worker", "orchestration.media_workers", "orchestration.page_relay",
-                      "orchestration.handed_sockets", "cli.app", "cli.options", "cli.preflight", "cli.lifecycle",
-                      "frame", "errors", "call_settings", "logs", "addresses", "runtime.voice_names",
-                      "runtime.facts")
+                      "cli.app", "cli.preflight", "cli.lifecycle", "frame", "errors",
+                      "call_settings", "logs", "addresses", "runtime.facts")
 
 
 def parse(source: str) -> ast.Module:

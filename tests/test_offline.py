@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from personaplex_demo.call_settings import VOICE_NAMES
 from personaplex_demo.cli.offline import main
 from personaplex_demo.runtime.tiny import ensure_tiny_repo
-from personaplex_demo.runtime.voice_names import VOICE_NAMES
 
 PERSONA = "You enjoy having a good conversation."
 OFFLINE_LOGGER = "personaplex_demo.cli.offline"

@@ -146,8 +146,7 @@ def doc_section(path: Path, title: str) -> str:
 
 
 def test_readme_flags_table_lists_every_app_setting() -> None:
-    from personaplex_demo.cli.config import OTHER_ENV, AppConfig
-    from personaplex_demo.cli.options import specs
+    from personaplex_demo.cli.config import OTHER_ENV, AppConfig, specs
 
     section = doc_section(DOCS / "configuration.md", "Flags and environment")
     rows = {}

@@ -20,7 +20,7 @@ if not IN_CI:
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from personaplex_demo.orchestration.ray.engine_actor import ENGINE_RESOURCE  # noqa: E402
+from personaplex_demo.orchestration.ray.engines import ENGINE_RESOURCE  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("loopback_ice")
 

@@ -21,9 +21,9 @@ from personaplex_demo.api.feeder import Feeder, InputAudio, decode_pcm16
 from personaplex_demo.api.live_socket import KNOWN as LIVE_EVENTS
 from personaplex_demo.api.live_socket import start_settings
 from personaplex_demo.api.session import Dialect, SessionSettings, apply_update, join_persona, session_object
+from personaplex_demo.call_settings import VOICE_NAMES
 from personaplex_demo.errors import PersonaTooLongError
 from personaplex_demo.frame import FRAME_SAMPLES
-from personaplex_demo.runtime.voice_names import VOICE_NAMES
 from personaplex_demo.serving.door import DoorCall
 from personaplex_demo.serving.room import CallState
 

@@ -106,8 +106,7 @@ def ray_engines(cache_dir: Path, config: PoolConfig) -> Iterator[Any]:
     import ray
     from ray.cluster_utils import Cluster
 
-    from personaplex_demo.orchestration.ray.engine_actor import ENGINE_RESOURCE
-    from personaplex_demo.orchestration.ray.engines import RayEngines, connect, new_spec
+    from personaplex_demo.orchestration.ray.engines import ENGINE_RESOURCE, RayEngines, connect, new_spec
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     node = {"num_cpus": 1, "resources": {ENGINE_RESOURCE: 1}}

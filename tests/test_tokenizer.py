@@ -9,13 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from personaplex_demo.runtime.tokenizer import (
-    TINY_VOCAB_SIZE,
-    TextTokenizer,
-    TranscriptDecoder,
-    build_tiny_tokenizer,
-    wrap_with_system_tags,
-)
+from personaplex_demo.runtime.tiny import TINY_VOCAB_SIZE, build_tiny_tokenizer
+from personaplex_demo.runtime.tokenizer import TextTokenizer, TranscriptDecoder, wrap_with_system_tags
 
 
 @pytest.fixture(scope="module")

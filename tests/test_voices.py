@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from personaplex_demo.call_settings import DEFAULT_VOICE, VOICE_NAMES
 from personaplex_demo.errors import CallerError, UnknownVoiceError, VoiceArchiveError, VoiceFileError
 from personaplex_demo.runtime import voices
 from personaplex_demo.runtime.tiny import tiny_voice_prompts
-from personaplex_demo.runtime.voice_names import DEFAULT_VOICE, VOICE_NAMES
 from personaplex_demo.runtime.voices import VoiceCatalog, write_voices_archive
 
 DIM = 64

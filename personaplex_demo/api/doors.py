@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 DOOR_TABLE: tuple[type[SocketDoor], ...] = (RealtimeDoor, LiveDoor, ChatDoor, TwilioDoor)
 KINDS = tuple(door.kind for door in DOOR_TABLE)
 
-# Hands an admitted socket's connection to another process (orchestration/handed_sockets.py): True when
+# Hands an admitted socket's connection to another process (orchestration/media_workers.py): True when
 # it was taken (that process serves the socket and reports its close), False to serve it here.
 HandOff = Callable[[WebSocket, str, str], Awaitable[bool]]
 

@@ -9,10 +9,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..call_settings import SamplingParams
+from ..call_settings import DEFAULT_VOICE, SamplingParams
 from ..errors import CallerError, PersonaTooLongError
 from ..frame import SAMPLE_RATE
-from ..runtime.voice_names import DEFAULT_VOICE
 from . import errors as e
 from .client_events import typed
 from .errors import RealtimeError

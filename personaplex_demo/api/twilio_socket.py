@@ -23,9 +23,8 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.websockets import WebSocket
 
+from ..call_settings import DEFAULT_VOICE, load_presets
 from ..frame import SAMPLE_RATE
-from ..runtime.personas import load_presets
-from ..runtime.voice_names import DEFAULT_VOICE
 from ..serving.room import CallState, Room, SlotOutput
 from . import errors as e
 from .client_events import ClientEvent

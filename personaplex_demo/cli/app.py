@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ from ..logs import configure_logging
 from ..model.config import LMConfig
 from ..runtime.capacity import context_frames
 from .config import CHATTY_LOGGERS, AppConfig, parse_config
-from .lifecycle import StopSignals, exit_now, shut_down, wait_until
+from .lifecycle import StopSignals, exit_now, shut_down
 
 if TYPE_CHECKING:
     from ..orchestration.topology import Topology
@@ -255,10 +256,13 @@ def shut_down_app(demo: Any, recordings: RecordingStore, received: str, topology
         for tunnel in CURRENT_TUNNELS:  # the --share link's process, as Gradio's own Ctrl-C path does
             tunnel.kill()
 
+    def let_callers_hear_why() -> None:  # each handler sends its caller the message and closes
+        deadline = time.monotonic() + 3.0
+        while (rtc_component.pcs or rtc_component.connections) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     shut_down([("end the calls and stop the pool", lambda: topology.end_calls(join_timeout=3.0)),
-               # Each handler sends its caller the message and closes; give that a moment to arrive.
-               ("let the callers hear why",
-                lambda: wait_until(lambda: not rtc_component.pcs and not rtc_component.connections, 3.0)),
+               ("let the callers hear why", let_callers_hear_why),
                ("stop the web server", stop_web_server),
                ("delete the recordings", recordings.close),
                ("stop the media workers and engines", topology.close)],

@@ -83,12 +83,3 @@ def exit_now(code: int = 0) -> None:
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(code)
-
-
-def wait_until(predicate: Callable[[], bool], seconds: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
-    return True

@@ -22,16 +22,14 @@ import numpy as np
 import soundfile as sf
 from tqdm import tqdm
 
-from ..call_settings import persona_token_ids
+from ..call_settings import DEFAULT_VOICE, persona_token_ids
 from ..engine.pcm import LockstepEngine, SamplingParams
 from ..errors import CallerError, CheckpointError
 from ..logs import configure_logging
 from ..runtime.build import RuntimeOptions, build_runtime, check_placement
 from ..runtime.tokenizer import TextTokenizer
-from ..runtime.voice_names import DEFAULT_VOICE
 from ..runtime.voices import VoiceCatalog
-from .config import AppConfig
-from .options import add_options
+from .config import AppConfig, add_options
 
 log = logging.getLogger(__name__)
 

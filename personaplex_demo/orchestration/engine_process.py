@@ -30,12 +30,14 @@ FAILED_FLUSH_SECONDS = 5.0  # for the EngineFailed message to leave before the p
 
 @dataclass(frozen=True)
 class EngineSpec:
+    """An engine process's, or a Ray actor's (whose device and address are its own)."""
+
     name: str
-    device: str
-    address: str
     authkey: bytes
     runtime: RuntimeOptions
     pool: PoolConfig
+    device: str = "cpu"
+    address: str = ""
     torch_threads: int | None = None  # several CPU engines share the cores
     log_level: int = logging.INFO
 

@@ -1,6 +1,6 @@
 """The main process's side of the media workers (`--media-workers N`): spawn them, restart one that dies
 (it takes only its own calls with it), route their messages to the page (page_relay.py), the queue
-(queue_desk.py) and the API sockets (handed_sockets.py), and find a finished call's recording."""
+(queue_desk.py) and the API sockets handed to them (`HandedSockets`), and find a finished call's recording."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from ..procs import messages as msg
+from ..procs import socket_handoff
 from ..procs.launcher import Child, stop_children
 from ..procs.pool_router import PoolRouter
 from ..procs.queue_desk import QueueDesk
 from ..web.recording import RecordingFiles, RecordingStore, recordings_prefix
-from .handed_sockets import HandedSockets
 from .media_worker import WorkerSpec, run_worker
 from .page_relay import PageRelay
 
@@ -159,11 +159,10 @@ class MediaWorkers:
         rid = next(self._rids)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         worker.pending[rid] = fut
-        if worker.gone:
-            worker.pending.pop(rid, None)
-            raise ConnectionError("the worker has stopped")
-        worker.child.send(ask(rid))
         try:
+            if worker.gone:
+                raise ConnectionError("the worker has stopped")
+            worker.child.send(ask(rid))
             return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
         finally:
             worker.pending.pop(rid, None)
@@ -238,6 +237,65 @@ class MediaWorkers:
             self.desk.worker_gone(worker.generation)
         self.sockets.worker_gone(worker)
         self.page.worker_gone(worker)
+
+
+class HandedSockets:
+    """The API sockets handed to the workers (socket_handoff.py), each in its worker's `sockets` until it
+    closes or the worker stops. The workers' error events come back here, so the door's figures count
+    every socket wherever it runs."""
+
+    def __init__(self, workers: MediaWorkers) -> None:
+        self.workers = workers
+        self._numbers = itertools.count(1)
+        self._door = None  # api/doors.py ApiDoors
+        self._web_server: Callable[[], Any] = lambda: None
+
+    def serve(self, door, web_server: Callable[[], Any]) -> None:
+        """Hand `door`'s admitted sockets over; `web_server()` is the public server whose
+        connections they are (uvicorn's, as Gradio runs it)."""
+        socket_handoff.check_uvicorn()
+        self._door, self._web_server = door, web_server
+        door.hand_off = self.hand_off
+
+    async def hand_off(self, ws, kind: str, address: str) -> bool:
+        """Pass an admitted socket's connection to a worker; False (serve it here) when none can take it."""
+        self.workers.on_loop()
+        protocol = socket_handoff.connection_of(self._web_server(), ws.scope)
+        worker = self.workers.least_loaded(lambda w: w.handoff is not None)
+        if protocol is None or worker is None:
+            log.warning("an API socket is served by the main process: %s", "no media worker can take it"
+                        if worker is None else "its connection was not found in the web server")
+            return False
+        number = next(self._numbers)
+        try:
+            socket_handoff.hand_over(protocol, worker.handoff, socket_handoff.request_bytes(ws.scope),
+                                     {"id": number, "kind": kind})
+        except OSError as exc:
+            log.warning("media worker %d could not take an API socket (%s); serving it here", worker.index, exc)
+            return False
+        worker.sockets[number] = (kind, address)
+        return True
+
+    def receive(self, worker: _Worker, report: msg.SocketError | msg.SocketClosed) -> None:
+        """`worker`'s word on a socket it serves: an error event it sent (for the door's counts), or
+        its close."""
+        match report:
+            case msg.SocketError(kind=kind, code=code) if self._door is not None:
+                self._door.doors[kind].stats.error(code)
+            case msg.SocketClosed(handoff=number):
+                self._closed(worker, number)
+
+    def worker_gone(self, worker: _Worker) -> None:
+        """On the sockets' loop: `worker` stopped, and its sockets' connections with it."""
+        if worker.handoff is not None:
+            worker.handoff.close()
+        for number in list(worker.sockets):
+            self._closed(worker, number)
+
+    def _closed(self, worker: _Worker, number: int) -> None:
+        handed = worker.sockets.pop(number, None)
+        if handed is not None and self._door is not None:
+            self._door.handed_closed(*handed)
 
 
 @dataclass(frozen=True)

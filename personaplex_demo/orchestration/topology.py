@@ -153,7 +153,7 @@ def _start_local(options: TopologyOptions, progress: Callable[[str, float], None
     # Several CPU engines share the cores; one keeps torch's own choice (or OMP_NUM_THREADS).
     cpu_engines = sum(1 for d in devices if not d.startswith("cuda"))
     threads = max(1, (os.cpu_count() or 1) // cpu_engines) if cpu_engines > 1 else None
-    engines = EngineProcesses([EngineSpec(name, device, address, authkey, options.runtime, options.pool, threads,
+    engines = EngineProcesses([EngineSpec(name, authkey, options.runtime, options.pool, device, address, threads,
                                           logging.getLogger().getEffectiveLevel())
                                for name, device, address in zip(names, devices, addresses, strict=True)]).start()
     closers.append(engines.close)

@@ -39,8 +39,6 @@ class RuntimeOptions:
     hf_repo: str = DEFAULT_HF_REPO
     cache_dir: Path | None = None
     context: int | None = None  # temporal ring length in frames (--context seconds x 12.5); None: the model's
-    prefix_cache_size: int = 8
-    cuda_graphs: bool = True  # capture the tick as CUDA graphs on a GPU (eager fallback)
 
 
 @dataclass
@@ -135,15 +133,12 @@ def build_runtime(options: RuntimeOptions, progress: ProgressFn | None = None,
     tokenizer, voices = _open_small_files(source.directory)
     frames = options.context or lm_cfg.context
     plan = plan_for(lm, mimi, voices, slots=options.slots, max_slots=options.max_slots, frames=frames,
-                    device=device, dtype=dtype, prefix_cache_size=options.prefix_cache_size,
-                    cuda_graphs=options.cuda_graphs)
+                    device=device, dtype=dtype)
     log.info("slots: %s", plan.describe())
     if plan.fit is not None and plan.slots > plan.fit:
         log.warning("--slots %d is more than the %d that the free memory holds; the device may run out of memory",
                     plan.slots, plan.fit)
-    engine = LockstepEngine(lm, mimi, tokenizer, voices, plan.slots, device, dtype,
-                            prefix_cache_size=options.prefix_cache_size, context=frames,
-                            cuda_graphs=options.cuda_graphs)
+    engine = LockstepEngine(lm, mimi, tokenizer, voices, plan.slots, device, dtype, context=frames)
     if device.type == "cuda":
         report("capturing CUDA graphs", 0.95)
     began = time.monotonic()
@@ -153,4 +148,3 @@ def build_runtime(options: RuntimeOptions, progress: ProgressFn | None = None,
     log.info("engine ready: %s on %s (%s, %s weights), %d slots, context %g s", source.name, device,
              str(dtype).removeprefix("torch."), options.weights, plan.slots, frames / FRAME_RATE)
     return Runtime(engine, source.name, source.is_tiny, banner, tokenizer, source, device, dtype, plan, options.weights)
-

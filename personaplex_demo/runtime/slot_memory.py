@@ -124,8 +124,8 @@ def slot_cost(cfg: LMConfig, mimi_bytes: int, frames: int, itemsize: int, cuda_g
 
 
 def plan_for(lm, mimi, voices: VoiceCatalog, *, slots: int | str, max_slots: int, frames: int,
-             device: torch.device, dtype: torch.dtype, prefix_cache_size: int, cuda_graphs: bool):
-    """The SlotPlan for a loaded model on `device`."""
+             device: torch.device, dtype: torch.dtype, prefix_cache_size: int = 8, cuda_graphs: bool = True):
+    """The SlotPlan for a loaded model on `device`, served by a `LockstepEngine` with its defaults."""
     cfg: LMConfig = lm.cfg
     itemsize = torch.finfo(dtype).bits // 8
     on_cuda = device.type == "cuda"

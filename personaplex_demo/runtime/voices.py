@@ -19,10 +19,10 @@ from typing import IO
 
 import torch
 
+from ..call_settings import VOICE_NAME_RE
 from ..errors import UnknownVoiceError, VoiceArchiveError, VoiceFileError
 from ..frame import AUDIO_CARD, TEXT_CARD
 from ..model.files import atomic_file
-from .voice_names import VOICE_NAME_RE
 
 logger = logging.getLogger(__name__)
 

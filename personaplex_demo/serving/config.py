@@ -1,4 +1,4 @@
-"""The slot pool's settings: one dataclass, filled from the command line in cli/options.py."""
+"""The slot pool's settings: one dataclass, filled from the command line in cli/config.py."""
 
 from __future__ import annotations
 
@@ -47,4 +47,3 @@ class PoolConfig:
     @property
     def by_headroom(self) -> bool:
         return self.admission == "headroom"
-

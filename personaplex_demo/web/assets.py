@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..runtime.personas import ASSETS
+from ..call_settings import ASSETS
 
 
 def asset_text(name: str, **values: Any) -> str:

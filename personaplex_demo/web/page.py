@@ -14,13 +14,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from ..call_settings import SamplingParams
+from ..call_settings import DEFAULT_VOICE, SamplingParams, load_presets
 from ..frame import AUDIO_CARD
 from ..rtc.ice import server_configuration
 from ..rtc.patches import answer_offers, bound_event_log
 from ..runtime.facts import RuntimeFacts
-from ..runtime.personas import load_presets
-from ..runtime.voice_names import DEFAULT_VOICE
 from ..serving.room import Room
 from .assets import asset_text, page_script
 from .call_figures import TRIP_PENDING

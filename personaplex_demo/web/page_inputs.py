@@ -9,9 +9,8 @@ import secrets
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
-from ..call_settings import SamplingParams
+from ..call_settings import DEFAULT_VOICE, SamplingParams
 from ..errors import CallerError
-from ..runtime.voice_names import DEFAULT_VOICE
 
 
 class PageInputs(NamedTuple):

@@ -1,6 +1,7 @@
-"""The page's side of `--engines ray`: start the engine actors, link to each, and keep the room's engines true
-while actors die and come back. A monitor thread keeps an `until_stopped` call pending on every actor: Ray
-fails it within milliseconds of the actor's death. A restarted actor answers `endpoint` once it has loaded."""
+"""`--engines ray`: the engine actors (`EngineActor`), and the page's side: start them, link to each, and
+keep the room's engines true while actors die and come back. A monitor thread keeps an `until_stopped` call
+pending on every actor: Ray fails it within milliseconds of the actor's death. A restarted actor answers
+`endpoint` once it has loaded."""
 
 from __future__ import annotations
 
@@ -19,13 +20,17 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
 
+from ...logs import configure_logging
 from ...procs.channel import Address
 from ...procs.engine_link import EngineLink, SilenceWatchdog
 from ...procs.pool_router import PoolRouter
-from .engine_actor import CONCURRENCY, ENGINE_RESOURCE, EngineActor, RayEngineSpec
+from ..engine_process import END_CALLS_JOIN_SECONDS, EngineSpec, ServedEngine
 
 log = logging.getLogger(__name__)
 
+ENGINE_RESOURCE = "personaplex_engine"  # a CPU node offers engines with `ray start --resources`
+HEARTBEAT_SECONDS = 0.25  # pool figures this often: the page's watchdog hears silence within ~1 s
+CONCURRENCY = 4  # until_stopped waits in one thread; endpoint, end_calls and stop need the others
 READY_SECONDS = 900.0  # the real model downloads and loads on each GPU machine: minutes
 MAX_RESTARTS = 3  # Ray brings a dead engine back this many times (its node permitting)
 RETRY_SECONDS = 1.0  # between two tries to reach an engine that has not come back yet
@@ -63,6 +68,51 @@ def plan(resources: dict[str, float]) -> tuple[int, dict[str, Any]]:
                        f"with `ray start --address=...`, or CPU ones with --resources '{{\"{ENGINE_RESOURCE}\": 1}}'")
 
 
+class EngineActor:
+    """One engine as a Ray actor, found by name: what an engine process runs (runtime, SlotPool,
+    PoolServer). Its methods are for control only; the frames go over the PoolServer's TCP link. It is
+    threaded (`max_concurrency`) so that `until_stopped`, which the page's process waits on, never holds
+    up the others."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        configure_logging(spec.log_level, prefix=spec.name)
+        self.name = spec.name
+        # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU: it is cuda:0 here.
+        device = "cuda:0" if ray.get_gpu_ids() else "cpu"
+        node = ray.util.get_node_ip_address()
+        self.engine = ServedEngine(spec.runtime, spec.pool, device, (node, 0), spec.authkey, spec.name,
+                                   facts={"node": node, "node_id": ray.get_runtime_context().get_node_id(),
+                                          "pid": os.getpid()},
+                                   figures_seconds=HEARTBEAT_SECONDS)
+        # The page's machine may not have the model's files: it counts persona tokens with this copy
+        # (in the Hello every link gets).
+        self.engine.facts["tokenizer_model"] = Path(self.engine.facts["tokenizer_path"]).read_bytes()
+        self._stopped = threading.Event()
+        self.engine.start()
+        log.info("%s ready on %s (%s), serving at %s:%d", spec.name, node, device, *self.engine.server.address)
+
+    def __repr__(self) -> str:  # Ray prefixes the actor's log lines with it
+        return self.name
+
+    def endpoint(self) -> dict[str, Any]:
+        """Where to link to it, and where it runs."""
+        host, port = self.engine.server.address
+        return {"host": host, "port": port, "node": self.engine.facts["node"], "device": self.engine.facts["device"]}
+
+    def until_stopped(self) -> bool:
+        """Returns when `stop` runs; the caller learns of the actor's death from the error instead."""
+        self._stopped.wait()
+        return True
+
+    def end_calls(self) -> None:
+        """End every call with reason "shutdown"; the link stays up to tell the callers."""
+        self.engine.end_calls()
+
+    def stop(self) -> None:
+        self.engine.stop(join_timeout=END_CALLS_JOIN_SECONDS)
+        self._stopped.set()
+
+
 @dataclass
 class _Engine:
     """One actor and the link to its current incarnation."""
@@ -80,7 +130,7 @@ class _Engine:
 class RayEngines:
     """The engine actors this app started, their links, and the thread that watches them."""
 
-    def __init__(self, spec: RayEngineSpec, started_ray: bool) -> None:
+    def __init__(self, spec: EngineSpec, started_ray: bool) -> None:
         self.spec = spec
         self.started_ray = started_ray
         self.namespace = ray.get_runtime_context().namespace
@@ -219,7 +269,6 @@ class RayEngines:
                 engine.asking = engine.actor.endpoint.remote()
 
 
-def new_spec(runtime, pool, log_level: int) -> RayEngineSpec:
+def new_spec(runtime, pool, log_level: int) -> EngineSpec:
     """The spec every engine actor gets (its name is set per actor), with a fresh link key."""
-    return RayEngineSpec(name="engine", authkey=secrets.token_bytes(32), runtime=runtime, pool=pool,
-                         log_level=log_level)
+    return EngineSpec("engine", secrets.token_bytes(32), runtime, pool, log_level=log_level)
