@@ -12,15 +12,16 @@ import pytest
 
 from personaplex_demo.addresses import client_address
 from personaplex_demo.api import errors as codes
-from personaplex_demo.api.access import SocketLimiter, key_accepted, presented_key
 from personaplex_demo.api.client_events import parse
 from personaplex_demo.api.config import ApiConfig
 from personaplex_demo.api.conversation import Conversation, TurnTracker
+from personaplex_demo.api.doors import SocketLimiter, key_accepted
 from personaplex_demo.api.errors import RealtimeError
 from personaplex_demo.api.feeder import Feeder, InputAudio, decode_pcm16
 from personaplex_demo.api.live_socket import KNOWN as LIVE_EVENTS
 from personaplex_demo.api.live_socket import start_settings
 from personaplex_demo.api.session import Dialect, SessionSettings, apply_update, join_persona, session_object
+from personaplex_demo.api.socket_base import presented_key
 from personaplex_demo.call_settings import VOICE_NAMES
 from personaplex_demo.errors import PersonaTooLongError
 from personaplex_demo.frame import FRAME_SAMPLES
@@ -460,7 +461,7 @@ async def test_a_gpt_live_session_the_room_ends_is_closed_with_the_rooms_reason(
     import asyncio
 
     from personaplex_demo.api.live_socket import LiveDoor, LiveSocket
-    from personaplex_demo.api.stats import DoorStats
+    from personaplex_demo.api.socket_base import DoorStats
 
     ws = FakeSocket()
     sock = LiveSocket(ws, LiveDoor(None, Rules(), ApiConfig(), DoorStats()))

@@ -105,7 +105,7 @@ class ChatSocket(ApiSocket):
 
         self.request = chat_request(ws.query_params, door.rules)  # checked at the door
         self.room_events = self.request.room_events
-        self.outbox.frame_bytes = OPUS_FRAME_BYTES
+        self.frame_bytes = OPUS_FRAME_BYTES
         self._opus_in = sphn.OpusStreamReader(SAMPLE_RATE)
         self._opus_out = sphn.OpusStreamWriter(SAMPLE_RATE)
 

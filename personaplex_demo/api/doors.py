@@ -1,29 +1,29 @@
 """The API doors on the app's one port: each socket is admitted before it is accepted (a refused client
-gets a plain HTTP answer), then served here or by a media worker
-(docs/design-notes.md § A table of doors and the phone door)."""
+gets a plain HTTP answer, and never touches a slot; docs/realtime.md § Access), then served here or by a
+media worker (docs/design-notes.md § A table of doors and the phone door)."""
 
 from __future__ import annotations
 
+import collections
 import functools
+import hmac
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from ..addresses import client_address
 from ..serving.loop_lag import ensure_probe
 from ..serving.room import Room
-from .access import SocketLimiter, key_accepted
 from .chat_socket import ChatDoor
 from .config import ApiConfig
 from .live_socket import LiveDoor
 from .realtime_socket import RealtimeDoor
 from .session import PromptRules
-from .socket_base import ApiSocket, SocketDoor, deny
-from .stats import DoorStats
+from .socket_base import ApiSocket, DoorStats, SocketDoor, deny
 from .twilio_socket import TwilioDoor
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,32 @@ KINDS = tuple(door.kind for door in DOOR_TABLE)
 # Hands an admitted socket's connection to another process (orchestration/media_workers.py): True when
 # it was taken (that process serves the socket and reports its close), False to serve it here.
 HandOff = Callable[[WebSocket, str, str], Awaitable[bool]]
+
+
+def key_accepted(expected: str | None, presented: str | None) -> bool:
+    return expected is None or presented is not None and hmac.compare_digest(expected.encode(), presented.encode())
+
+
+class SocketLimiter:
+    """Open sockets per client address, at most `limit` each. Thread-safe."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def take(self, address: str) -> bool:
+        with self._lock:
+            if self._open[address] >= self.limit:
+                return False
+            self._open[address] += 1
+            return True
+
+    def give_back(self, address: str) -> None:
+        with self._lock:
+            self._open[address] -= 1
+            if self._open[address] <= 0:
+                del self._open[address]
 
 
 class ApiDoors:
@@ -121,6 +147,3 @@ class ApiDoors:
     def status(self) -> dict[str, Any]:
         """For /api/status: each door's figures by its kind (None for a door that is off)."""
         return {cls.kind: self.doors[cls.kind].status() if cls.kind in self.doors else None for cls in DOOR_TABLE}
-
-    def collectors(self) -> list[Collector]:
-        return list(self.doors.values())

@@ -12,7 +12,6 @@ from typing import Any
 from starlette.websockets import WebSocket
 
 from ..serving.room import SlotOutput
-from .access import BETA_SUBPROTOCOL
 from .client_events import ClientEvent, field
 from .conversation import Conversation, TurnTracker
 from .errors import RealtimeError
@@ -21,6 +20,8 @@ from .session import Dialect, SessionSettings, apply_update, check_persona, join
 from .socket_base import ApiSocket, SocketDoor
 
 log = logging.getLogger(__name__)
+
+BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
 
 
 class RealtimeDoor(SocketDoor):

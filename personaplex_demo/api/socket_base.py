@@ -1,13 +1,15 @@
-"""The door base: what the table of doors (api/doors.py) knows of one door (`SocketDoor`), and what every
-API socket does, whatever protocol it speaks (`ApiSocket`, on its `Wire`): client events in, one call in
-the room, server events out, on the server's event loop. The call is released when the socket closes for
-any reason, so a slot never outlives its socket."""
+"""The door base: what the table of doors (api/doors.py) knows of one door (`SocketDoor`, with the key its
+client presents and its counts), and what every API socket does, whatever protocol it speaks (`ApiSocket`,
+on its `Wire`): client events in, one call in the room, server events out, on the server's event loop.
+The call is released when the socket closes for any reason, so a slot never outlives its socket."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,7 +23,6 @@ from ..errors import PersonaTooLongError, UnknownVoiceError
 from ..serving.door import DoorCall, Ended, Frame, Live, Preparing, Queued, Refusal, RefusalKind
 from ..serving.room import CallHandle, EndReason, Room, SlotOutput, end_message
 from . import errors as e
-from .access import presented_key
 from .client_events import KNOWN, UNSUPPORTED, ClientEvent, parse
 from .config import ApiConfig
 from .errors import RealtimeError
@@ -29,11 +30,12 @@ from .feeder import Feeder
 from .server_events import event
 from .session import PromptRules
 from .speech_detector import SpeechConfig, SpeechEvents
-from .stats import DoorStats
 from .wire import Wire
 
 log = logging.getLogger(__name__)
 
+# Browsers cannot set headers on a WebSocket; they pass the key as a subprotocol instead.
+KEY_SUBPROTOCOL = "openai-insecure-api-key."
 # The WebSocket close code a call's end comes with (the words are the room's: serving/room.py).
 CLOSE_CODES = {EndReason.TIME_LIMIT: 1000, EndReason.IDLE: 1000, EndReason.QUEUE_TIMEOUT: 1013,
                EndReason.OVERLOADED: 1013, EndReason.SHUTDOWN: 1001, EndReason.NOT_READING: 1008}
@@ -213,7 +215,6 @@ class ApiSocket(Wire):
 
     async def _run(self, call: CallHandle) -> None:
         """The room's events as the protocol's hooks, until the call ends or the client stops reading."""
-        backlog = self.config.send_backlog_seconds
         try:
             async for ev in self.feeder.events():
                 match ev:
@@ -229,7 +230,7 @@ class ApiSocket(Wire):
                         self.on_frame(out)
                     case Ended(reason=reason):
                         await self.on_ended(reason)
-                    case None if self.outbox.client_stopped_reading(self.ws.scope, backlog):
+                    case None if self.client_stopped_reading(self.config.send_backlog_seconds):
                         log.warning("%s %s: the client stopped reading; closing", self.protocol,
                                     self.session_id)
                         self.door_call.hang_up(EndReason.NOT_READING)
@@ -240,6 +241,50 @@ class ApiSocket(Wire):
             log.exception("%s %s: the call's runner failed", self.protocol, self.session_id)
             self.door_call.hang_up(EndReason.error(f"{self.protocol} door: {type(exc).__name__}"))
             await self.close(1011, "the server failed on this call")
+
+
+def presented_key(headers: Mapping[str, str], subprotocols: Sequence[str]) -> str | None:
+    """The key a client sent: `Authorization: Bearer <key>`, else the browsers' subprotocol."""
+    auth = headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return next((proto.removeprefix(KEY_SUBPROTOCOL) for proto in subprotocols if proto.startswith(KEY_SUBPROTOCOL)),
+                None)
+
+
+class DoorStats:
+    """What a door counts of itself, for /api/status and /metrics: open sockets, sockets refused at
+    the door, and error events by code. The room counts the calls (by door)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.sockets_open = 0
+        self.sockets_total = 0
+        self.refused: collections.Counter[str] = collections.Counter()  # "api_key", "too_many_sockets"
+        self.errors: collections.Counter[str] = collections.Counter()  # error events sent, by code
+
+    def opened(self) -> None:
+        with self._lock:
+            self.sockets_open += 1
+            self.sockets_total += 1
+
+    def closed(self) -> None:
+        with self._lock:
+            self.sockets_open -= 1
+
+    def refuse(self, why: str) -> None:
+        with self._lock:
+            self.refused[why] += 1
+
+    def error(self, code: str) -> None:
+        with self._lock:
+            self.errors[code] += 1
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            return {"sockets_open": self.sockets_open, "sockets_total": self.sockets_total,
+                    "refused": dict(self.refused), "errors": dict(self.errors)}
 
 
 class SocketDoor(Collector):

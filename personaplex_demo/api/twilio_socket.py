@@ -25,15 +25,14 @@ from starlette.websockets import WebSocket
 
 from ..call_settings import DEFAULT_VOICE, load_presets
 from ..frame import SAMPLE_RATE
-from ..serving.room import CallState, Room, SlotOutput
+from ..serving.room import CallState, SlotOutput
 from . import errors as e
 from .client_events import ClientEvent
 from .config import ApiConfig
 from .errors import RealtimeError
 from .feeder import to_pcm16
-from .session import PromptRules, SessionSettings, check_persona
+from .session import SessionSettings, check_persona
 from .socket_base import INVALID_DATA, POLICY, UNSUPPORTED_DATA, ApiSocket, Refused, SocketDoor, deny
-from .stats import DoorStats
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +42,6 @@ PHONE_RATE = 8000  # Twilio Media Streams: audio/x-mulaw, 8 kHz, one channel, bo
 CHUNK_BYTES = PHONE_RATE // 50  # 20 ms of mu-law, the size Twilio sends
 MAX_PAYLOAD_BYTES = 2 * PHONE_RATE  # 2 s of mu-law in one media event: far past anything Twilio sends
 HOLD_STEP_SECONDS = 0.08  # a waiting caller's tone goes out in steps of this much audio
-
-
-def call_header(call: SessionSettings) -> tuple[bytes, bytes]:
-    """What a number's webhook asked for (the voice and persona) as a request header of the stream
-    socket, for the process that serves it."""
-    settings = json.dumps({"voice": call.voice, "persona": call.persona})
-    return CALL_HEADER, base64.urlsafe_b64encode(settings.encode())
 
 
 class Tickets:
@@ -100,9 +92,9 @@ class TwilioDoor(SocketDoor):
     kind, path, label = "twilio", WEBHOOK_PATH + "/stream/{ticket}", "phone (Twilio Media Streams)"
     keyed = False  # a phone network carries no key; a signed webhook's ticket admits the socket
 
-    def __init__(self, room: Room, rules: PromptRules, config: ApiConfig, stats: DoorStats) -> None:
-        super().__init__(room, rules, config, stats)
-        self.tickets = Tickets(self.config.phone_ticket_seconds)
+    @functools.cached_property
+    def tickets(self) -> Tickets:
+        return Tickets(self.config.phone_ticket_seconds)
 
     @classmethod
     def enabled(cls, config: ApiConfig) -> bool:
@@ -111,8 +103,11 @@ class TwilioDoor(SocketDoor):
     async def check(self, ws: WebSocket) -> bool:
         call = self.tickets.take(ws.path_params.get("ticket", ""))
         if call is not None:
-            # The settings ride with the socket (the only such header: a client's own is dropped).
-            ws.scope["headers"] = [*(h for h in ws.scope["headers"] if h[0] != CALL_HEADER), call_header(call)]
+            # The voice and persona ride with the socket to the process that serves it, as the only
+            # such header (a client's own is dropped).
+            settings = json.dumps({"voice": call.voice, "persona": call.persona}).encode()
+            headers = [h for h in ws.scope["headers"] if h[0] != CALL_HEADER]
+            ws.scope["headers"] = [*headers, (CALL_HEADER, base64.urlsafe_b64encode(settings))]
             return True
         self.stats.refuse("ticket")
         await deny(ws, 403, "invalid_ticket", "a stream socket needs the one-time URL a signed webhook answered")
@@ -218,7 +213,7 @@ class TwilioSocket(ApiSocket):
         header = ws.headers[CALL_HEADER.decode()]
         self.phone_call = SessionSettings(**json.loads(base64.urlsafe_b64decode(header)))
         self.room_events = True  # the queue's news starts and stops the hold tone
-        self.outbox.frame_bytes = 4 * 330  # one room frame: four 20 ms media events
+        self.frame_bytes = 4 * 330  # one room frame: four 20 ms media events
         self.audio = PhoneAudio()
         self.stream_sid: str | None = None
         self.call_sid = "?"

@@ -1,33 +1,47 @@
-"""One accepted WebSocket's life, whatever protocol is spoken on it."""
+"""One accepted WebSocket's life, whatever protocol is spoken on it. Linux grows a socket's send buffer
+to megabytes for a client that stopped reading, so what the client has not read is counted in the kernel
+too: /proc/net/tcp(6) `tx_queue` (proc(5)). Elsewhere than Linux the socket goes by its own queue alone."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import json
 import logging
+import time
+from pathlib import Path
 from typing import Any
 
 from starlette.websockets import WebSocket
 
-from .outbox import Outbox
+from ..frame import FRAME_SECONDS
 from .server_events import new_id
 
 log = logging.getLogger(__name__)
 
 CLOSE_SECONDS = 2.0  # for the last events to leave and the close handshake, before giving up on a client
+AUDIO_EVENTS = {"response.output_audio.delta", "response.audio.delta", "session.output_audio.delta"}
+AUDIO_EVENT_BYTES = 5300  # one audio delta as JSON: 80 ms of PCM16 in base64, with its ids
+CHECK_SECONDS = 1.0
+TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
 
 
 class Wire:
     """One accepted socket's life: its messages handed to `receive` one at a time, what is sent
-    queued and written by a task of its own, its tasks cancelled when it closes."""
+    queued and written by a task of its own, its tasks cancelled when it closes. `frame_bytes`: what
+    one frame of agent audio weighs on the wire, to read the kernel's queue in frames."""
 
     protocol = "api"  # for the log
 
     def __init__(self, ws: WebSocket) -> None:
         self.ws = ws
         self.session_id = new_id("sess")
-        self.outbox = Outbox()
         self.closing = False
+        self.frame_bytes = AUDIO_EVENT_BYTES
+        self.audio_frames = 0  # audio messages queued and not yet sent
+        self._outbox: asyncio.Queue[tuple[str | bytes, bool]] = asyncio.Queue()
+        self._checked_at = time.monotonic()
         self._tasks: set[asyncio.Task] = set()
         self._reader: asyncio.Task | None = None
 
@@ -54,12 +68,13 @@ class Wire:
     async def _write(self) -> None:
         try:
             while True:
-                message, audio = await self.outbox.get()
+                message, audio = await self._outbox.get()
                 if isinstance(message, bytes):
                     await self.ws.send_bytes(message)
                 else:
                     await self.ws.send_text(message)
-                self.outbox.sent(audio)
+                self.audio_frames -= audio
+                self._outbox.task_done()
         except Exception as exc:  # the client is gone: stop reading too
             log.info("%s %s: sending failed (%s); closing", self.protocol, self.session_id,
                      type(exc).__name__)
@@ -72,15 +87,21 @@ class Wire:
             return
         self.closing = True
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.outbox.drained(), CLOSE_SECONDS)
+            await asyncio.wait_for(self._outbox.join(), CLOSE_SECONDS)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.ws.close(code, reason[:120]), CLOSE_SECONDS)
         if self._reader is not None:
             self._reader.cancel()
 
     def send(self, ev: dict[str, Any] | str | bytes, audio: bool = False) -> None:
-        if not self.closing:
-            self.outbox.put(ev, audio)
+        """A JSON event (an audio delta is counted as audio), or a text or binary message (`audio` says)."""
+        if self.closing:
+            return
+        if isinstance(ev, dict):
+            audio = ev["type"] in AUDIO_EVENTS
+            ev = json.dumps(ev, separators=(",", ":"))
+        self._outbox.put_nowait((ev, audio))
+        self.audio_frames += audio
 
     def send_all(self, events: list[dict[str, Any]]) -> None:
         for ev in events:
@@ -92,3 +113,42 @@ class Wire:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def client_stopped_reading(self, limit_seconds: float) -> bool:
+        """Once a second: whether more than `limit_seconds` of agent audio wait for the client,
+        queued here or held by the kernel."""
+        now = time.monotonic()
+        if now - self._checked_at < CHECK_SECONDS:
+            return False
+        self._checked_at = now
+        kernel = kernel_send_queue(self.ws.scope.get("server"), self.ws.scope.get("client")) or 0
+        return (self.audio_frames + kernel / self.frame_bytes) * FRAME_SECONDS > limit_seconds
+
+
+def proc_address(host: str, port: int) -> str:
+    """An address as /proc/net/tcp writes it: the address in 32-bit words of host byte order
+    (little-endian here), then the port, in upper-case hex."""
+    packed = ipaddress.ip_address(host.split("%")[0]).packed
+    words = "".join(packed[i:i + 4][::-1].hex() for i in range(0, len(packed), 4))
+    return f"{words.upper()}:{port:04X}"
+
+
+def kernel_send_queue(local: tuple[str, int] | None, remote: tuple[str, int] | None) -> int | None:
+    """Bytes queued in the kernel for the connection `local` -> `remote` (the ASGI scope's two
+    addresses); None if unknown."""
+    if local is None or remote is None:
+        return None
+    try:
+        ends = (proc_address(*local), proc_address(*remote))
+    except ValueError:  # not an IP address (a Unix socket, a test client)
+        return None
+    for table in TCP_TABLES:
+        try:
+            lines = table.read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 4 and (fields[1], fields[2]) == ends:
+                return int(fields[4].split(":")[0], 16)
+    return None

@@ -213,7 +213,8 @@ def server_parts(cfg: AppConfig, topology: Topology, door, demo) -> dict[str, li
     routes = (status_routes(topology.runtime, room, lambda: {**topology.status(), "visitors": visitors.as_dict(),
                                                              **(door.status() if door is not None else {})})
               + metrics_routes(room, [EngineCollector(topology.engine_status),
-                                      VisitorCollector(visitors.as_dict), *(door.collectors() if door else [])],
+                                      VisitorCollector(visitors.as_dict),
+                                      *(door.doors.values() if door else ())],
                                doors=(DOOR_PAGE, *(door.doors if door else ())))
               + (door.routes() if door else []))
     return {"routes": routes,

@@ -25,7 +25,7 @@ from starlette.applications import Starlette
 
 from ..api.config import ApiConfig
 from ..api.doors import KINDS, ApiDoors
-from ..api.stats import DoorStats
+from ..api.socket_base import DoorStats
 from ..procs import messages as msg
 from ..procs.channel import Address, Channel
 from ..procs.engine_link import EngineLink, SilenceWatchdog
