@@ -26,8 +26,7 @@ from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.pool import SlotPool
 from personaplex_demo.serving.room import END_MESSAGES, EndReason
 from personaplex_demo.web.echo import WARNING as ECHO_WARNING
-from personaplex_demo.web.handler import CallHandler, end_message
-from personaplex_demo.web.page_inputs import PageInputs
+from personaplex_demo.web.handler import CallHandler, PageInputs, end_message
 from personaplex_demo.web.recording import RecordingStore
 
 from .callers import Caller, FeedbackTrack, ToneTrack, wait_all_free

@@ -15,8 +15,7 @@ from personaplex_demo.logs import install_secret_filter
 from personaplex_demo.runtime.build import RuntimeOptions, build_runtime
 from personaplex_demo.serving.config import PoolConfig
 from personaplex_demo.serving.pool import SlotPool
-from personaplex_demo.web.handler import CallHandler
-from personaplex_demo.web.page_inputs import PageInputs
+from personaplex_demo.web.handler import CallHandler, PageInputs
 from personaplex_demo.web.recording import RecordingStore
 
 from .test_handler import in_a_connection

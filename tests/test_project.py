@@ -177,7 +177,7 @@ def test_readme_documents_every_transcript_field(tmp_path) -> None:
     from personaplex_demo.cli.offline import Conversation, transcript_json
     from personaplex_demo.engine.pcm import SamplingParams
     from personaplex_demo.serving.room import END_MESSAGES
-    from personaplex_demo.web.page_inputs import CallRequest
+    from personaplex_demo.web.handler import CallRequest
     from personaplex_demo.web.recording import CallRecording
 
     section = doc_section(DOCS / "transcripts.md", "Transcripts")

@@ -9,15 +9,18 @@ import collections
 import contextlib
 import enum
 import logging
+import secrets
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 from fastrtc import AdditionalOutputs, AsyncStreamHandler, CloseStream, get_current_context
 
+from ..call_settings import DEFAULT_VOICE, SamplingParams
 from ..errors import CallerError
 from ..frame import SAMPLE_RATE
 from ..rtc.audio import InputResampler, output_frame_samples
@@ -30,7 +33,6 @@ from .call_figures import CallFigures
 from .echo import WARNING as ECHO_WARNING
 from .echo import EchoDetector
 from .mic_hold import MicHold
-from .page_inputs import CallRequest
 from .recording import CallRecording, RecordingStore
 from .status import STATUS_SECONDS, PageThrottle, SharedFigures, room_line, status_line
 
@@ -47,6 +49,50 @@ def end_message(reason: str) -> str:
     """The page's words for a call the room ended (serving/room.py `end_message`), with what to press."""
     words = room_end_message(reason)
     return words if reason in _SAYS_WHAT_TO_DO else f"{words} Please press Record to call again."
+
+
+class PageInputs(NamedTuple):
+    """The page's call settings (web/page.py), which fastrtc passes in the page's order; read by name."""
+
+    voice: Any
+    persona: Any
+    text_temperature: Any
+    text_top_k: Any
+    audio_temperature: Any
+    audio_top_k: Any
+    seed: Any  # -1, None or "": a new random seed per call
+
+
+@dataclass(frozen=True)
+class CallRequest:
+    voice: str
+    persona: str
+    sampling: SamplingParams
+
+    @classmethod
+    def from_args(cls, args: list) -> CallRequest:
+        """The request the page's inputs make (the defaults, with a new seed, before it sent any). The
+        inputs are at the END of fastrtc's `latest_args`, whose head differs between the Gradio page
+        (`__webrtc_value__`, connection id, inputs...) and `Stream.set_input` (`__webrtc_value__`,
+        inputs...). A random seed is drawn here, so that the transcript JSON keeps it."""
+        n = len(PageInputs._fields)
+        if len(args) < n + 1:
+            return cls(DEFAULT_VOICE, "", SamplingParams(seed=secrets.randbits(32)))
+        page = PageInputs(*args[-n:])
+        seed = secrets.randbits(32) if page.seed in (None, "", -1) else page.seed
+        try:
+            sampling = SamplingParams(
+                text_temperature=float(page.text_temperature), text_top_k=int(page.text_top_k),
+                audio_temperature=float(page.audio_temperature), audio_top_k=int(page.audio_top_k),
+                seed=int(seed))
+        except (TypeError, ValueError) as e:
+            raise CallerError(f"the sampling settings must be numbers: {e}") from e
+        return cls(str(page.voice or DEFAULT_VOICE), str(page.persona or ""), sampling)
+
+    def recording_meta(self, call_id: str, model: str) -> dict[str, Any]:
+        """The call's settings, as they head its transcript JSON (documented in docs/transcripts.md)."""
+        return {"call_id": call_id, "model": model, "voice": self.voice, "persona": self.persona,
+                "sampling": asdict(self.sampling)}
 
 
 class FinalUpdates:

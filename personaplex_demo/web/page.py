@@ -1,9 +1,13 @@
 """The Gradio page (voice, persona, sampling, the call button, transcript, status and downloads), built
-around fastrtc's `WebRTC` component rather than the generated `Stream.ui`, and `GET /api/status`."""
+around fastrtc's `WebRTC` component rather than the generated `Stream.ui`, `GET /api/status`, and
+`GET /api/room`: the room's figures, which the page's script asks for while the tab is visible instead
+of a Gradio timer event per tab (docs/serving.md § Visitors and callers)."""
 
 from __future__ import annotations
 
 import asyncio
+import html
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +15,7 @@ from typing import Any
 import gradio as gr
 from fastrtc import WebRTC
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..call_settings import DEFAULT_VOICE, SamplingParams, load_presets
@@ -19,19 +23,20 @@ from ..frame import AUDIO_CARD
 from ..rtc.ice import server_configuration
 from ..rtc.patches import answer_offers, bound_event_log
 from ..runtime.facts import RuntimeFacts
+from ..serving.metrics import PoolMetrics
 from ..serving.room import Room
 from .assets import asset_text, page_script
 from .call_figures import TRIP_PENDING
 from .deeplink import SEED_RANGE, LinkRules, NumberRule, add_deep_links, number_rule
-from .handler import CallHandler
+from .handler import CallHandler, PageInputs
 from .mic_hold import MIC_HOLD_SCRIPT
-from .page_inputs import PageInputs
 from .recording import RecordingFiles, RecordingStore
-from .room_figures import ROOM_SCRIPT, figures_html, room_routes
 from .status import SharedFigures, limited_by, queue_reason, room_line
 
 DEFAULT_PRESET = "Assistant (teacher)"
 STOP_WAIT_SECONDS = 5.0  # after Stop, how long the page waits for the recording to be written
+REFRESH_SECONDS = 5.0  # how often a visible page asks for the room's figures
+ANSWER_SECONDS = 1.0  # one answer of /api/room serves every page that asks within this long
 
 CSS = asset_text("page.css")
 
@@ -56,16 +61,43 @@ def status_payload(runtime: RuntimeFacts, room: Room) -> dict[str, Any]:
             **metrics.as_dict()}
 
 
+def figure_parts(m: PoolMetrics) -> list[tuple[str, str]]:
+    """The room's figures on the page, as (label, text) pairs; an empty label is plain text."""
+    if not m.ticks:  # zeros would read as measurements
+        return [("Room", room_line(m)), ("", "latency and tick times appear once a call is live")]
+    return [("Room", room_line(m)), ("latency", f"p50 {m.latency_p50_ms:.0f} ms, p99 {m.latency_p99_ms:.0f} ms"),
+            ("tick", f"p50 {m.tick_p50_ms:.0f} ms, p99 {m.tick_p99_ms:.0f} ms"),
+            ("real-time factor", f"{m.realtime_factor:.2f}")]
+
+
+def figures_html(m: PoolMetrics) -> str:
+    """The same parts as the page first shows them (its script replaces the span's text)."""
+    text = " · ".join(f"<strong>{html.escape(label)}</strong> {html.escape(part)}" if label else html.escape(part)
+                      for label, part in figure_parts(m))
+    return f'<span class="room-figures">{text}</span>'
+
+
 def status_routes(runtime: RuntimeFacts, room: Room, extra: Callable[[], dict[str, Any]] | None = None) -> list[Route]:
-    """`/api/status`, and `/api/room` for the pages' figures. `extra`: more fields for the status
-    payload (per engine and per media worker, when there are several)."""
+    """`/api/status`, and `/api/room` for the pages' figures: the same bytes for every page while the
+    shared snapshot (taken at most every ANSWER_SECONDS) is the same one. `extra`: more fields for the
+    status payload (per engine and per media worker, when there are several)."""
     async def status(_: Request) -> JSONResponse:
         payload = status_payload(runtime, room)
         if extra is not None:
             payload.update(extra())
         return JSONResponse(payload, headers={"Cache-Control": "no-store"})
 
-    return [Route("/api/status", status, methods=["GET"]), *room_routes(room)]
+    figures = SharedFigures(room, ttl=ANSWER_SECONDS)
+    kept: tuple[PoolMetrics, bytes] | None = None  # read and written on the server's loop only
+
+    async def room_figures(_: Request) -> Response:
+        nonlocal kept
+        metrics = figures.get()
+        if kept is None or kept[0] is not metrics:
+            kept = (metrics, json.dumps({"parts": figure_parts(metrics), "refresh_seconds": REFRESH_SECONDS}).encode())
+        return Response(kept[1], media_type="application/json", headers={"Cache-Control": "no-store"})
+
+    return [Route("/api/status", status, methods=["GET"]), Route("/api/room", room_figures, methods=["GET"])]
 
 
 def call_events(demo: gr.Blocks) -> frozenset[int]:
@@ -80,6 +112,8 @@ def call_events(demo: gr.Blocks) -> frozenset[int]:
 # figure is followed by TRIP_PENDING, which this script replaces with the sum including the browser's
 # own jitter buffer (getStats, over the last two seconds).
 TRIP_SCRIPT = page_script("round_trip.js", PENDING=TRIP_PENDING)
+# The room's figures: ask while visible, back off when refused, write text only.
+ROOM_SCRIPT = page_script("room_figures.js", REFRESH=REFRESH_SECONDS)
 
 
 def page_values(transcript: str, status: str, call_id: str, files=None, figures: str = "") -> tuple[str, ...]:
@@ -190,11 +224,12 @@ class Page:
         gr.Markdown(f"After a call, its recording and transcript can be downloaded here; the server "
                     f"deletes them after {int(self.recordings.max_age_seconds // 60)} minutes.",
                     elem_id="recording-note")
-        # The room's figures: the page's own script keeps them fresh (web/room_figures.py).
+        # The room's figures: the page's own script keeps them fresh (ROOM_SCRIPT).
         self.stats = gr.HTML(figures_html(self.figures.get()), elem_id="stats", padding=False)
         self.call_id = gr.Textbox(visible=False, elem_id="call-id")
         # Set to the call's id when the server ends a call; its change shows the downloads.
         self.ended_call = gr.Textbox(visible=False, elem_id="ended-call")
+        self.page_outputs = [self.transcript, self.status, self.call_id, self.ended_call, self.call_figures]
 
     def wire_events(self) -> None:
         rtc, presets = self.rtc, self.presets
@@ -218,10 +253,6 @@ class Page:
                                                   *downloads], **EVENT_OPTIONS)
         self.ended_call.change(self.show_downloads, self.ended_call, downloads, **EVENT_OPTIONS)
         rtc.stop_recording(self.on_stop, self.call_id, [self.status, *downloads], **EVENT_OPTIONS)
-
-    @property
-    def page_outputs(self) -> list:
-        return [self.transcript, self.status, self.call_id, self.ended_call, self.call_figures]
 
     # ---- event handlers ---------------------------------------------------------------------------
 

@@ -77,7 +77,7 @@ class VisitorLimits:
         self._reported = clock()
 
     async def __call__(self, scope, receive, send) -> None:
-        kind = self.kind(scope)
+        kind = KINDS.get((scope["path"], scope["method"])) if scope["type"] == "http" else None
         if kind is None:
             await self.app(scope, receive, send)
             return
@@ -96,7 +96,7 @@ class VisitorLimits:
         why = kind if wait else "busy" if self._in_flight >= self.max_in_flight else None
         if why is not None:
             self.refused(why, address)
-            status, message = REFUSALS[why]
+            status, message, _ = REFUSALS[why]
             await refusal(status, message, wait or 2.0, json_body=kind != "page")(scope, receive, send)
             return
         self._in_flight += 1
@@ -104,10 +104,6 @@ class VisitorLimits:
             await self.app(scope, receive, send)
         finally:
             self._in_flight -= 1
-
-    @staticmethod
-    def kind(scope) -> str | None:
-        return KINDS.get((scope["path"], scope["method"])) if scope["type"] == "http" else None
 
     def address(self, scope) -> str:
         peer = scope["client"][0] if scope.get("client") else None
@@ -133,12 +129,8 @@ class VisitorLimits:
         return bucket.take(now)
 
     def refused(self, why: str, address: str) -> None:
-        if why == "page":
-            self.counts.page_loads_refused += 1
-        elif why == "event":
-            self.counts.events_refused += 1
-        else:
-            self.counts.busy_refused += 1
+        counter = REFUSALS[why][2]
+        setattr(self.counts, counter, getattr(self.counts, counter) + 1)
         self.counts.addresses.add(address)
         now = self.clock()
         if now - self._reported >= REPORT_SECONDS:
@@ -150,35 +142,31 @@ class VisitorLimits:
             self._reported = now
 
 
-REFUSALS = {"page": (429, "Too many page loads from your address."),  # over the address's rate
-            "event": (429, "Too many requests from your address."),
-            "busy": (503, "The server is busy with live calls.")}  # over `max_in_flight`
+# why -> (HTTP status, message, the VisitorCounts field); "page" and "event": over the address's rate
+REFUSALS = {"page": (429, "Too many page loads from your address.", "page_loads_refused"),
+            "event": (429, "Too many requests from your address.", "events_refused"),
+            "busy": (503, "The server is busy with live calls.", "busy_refused")}  # over `max_in_flight`
 
 
 async def read_body(receive) -> bytes | None:
-    chunks, size = [], 0
+    body = bytearray()
     while True:
         message = await receive()
         if message["type"] != "http.request":
             return None
-        chunks.append(message.get("body", b""))
-        size += len(chunks[-1])
-        if size > MAX_JOIN_BODY:
+        body += message.get("body", b"")
+        if len(body) > MAX_JOIN_BODY:
             return None
         if not message.get("more_body", False):
-            return b"".join(chunks)
+            return bytes(body)
 
 
 def replay(body: bytes, receive):
     """`receive` for the app: the body already read, then the client's own messages (a disconnect)."""
-    sent = False
+    first = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def again():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
+        return first.pop() if first else await receive()
 
     return again
 
