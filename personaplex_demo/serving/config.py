@@ -1,4 +1,4 @@
-"""The slot pool's settings: one dataclass, filled from the command line in cli/config.py."""
+"""The slot pool's settings: one dataclass, filled from `AppConfig` (cli/config.py) in cli/app.py."""
 
 from __future__ import annotations
 
