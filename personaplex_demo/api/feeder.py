@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -40,15 +41,16 @@ def decode_pcm16(audio: str, event_id: str | None = None) -> np.ndarray:
 
 
 class InputAudio:
-    """Appended samples, taken a whole frame at a time; at most `limit_seconds` of them held."""
+    """Appended samples, cut into frames; at most `limit_seconds` of them held."""
 
     def __init__(self, limit_seconds: float) -> None:
         self.limit = int(limit_seconds * SAMPLE_RATE)
-        self._held = np.zeros(0, np.int16)
+        self._frames: collections.deque[np.ndarray] = collections.deque()
+        self._partial = np.zeros(0, np.int16)
 
     @property
     def samples(self) -> int:
-        return self._held.size
+        return len(self._frames) * FRAME_SAMPLES + self._partial.size
 
     def append(self, samples: np.ndarray, event_id: str | None = None) -> None:
         """Hold `samples`, or refuse all of them (RealtimeError) when they would pass the bound."""
@@ -56,17 +58,18 @@ class InputAudio:
             raise RealtimeError(e.INPUT_BUFFER_FULL, f"{self.samples / SAMPLE_RATE:.1f} s of audio are waiting to be "
                                 f"heard; this server holds at most {self.limit / SAMPLE_RATE:g} s ahead of real time. "
                                 "This chunk was dropped: send audio at the pace it plays", param="audio", event_id=event_id)
-        self._held = np.concatenate([self._held, samples])
+        joined = np.concatenate([self._partial, samples])
+        whole = joined.size // FRAME_SAMPLES * FRAME_SAMPLES
+        self._frames.extend(joined[:whole].reshape(-1, FRAME_SAMPLES))
+        self._partial = joined[whole:].copy()
 
     def pop(self) -> np.ndarray | None:
         """The oldest whole frame, or None."""
-        if self._held.size < FRAME_SAMPLES:
-            return None
-        frame, self._held = self._held[:FRAME_SAMPLES], self._held[FRAME_SAMPLES:]
-        return frame
+        return self._frames.popleft() if self._frames else None
 
     def clear(self) -> None:
-        self._held = np.zeros(0, np.int16)
+        self._frames.clear()
+        self._partial = np.zeros(0, np.int16)
 
 
 class Feeder:
