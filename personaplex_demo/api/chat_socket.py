@@ -98,6 +98,7 @@ class ChatDoor(SocketDoor):
 class ChatSocket(ApiSocket):
     protocol = "chat"
     start_hint = "the call could not be placed"
+    frame_bytes = OPUS_FRAME_BYTES
 
     def __init__(self, ws: WebSocket, door: SocketDoor) -> None:
         super().__init__(ws, door)
@@ -105,7 +106,6 @@ class ChatSocket(ApiSocket):
 
         self.request = chat_request(ws.query_params, door.rules)  # checked at the door
         self.room_events = self.request.room_events
-        self.frame_bytes = OPUS_FRAME_BYTES
         self._opus_in = sphn.OpusStreamReader(SAMPLE_RATE)
         self._opus_out = sphn.OpusStreamWriter(SAMPLE_RATE)
 

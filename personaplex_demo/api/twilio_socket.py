@@ -207,13 +207,13 @@ class PhoneAudio:
 class TwilioSocket(ApiSocket):
     protocol = "phone"
     start_hint = "a stream starts with its start event"
+    frame_bytes = 4 * 330  # one room frame: four 20 ms media events
 
     def __init__(self, ws: WebSocket, door: SocketDoor) -> None:
         super().__init__(ws, door)
         header = ws.headers[CALL_HEADER.decode()]
         self.phone_call = SessionSettings(**json.loads(base64.urlsafe_b64decode(header)))
         self.room_events = True  # the queue's news starts and stops the hold tone
-        self.frame_bytes = 4 * 330  # one room frame: four 20 ms media events
         self.audio = PhoneAudio()
         self.stream_sid: str | None = None
         self.call_sid = "?"

@@ -33,12 +33,12 @@ class Wire:
     one frame of agent audio weighs on the wire, to read the kernel's queue in frames."""
 
     protocol = "api"  # for the log
+    frame_bytes = AUDIO_EVENT_BYTES
 
     def __init__(self, ws: WebSocket) -> None:
         self.ws = ws
         self.session_id = new_id("sess")
         self.closing = False
-        self.frame_bytes = AUDIO_EVENT_BYTES
         self.audio_frames = 0  # audio messages queued and not yet sent
         self._outbox: asyncio.Queue[tuple[str | bytes, bool]] = asyncio.Queue()
         self._checked_at = time.monotonic()
