@@ -96,7 +96,7 @@ class VisitorLimits:
         why = kind if wait else "busy" if self._in_flight >= self.max_in_flight else None
         if why is not None:
             self.refused(why, address)
-            status, message, _ = REFUSALS[why]
+            status, message = REFUSALS[why]
             await refusal(status, message, wait or 2.0, json_body=kind != "page")(scope, receive, send)
             return
         self._in_flight += 1
@@ -129,8 +129,12 @@ class VisitorLimits:
         return bucket.take(now)
 
     def refused(self, why: str, address: str) -> None:
-        counter = REFUSALS[why][2]
-        setattr(self.counts, counter, getattr(self.counts, counter) + 1)
+        if why == "page":
+            self.counts.page_loads_refused += 1
+        elif why == "event":
+            self.counts.events_refused += 1
+        else:
+            self.counts.busy_refused += 1
         self.counts.addresses.add(address)
         now = self.clock()
         if now - self._reported >= REPORT_SECONDS:
@@ -142,10 +146,9 @@ class VisitorLimits:
             self._reported = now
 
 
-# why -> (HTTP status, message, the VisitorCounts field); "page" and "event": over the address's rate
-REFUSALS = {"page": (429, "Too many page loads from your address.", "page_loads_refused"),
-            "event": (429, "Too many requests from your address.", "events_refused"),
-            "busy": (503, "The server is busy with live calls.", "busy_refused")}  # over `max_in_flight`
+REFUSALS = {"page": (429, "Too many page loads from your address."),  # over the address's rate
+            "event": (429, "Too many requests from your address."),
+            "busy": (503, "The server is busy with live calls.")}  # over `max_in_flight`
 
 
 async def read_body(receive) -> bytes | None:
