@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from personaplex_demo.engine.prompt import PREFIX_CACHE_SIZE
 from personaplex_demo.model.config import LMConfig, MimiConfig
 from personaplex_demo.runtime.capacity import (
     DEFAULT_MAX_SLOTS,
@@ -31,7 +32,6 @@ from personaplex_demo.runtime.capacity import (
 from personaplex_demo.runtime.slot_memory import mimi_state_bytes, prefix_cache_bytes, slot_cost
 
 MAX_BATCH = DEFAULT_MAX_SLOTS  # the batch the GPU targets are set for; more says nothing new
-PREFIX_ENTRIES = 8  # the engine's default prefix cache, as `--slots auto` counts it
 FRAME_MS = 80.0
 
 
@@ -73,7 +73,8 @@ def plan_batches(cfg: LMConfig, mimi_bytes: int, *, free_bytes: int, total_bytes
     `total_bytes`: `--slots auto`'s fit, uncapped."""
     # The run makes every row attend its whole ring: the cost at the whole context.
     cost, fixed = slot_cost(cfg, mimi_bytes, cfg.context, itemsize, cuda_graphs, probe)
-    reserve = prefix_cache_bytes(cfg, itemsize, voice_frames, PREFIX_ENTRIES) + fixed + safety_margin(total_bytes)
+    reserve = (prefix_cache_bytes(cfg, itemsize, voice_frames, PREFIX_CACHE_SIZE) + fixed
+               + safety_margin(total_bytes))
     fit = fitting_slots(free_bytes, reserve, cost)
     return BatchPlan(free_bytes, total_bytes, cost, reserve, fit, batch_sizes(fit, cap), source)
 

@@ -327,8 +327,8 @@ def slots_auto_on(lm, mimi, tokenizer, voices, device: torch.device, dtype: torc
     from personaplex_demo.runtime.capacity import DEFAULT_MAX_SLOTS
     from personaplex_demo.runtime.slot_memory import plan_for
 
-    plan = plan_for(lm, mimi, voices, slots="auto", max_slots=1 << 20, frames=lm.cfg.context, device=device,
-                    dtype=dtype, prefix_cache_size=8, cuda_graphs=True)
+    plan = plan_for(lm, mimi, voices, slots="auto", max_slots=1 << 20, frames=lm.cfg.context,
+                    device=device, dtype=dtype)
     served = replace(plan, slots=min(plan.slots, DEFAULT_MAX_SLOTS), max_slots=DEFAULT_MAX_SLOTS)
     name = "--slots auto: that many slots run"
     try:

@@ -15,7 +15,7 @@ from ..model.config import LMConfig
 from ..model.lm import PersonaPlexLM
 from ..model.ring import RingKV, RowStates
 from .cuda_graphs import CudaGraphed
-from .prompt import PrefixCache, VoiceTokens
+from .prompt import PREFIX_CACHE_SIZE, PrefixCache, VoiceTokens
 from .rows import batch_buckets
 from .sampling import SamplingState, TopK, sample, stream_keys, top_k_bucket, top_k_buckets
 from .staging import StagingRing
@@ -69,8 +69,8 @@ class LockstepCore:
 
     def __init__(self, lm: PersonaPlexLM, batch_size: int, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, skip_user_steps: bool = True,
-                 prefix_cache_size: int = 8, context: int | None = None, cuda_graphs: bool = False,
-                 attend_filled: bool = True):
+                 prefix_cache_size: int = PREFIX_CACHE_SIZE, context: int | None = None,
+                 cuda_graphs: bool = False, attend_filled: bool = True):
         self.lm = lm
         self.cfg: LMConfig = lm.cfg
         self.B = batch_size

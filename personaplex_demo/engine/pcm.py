@@ -44,15 +44,13 @@ class LockstepEngine:
 
     def __init__(self, lm: PersonaPlexLM, mimi, tokenizer, voices, batch_size: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 max_persona_tokens: int = MAX_PERSONA_TOKENS, prefix_cache_size: int = 8,
-                 context: int | None = None, cuda_graphs: bool = True,
-                 core_class: type[LockstepCore] = LockstepCore):
+                 max_persona_tokens: int = MAX_PERSONA_TOKENS, context: int | None = None,
+                 cuda_graphs: bool = True, core_class: type[LockstepCore] = LockstepCore):
         self.device = torch.device(device)
         self.dtype = dtype
         self.batch_size = batch_size
         # `core_class`: stepwise.StepwiseCore plays the prompt tick by tick, as the reference does.
-        self.core = core_class(lm, batch_size, self.device, dtype, prefix_cache_size=prefix_cache_size,
-                               context=context, cuda_graphs=cuda_graphs)
+        self.core = core_class(lm, batch_size, self.device, dtype, context=context, cuda_graphs=cuda_graphs)
         self.mimi = mimi
         self.mimi_state = mimi.init_state(batch_size, device=self.device)
         self.places = RowPlaces(batch_size)  # slot <-> row

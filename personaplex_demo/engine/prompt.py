@@ -13,6 +13,8 @@ from ..model.lm import PersonaPlexLM
 from .staging import StagingRing
 from .tokens import AUDIO_INITIAL, SILENCE_CODES, SILENCE_FRAMES, SINE_CODES, TEXT_PAD
 
+PREFIX_CACHE_SIZE = 8  # system prompts kept; `--slots auto` reserves memory for this many
+
 
 @dataclass(frozen=True)
 class VoiceTokens:
@@ -71,7 +73,7 @@ class PrefixCache:
     """System prompts computed by one parallel forward, the most recent `size` kept."""
 
     def __init__(self, lm: PersonaPlexLM, dtype: torch.dtype, context: int, device: torch.device,
-                 size: int = 8):
+                 size: int = PREFIX_CACHE_SIZE):
         self.lm = lm
         self.dtype = dtype
         self.context = context

@@ -11,6 +11,7 @@ import torch
 
 from ..call_settings import MAX_PERSONA_TOKENS
 from ..engine.core import VISIBLE_BUCKET, LockstepCore
+from ..engine.prompt import PREFIX_CACHE_SIZE
 from ..engine.tokens import SILENCE_FRAMES
 from ..frame import FRAME_SAMPLES
 from ..model.config import LMConfig
@@ -124,7 +125,7 @@ def slot_cost(cfg: LMConfig, mimi_bytes: int, frames: int, itemsize: int, cuda_g
 
 
 def plan_for(lm, mimi, voices: VoiceCatalog, *, slots: int | str, max_slots: int, frames: int,
-             device: torch.device, dtype: torch.dtype, prefix_cache_size: int = 8, cuda_graphs: bool = True):
+             device: torch.device, dtype: torch.dtype):
     """The SlotPlan for a loaded model on `device`, served by a `LockstepEngine` with its defaults."""
     cfg: LMConfig = lm.cfg
     itemsize = torch.finfo(dtype).bits // 8
@@ -135,11 +136,11 @@ def plan_for(lm, mimi, voices: VoiceCatalog, *, slots: int | str, max_slots: int
             probe = probe_tick_bytes(lm, mimi, device, dtype)
         except Exception as e:  # the arithmetic can still go on with the estimate
             log.warning("slot memory probe failed (%s: %s); using an estimate", type(e).__name__, e)
-    cost, fixed = slot_cost(cfg, mimi_state_bytes(mimi), frames, itemsize, cuda_graphs and on_cuda, probe)
+    cost, fixed = slot_cost(cfg, mimi_state_bytes(mimi), frames, itemsize, on_cuda, probe)
     free, reserve = None, 0
     if (memory := device_memory(device)) is not None:
         free, total = memory
-        reserve = (prefix_cache_bytes(cfg, itemsize, longest_voice(voices), prefix_cache_size)
+        reserve = (prefix_cache_bytes(cfg, itemsize, longest_voice(voices), PREFIX_CACHE_SIZE)
                    + fixed + safety_margin(total))
     per_frame = kv_ring_bytes(cfg.num_layers, cfg.num_heads, cfg.head_dim, 1, itemsize)
     return plan_slots(slots, device=str(device), free_bytes=free,
