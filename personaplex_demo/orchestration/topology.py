@@ -153,8 +153,9 @@ def _start_local(options: TopologyOptions, progress: Callable[[str, float], None
     # Several CPU engines share the cores; one keeps torch's own choice (or OMP_NUM_THREADS).
     cpu_engines = sum(1 for d in devices if not d.startswith("cuda"))
     threads = max(1, (os.cpu_count() or 1) // cpu_engines) if cpu_engines > 1 else None
-    engines = EngineProcesses([EngineSpec(name, authkey, options.runtime, options.pool, device, address, threads,
-                                          logging.getLogger().getEffectiveLevel())
+    level = logging.getLogger().getEffectiveLevel()
+    engines = EngineProcesses([EngineSpec(name, authkey, options.runtime, options.pool, device=device,
+                                          address=address, torch_threads=threads, log_level=level)
                                for name, device, address in zip(names, devices, addresses, strict=True)]).start()
     closers.append(engines.close)
     media = None
