@@ -115,9 +115,13 @@ class HeadroomPolicy:
         # waiting one takes its place); a size not measured is predicted, and needs the margin.
         known = figures.get(rows + 1)
         if known is not None:
-            return known <= self.budget * (1.0 - MEASURED_MARGIN)
+            return self.fits_measured(known)
         predicted = self.predict(now, rows + 1, figures)
         return predicted is not None and predicted <= self.budget * (1.0 - self.config.headroom_margin)
+
+    def fits_measured(self, seconds: float) -> bool:
+        """A measured tick time within the budget, with the margin a measured size needs."""
+        return seconds <= self.budget * (1.0 - MEASURED_MARGIN)
 
     def headroom(self, now: float, rows: int) -> float:
         """Seconds of the budget left if one more call joined `rows` (negative: over), for the gauge."""
@@ -135,7 +139,7 @@ class HeadroomPolicy:
         if now - self._over_since < cfg.shed_after_seconds:
             return False
         smaller = self.measured(now).get(live - 1)  # the room one call smaller, as it ticked lately
-        if smaller is None or smaller > self.budget * (1.0 - MEASURED_MARGIN):
+        if smaller is None or not self.fits_measured(smaller):
             return False
         recent = self.recent()
         if self._shed_at is not None and recent > 0.95 * self._shed_at:
