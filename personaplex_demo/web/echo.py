@@ -30,9 +30,12 @@ WARNING = ("The model can hear itself through your speakers: use headphones or t
 def to_8k(pcm: np.ndarray) -> np.ndarray:
     """24 kHz samples (float in [-1, 1], or int16) at 8 kHz: each three averaged (a crude low-pass;
     the check needs the shape of speech, not fidelity)."""
-    x = np.asarray(pcm).reshape(-1)
-    x = x.astype(np.float32) / 32768.0 if x.dtype == np.int16 else x.astype(np.float32)
-    return x[: x.size // DECIMATE * DECIMATE].reshape(-1, DECIMATE).mean(axis=1)
+    pcm = np.asarray(pcm)
+    x = pcm.astype(np.float32, copy=False).reshape(-1)
+    n = x.size // DECIMATE * DECIMATE
+    scale = np.float32(1 / (DECIMATE * 32768) if pcm.dtype == np.int16 else 1 / DECIMATE)
+    # Strided sums: a reduction over rows of three (np.mean, or sum(axis=1)) costs several times more.
+    return sum(x[i:n:DECIMATE] for i in range(DECIMATE)) * scale
 
 
 class Stream:
