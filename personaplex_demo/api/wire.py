@@ -142,13 +142,31 @@ def kernel_send_queue(local: tuple[str, int] | None, remote: tuple[str, int] | N
         ends = (proc_address(*local), proc_address(*remote))
     except ValueError:  # not an IP address (a Unix socket, a test client)
         return None
-    for table in TCP_TABLES:
-        try:
-            lines = table.read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) > 4 and (fields[1], fields[2]) == ends:
-                return int(fields[4].split(":")[0], 16)
-    return None
+    return _TCP.queues().get(ends)
+
+
+class _TcpTables:
+    """The kernel's send queue of every TCP connection of the host, read at most twice a second for all
+    the sockets that ask: each socket reading the tables itself would cost the process the square of
+    its sockets."""
+
+    def __init__(self) -> None:
+        self._read_at = float("-inf")
+        self._queues: dict[tuple[str, str], int] = {}
+
+    def queues(self) -> dict[tuple[str, str], int]:
+        now = time.monotonic()
+        if now - self._read_at >= CHECK_SECONDS / 2:
+            self._read_at, self._queues = now, {}
+            for table in TCP_TABLES:
+                try:
+                    lines = table.read_text().splitlines()[1:]
+                except OSError:
+                    continue
+                for fields in map(str.split, lines):
+                    if len(fields) > 4:
+                        self._queues[(fields[1], fields[2])] = int(fields[4].split(":")[0], 16)
+        return self._queues
+
+
+_TCP = _TcpTables()
