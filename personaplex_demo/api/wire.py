@@ -1,6 +1,7 @@
 """One accepted WebSocket's life, whatever protocol is spoken on it. Linux grows a socket's send buffer
 to megabytes for a client that stopped reading, so what the client has not read is counted in the kernel
-too: /proc/net/tcp(6) `tx_queue` (proc(5)). Elsewhere than Linux the socket goes by its own queue alone."""
+too: the socket's SIOCOUTQ (tcp(7)) where the process was handed the connection, else the connection's
+`tx_queue` in /proc/net/tcp(6) (proc(5)). Elsewhere than Linux the socket goes by its own queue alone."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import contextlib
 import ipaddress
 import json
 import logging
+import struct
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,13 @@ AUDIO_EVENTS = {"response.output_audio.delta", "response.audio.delta", "session.
 AUDIO_EVENT_BYTES = 5300  # one audio delta as JSON: 80 ms of PCM16 in base64, with its ids
 CHECK_SECONDS = 1.0
 TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
+if sys.platform == "linux":
+    import fcntl
+    import termios
+
+    SIOCOUTQ: int | None = termios.TIOCOUTQ  # the same request on a socket: bytes not yet acknowledged
+else:
+    SIOCOUTQ = None
 
 
 class Wire:
@@ -121,7 +131,7 @@ class Wire:
         if now - self._checked_at < CHECK_SECONDS:
             return False
         self._checked_at = now
-        kernel = kernel_send_queue(self.ws.scope.get("server"), self.ws.scope.get("client")) or 0
+        kernel = kernel_send_queue(self.ws.scope) or 0
         return (self.audio_frames + kernel / self.frame_bytes) * FRAME_SECONDS > limit_seconds
 
 
@@ -133,9 +143,16 @@ def proc_address(host: str, port: int) -> str:
     return f"{words.upper()}:{port:04X}"
 
 
-def kernel_send_queue(local: tuple[str, int] | None, remote: tuple[str, int] | None) -> int | None:
-    """Bytes queued in the kernel for the connection `local` -> `remote` (the ASGI scope's two
-    addresses); None if unknown."""
+def kernel_send_queue(scope: dict[str, Any]) -> int | None:
+    """Bytes queued in the kernel for the connection of the ASGI `scope`; None if unknown. A handed
+    connection's socket is in the scope's state (procs/socket_handoff.py): one call asks it. Otherwise
+    the host's TCP tables are read, once a second for all the sockets that ask, since the kernel walks
+    every connection of the host to write them."""
+    sock = scope.get("state", {}).get("socket")
+    if sock is not None and SIOCOUTQ is not None:
+        with contextlib.suppress(OSError, ValueError):  # ValueError: closed meanwhile (fileno -1)
+            return struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQ, b"\0\0\0\0"))[0]
+    local, remote = scope.get("server"), scope.get("client")
     if local is None or remote is None:
         return None
     try:
@@ -146,7 +163,7 @@ def kernel_send_queue(local: tuple[str, int] | None, remote: tuple[str, int] | N
 
 
 class _TcpTables:
-    """The kernel's send queue of every TCP connection of the host, read at most twice a second for all
+    """The kernel's send queue of every TCP connection of the host, read at most once a second for all
     the sockets that ask: each socket reading the tables itself would cost the process the square of
     its sockets."""
 
@@ -156,7 +173,7 @@ class _TcpTables:
 
     def queues(self) -> dict[tuple[str, str], int]:
         now = time.monotonic()
-        if now - self._read_at >= CHECK_SECONDS / 2:
+        if now - self._read_at >= CHECK_SECONDS:
             self._read_at, self._queues = now, {}
             for table in TCP_TABLES:
                 try:

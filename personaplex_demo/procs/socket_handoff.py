@@ -87,6 +87,12 @@ class _HandedProtocol(WebSocketsSansIOProtocol):
         super().__init__(config, state, {"handoff": meta}, _loop=loop)
         self.meta, self.on_closed = meta, on_closed
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        # In the scope's state (copied into the scope at the handshake): the socket, whose send queue a
+        # door asks the kernel for (api/wire.py `kernel_send_queue`).
+        self.app_state["socket"] = transport.get_extra_info("socket")
+
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self.on_closed(self.meta)
@@ -94,7 +100,8 @@ class _HandedProtocol(WebSocketsSansIOProtocol):
 
 class WorkerSockets:
     """The worker's side: serves each handed connection with `app`, which finds the hand-over's `meta` in
-    `scope["state"]["handoff"]`; `on_closed(meta)` once each connection is gone (or never arrived whole)."""
+    `scope["state"]["handoff"]` and the connection's socket in `scope["state"]["socket"]`; `on_closed(meta)`
+    once each connection is gone (or never arrived whole)."""
 
     def __init__(self, channel: socket.socket, app: Callable, on_closed: Callable[[dict[str, Any]], None]) -> None:
         self.channel = channel
