@@ -159,31 +159,28 @@ def kernel_send_queue(scope: dict[str, Any]) -> int | None:
         ends = (proc_address(*local), proc_address(*remote))
     except ValueError:  # not an IP address (a Unix socket, a test client)
         return None
-    return _TCP.queues().get(ends)
+    return _TCP.queues(TCP_TABLES[len(ends[0]) > len("7F000001:0050")]).get(ends)  # IPv6's are longer
 
 
 class _TcpTables:
-    """The kernel's send queue of every TCP connection of the host, read at most once a second for all
-    the sockets that ask: each socket reading the tables itself would cost the process the square of
-    its sockets."""
+    """The kernel's send queue of every TCP connection of the host, each table read at most once a
+    second for all the sockets that ask: each socket reading it itself would cost the process the
+    square of its sockets."""
 
     def __init__(self) -> None:
-        self._read_at = float("-inf")
-        self._queues: dict[tuple[str, str], int] = {}
+        self._read: dict[Path, tuple[float, dict[tuple[str, str], int]]] = {}
 
-    def queues(self) -> dict[tuple[str, str], int]:
+    def queues(self, table: Path) -> dict[tuple[str, str], int]:
         now = time.monotonic()
-        if now - self._read_at >= CHECK_SECONDS:
-            self._read_at, self._queues = now, {}
-            for table in TCP_TABLES:
-                try:
-                    lines = table.read_text().splitlines()[1:]
-                except OSError:
-                    continue
-                for fields in map(str.split, lines):
+        read_at, queues = self._read.get(table, (float("-inf"), {}))
+        if now - read_at >= CHECK_SECONDS:
+            queues = {}
+            with contextlib.suppress(OSError):
+                for fields in map(str.split, table.read_text().splitlines()[1:]):
                     if len(fields) > 4:
-                        self._queues[(fields[1], fields[2])] = int(fields[4].split(":")[0], 16)
-        return self._queues
+                        queues[(fields[1], fields[2])] = int(fields[4].split(":")[0], 16)
+            self._read[table] = (now, queues)
+        return queues
 
 
 _TCP = _TcpTables()
