@@ -12,6 +12,8 @@ import socket
 from personaplex_demo.api.wire import kernel_send_queue
 from personaplex_demo.procs.socket_handoff import WorkerSockets
 
+from .callers import until
+
 CHUNK = b"x" * 65536
 
 
@@ -45,12 +47,8 @@ async def test_a_handed_connection_is_served_with_its_socket_and_its_kernel_queu
         assert handed.getpeername() == client.getsockname()
         assert scope["state"]["handoff"] == {"id": 7}
 
-        for _ in range(300):  # until the kernel holds what the client's window refused
-            held = kernel_send_queue(scope)
-            if held is not None and held > 4 * len(CHUNK):
-                break
-            await asyncio.sleep(0.01)
-        assert held is not None and held > 4 * len(CHUNK), held
+        await until(lambda: (kernel_send_queue(scope) or 0) > 4 * len(CHUNK), 3,
+                    "the kernel to hold what the client's window refused", step=0.01)
         await asyncio.sleep(1.1)  # the host's tables are read at most once a second: the next look reads them
         before = kernel_send_queue(scope)
         from_tables = kernel_send_queue({k: v for k, v in scope.items() if k != "state"})
