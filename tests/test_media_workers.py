@@ -27,7 +27,7 @@ from personaplex_demo.orchestration.topology import default_media_workers, ipc_d
 from personaplex_demo.web import mic_hold
 
 from .browser_support import LaunchedApp, launched_app
-from .callers import PageCaller, PageConfig
+from .callers import PageCaller, PageConfig, until
 from .sdk_callers import LiveClient, SdkCaller
 
 pytestmark = pytest.mark.usefixtures("loopback_ice")
@@ -60,16 +60,6 @@ def answer_ports(caller: PageCaller) -> set[int]:
     """The server's ICE candidate ports in the answer a caller got: where its media goes."""
     return {int(line.split()[5]) for line in caller.pc.remoteDescription.sdp.splitlines()
             if line.startswith("a=candidate:")}
-
-
-async def until(check, seconds: float, what: str, step: float = 0.2):
-    deadline = time.monotonic() + seconds
-    while True:
-        result = check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"waited {seconds:.0f} s for {what}"
-        await asyncio.sleep(step)
 
 
 def is_live(caller: PageCaller) -> bool:
