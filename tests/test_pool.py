@@ -273,6 +273,22 @@ def test_routing_latency_and_underruns():
     assert [len(drain(x)) for x in (a, b, c)] == [1, 1, 1]  # silence in, still audio out
 
 
+def test_audio_a_client_held_counts_from_its_arrival_there_and_outputs_carry_the_next_planned_tick():
+    pool, engine, clock = make(batch=1, step_seconds=0.005)
+    a = pool.admit("NATF0", "p")
+    run_for(pool, 2)  # prefilled and live; steps at 0.02 and 0.10 on the schedule
+    clock.advance(0.010)
+    pushed = clock.monotonic()
+    a.push_audio(frame(7), held=0.030)  # it reached the client 30 ms before it reached the pool
+    run_for(pool, 1)
+    *_, out = drain(a)
+    step = engine.step_times[-1]
+    assert out.pcm[1] == 7 and out.latency == pytest.approx(step + 0.005 - (pushed - 0.030))  # 5 ms: the step
+    assert out.next_take == pytest.approx(step + 0.08)  # the schedule as it stands: the next step is due then
+    run_for(pool, 1)
+    assert engine.step_times[-1] == pytest.approx(out.next_take)
+
+
 def test_input_backlog_drops_the_oldest_frames():
     pool, _, _ = make(batch=1, input_buffer_seconds=2.0)
     a = live_call(pool)

@@ -22,6 +22,11 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _STOP = object()
+
+
+class _Several(list):
+    """Messages queued by one `send_many`: they join the batch together."""
+
 MAX_BATCH = 256  # messages per write; a longer backlog goes out in several writes
 
 
@@ -56,6 +61,11 @@ class Channel:
         if not self._closed.is_set():
             self._outbox.put(message)
 
+    def send_many(self, messages: list[Any]) -> None:
+        """Queue several messages that go out in one write (and one wake-up of each side)."""
+        if messages and not self._closed.is_set():
+            self._outbox.put(_Several(messages))
+
     def close(self, flush_timeout: float | None = None) -> None:
         """Close both directions (idempotent). With `flush_timeout`, first give the writer that long to send
         what is queued: a process about to exit says its last word (the writer is a daemon and dies with it)."""
@@ -89,7 +99,7 @@ class Channel:
             item = self._outbox.get()
             if item is _STOP:
                 return
-            batch = [item]
+            batch = list(item) if type(item) is _Several else [item]
             while len(batch) < MAX_BATCH:
                 try:
                     item = self._outbox.get_nowait()
@@ -98,7 +108,7 @@ class Channel:
                 if item is _STOP:
                     self._send(batch)
                     return
-                batch.append(item)
+                batch.extend(item) if type(item) is _Several else batch.append(item)
             if not self._send(batch):
                 return
 

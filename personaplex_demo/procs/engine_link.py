@@ -26,6 +26,7 @@ from ..serving.room import DOOR_PAGE, CallState, EndReason, PoolClosedError, Poo
 from ..serving.waiting import CallView, WaitingCall
 from . import messages as msg
 from .channel import Address, Channel, open_link
+from .tick_gather import TickGather
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +64,13 @@ class RemoteCall(CallView, WaitingCall):
         arr = checked_audio(samples)  # sent as it is: int16 is half the bytes of float32
         if self.state != CallState.LIVE:
             return
-        self.engine.send(msg.Push(self.rid, arr.copy()))
+        self.engine.gather.push(self.rid, arr.copy(), time.monotonic())
 
     def release(self, reason: str = EndReason.HANGUP) -> None:
         """End the call (idempotent). The engine frees the slot."""
         if self.state == CallState.ENDED:
             return
+        self.engine.gather.forget(self.rid)
         self.engine.send(msg.Release(self.rid, str(reason)))  # a plain string on the wire
         self.update(msg.StateChange(rid=self.rid, state=CallState.ENDED, slot=self.slot, end_reason=reason))
 
@@ -145,6 +147,7 @@ class EngineLink:
         self._calls: dict[int, RemoteCall] = {}
         self._channel = Channel(conn, f"engine-client:{self.name}", self._on_batch, self._on_close).start()
         self.send: Callable[[msg.ClientMessage], None] = self._channel.send
+        self.gather = TickGather(self._channel.send_many, self.config.tick_seconds)  # the callers' audio
 
     def __repr__(self) -> str:
         return f"EngineLink({self.name}, {'alive' if self.alive else 'gone'})"
@@ -167,7 +170,7 @@ class EngineLink:
         engine decides at once, so two clients cannot both count on one free slot)."""
         loop = asyncio.get_running_loop()
         if self._loop is None:
-            self._loop = loop
+            self._loop = self.gather.loop = loop
         elif self._loop is not loop:
             raise RuntimeError("an EngineLink serves the calls of one event loop")
         if not self.alive:
@@ -200,7 +203,7 @@ class EngineLink:
 
     def _on_batch(self, batch: list[msg.ServerMessage]) -> None:
         """Reader thread: the pool's figures are kept at once; everything else goes to the loop."""
-        self.heard_at = time.monotonic()
+        self.heard_at = heard = time.monotonic()
         rest = []
         for message in batch:
             if isinstance(message, msg.PoolFigures):
@@ -209,12 +212,13 @@ class EngineLink:
             else:
                 rest.append(message)
         if rest:
-            self._on_loop(self._dispatch, rest)
+            self._on_loop(self._dispatch, rest, heard)
 
-    def _dispatch(self, messages: list[msg.ServerMessage]) -> None:
+    def _dispatch(self, messages: list[msg.ServerMessage], heard: float) -> None:
         for message in messages:
             match message:
                 case msg.Out(rid=rid):
+                    self.gather.plan(message.next_in, heard)
                     if (call := self._calls.get(rid)) is not None:
                         call.deliver(SlotOutput(message.pcm, message.text, message.tick, message.latency,
                                                 message.input_drops))
@@ -259,6 +263,7 @@ class EngineLink:
             call.update(msg.StateChange(rid=call.rid, state=CallState.ENDED, slot=call.slot,
                                         end_reason=self.lost_reason))
         self._calls.clear()
+        self.gather.close()
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(PoolClosedError(f"engine {self.name} stopped"))

@@ -41,6 +41,7 @@ class Start:
 class Push:
     rid: int
     samples: np.ndarray  # the caller's audio as it arrived (any length), int16 (half the bytes of float32) or float32
+    held: float = 0.0  # seconds the client held it before sending (tick_gather.py): it arrived that much earlier
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +95,7 @@ class Out:
     tick: int
     latency: float | None = None  # serving.room.SlotOutput's
     input_drops: int = 0
+    next_in: float | None = None  # seconds from this message's leaving to the pool's next planned tick
 
 
 @dataclass(frozen=True, slots=True)

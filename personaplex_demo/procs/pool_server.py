@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from multiprocessing.connection import AuthenticationError, Connection
@@ -50,9 +51,9 @@ class _Client:
         """On the channel's reader thread."""
         for message in batch:
             match message:
-                case msg.Push(rid=rid, samples=samples):
+                case msg.Push(rid=rid, samples=samples, held=held):
                     if (call := self.calls.get(rid)) is not None:
-                        self.push(call, samples)
+                        self.push(call, samples, held)
                 case msg.Release(rid=rid, reason=reason):
                     if (call := self.calls.get(rid)) is not None:
                         call.release(reason)
@@ -63,9 +64,9 @@ class _Client:
                 case _:
                     log.warning("%s: unexpected %s ignored", self.name, type(message).__name__)
 
-    def push(self, call: Call, samples: np.ndarray) -> None:
+    def push(self, call: Call, samples: np.ndarray, held: float) -> None:
         try:
-            call.push_audio(samples)
+            call.push_audio(samples, held)
         except CallerError as exc:
             log.warning("%s: call %s sent bad audio (%s); ending it", self.name, call.id, exc)
             call.release(EndReason.error(exc))
@@ -103,7 +104,9 @@ class _Client:
                 else:
                     out = await call.next_output(timeout=1.0)
                     if out is not None:
-                        self.send(msg.Out(rid, out.pcm, out.text, out.tick, out.latency, out.input_drops))
+                        # The plan as seconds from now: the client's clock may be another machine's.
+                        next_in = None if out.next_take is None else out.next_take - time.monotonic()
+                        self.send(msg.Out(rid, out.pcm, out.text, out.tick, out.latency, out.input_drops, next_in))
                 now = (call.state, call.queue_position, call.slot, call.wait_reason)
                 if now != sent and call.state != CallState.ENDED:
                     sent = now

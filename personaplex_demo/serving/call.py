@@ -37,6 +37,7 @@ class CallContext:
 
 # One push holds at most this much audio (one second): a door hands audio on as it arrives.
 MAX_PUSH_SAMPLES = 24_000
+MAX_HELD_SECONDS = 0.5  # a client's `held` beyond this is not believed (a tick's batch is held at most one tick)
 
 
 def checked_audio(samples: np.ndarray) -> np.ndarray:
@@ -81,8 +82,10 @@ class Call(CallView, WaitingCall):
                 return None
             return max(0.0, limit - (self._ctx.clock.monotonic() - self.live_since))
 
-    def push_audio(self, samples: np.ndarray) -> None:
-        """`CallHandle.push_audio`: up to `MAX_PUSH_SAMPLES`; the tick cuts frames from it (serving/inbox.py)."""
+    def push_audio(self, samples: np.ndarray, held: float = 0.0) -> None:
+        """`CallHandle.push_audio`: up to `MAX_PUSH_SAMPLES`; the tick cuts frames from it (serving/inbox.py).
+        `held`: seconds another process held it before sending it on (procs/tick_gather.py); its age counts
+        from its arrival there."""
         arr = checked_audio(samples)  # copied to float32 either way: the sender may reuse its buffer
         audio = arr.astype(np.float32) / 32768.0 if arr.dtype == np.int16 else arr.astype(np.float32, copy=True)
         with self._ctx.lock:
@@ -92,7 +95,7 @@ class Call(CallView, WaitingCall):
             self._last_input = now
             self.counters.frames_pushed += 1
             # Beyond the bound the oldest audio goes: the conversation is real time.
-            if self._inbox.push(audio, now):
+            if self._inbox.push(audio, now - min(max(held, 0.0), MAX_HELD_SECONDS)):
                 self._count_input_drops()
 
     def release(self, reason: str = EndReason.HANGUP) -> None:

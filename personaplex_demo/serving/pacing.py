@@ -67,6 +67,11 @@ class TickPacer:
         moves, not its rate), never before the current step has finished: moving the phase is no overrun."""
         self._advance = max(0.0, self.aligner.observe(ages))
 
+    def planned(self) -> float | None:
+        """When the next step is due as `follow` left the schedule (None before the first `wait`): a step
+        that overruns moves it later, never earlier."""
+        return None if self._deadline is None else self._deadline + self.tick - self._advance
+
     def stepped(self, rows: int = 1) -> Lateness:
         """The step that `wait` let start has finished, having stepped `rows` calls: move the
         deadline on by one tick (by `idle_gap` from now when it stepped nobody)."""

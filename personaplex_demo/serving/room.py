@@ -107,6 +107,7 @@ class SlotOutput:
     # to it; None when no input was there and silence stood in for it.
     latency: float | None = None
     input_drops: int = 0  # the call's input frames dropped so far (a full buffer, a resync)
+    next_take: float | None = None  # when the pool plans its next tick (its clock): a client times its audio by it
 
 
 @runtime_checkable

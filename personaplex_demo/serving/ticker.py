@@ -107,6 +107,7 @@ class Ticker:
         self.pacer.follow(ages)
         if not rows:
             return 0
+        next_take = self.pacer.planned()
         step_start = clock.monotonic()
         try:
             out_pcm, texts = _checked_step(self.engine, pcm)
@@ -120,7 +121,8 @@ class Ticker:
             now = clock.monotonic()
             for slot, call, stamp in rows:
                 lag = None if stamp is None else now - stamp  # None: silence stood in for the input
-                if call.deliver(SlotOutput(out_pcm[slot].copy(), texts[slot], self.ticks, lag)) and lag is not None:
+                out = SlotOutput(out_pcm[slot].copy(), texts[slot], self.ticks, lag, next_take=next_take)
+                if call.deliver(out) and lag is not None:
                     latencies.append(lag)
             self._windows.add_tick(now - start, latencies, step_seconds)
             self._table.policy.record_tick(now, len(rows), now - start)
