@@ -374,11 +374,14 @@ def test_a_call_joining_a_live_room_keeps_the_schedule():
 def test_overrun_catches_up_without_a_burst():
     pool, engine, clock = make(batch=1)
     engine.step_delays[3] = 0.2  # the third step takes 200 ms
-    pool.admit("NATF0", "p")
+    call = pool.admit("NATF0", "p")
     run_for(pool, 8)
     # Steps are due every 80 ms from 0.02. The slow step ends at 0.38, so the steps due at 0.26, 0.34
     # and 0.42 run at 0.38, 0.42 and 0.46 (40 ms apart, no burst); the one due at 0.50 is on time again.
     assert engine.step_times == pytest.approx([0.02, 0.10, 0.18, 0.38, 0.42, 0.46, 0.50])
+    # Each output says when the next step comes: the catch-up steps' too. The slow step's own could
+    # not know it would overrun (0.26, the schedule's).
+    assert [out.next_take for out in drain(call)] == pytest.approx([0.10, 0.18, 0.26, 0.42, 0.46, 0.50, 0.58])
     m = pool.snapshot()
     assert (m.overruns, m.resyncs) == (2, 0)
     assert m.tick_p50_ms == 0.0 and m.tick_p99_ms > 150.0  # 6 instant ticks and one of 200 ms

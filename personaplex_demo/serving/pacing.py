@@ -68,9 +68,12 @@ class TickPacer:
         self._advance = max(0.0, self.aligner.observe(ages))
 
     def planned(self) -> float | None:
-        """When the next step is due as `follow` left the schedule (None before the first `wait`): a step
-        that overruns moves it later, never earlier."""
-        return None if self._deadline is None else self._deadline + self.tick - self._advance
+        """When the next step is due as `follow` left the schedule, a catch-up step's gap included (None
+        before the first `wait`): a step that overruns moves it later, never earlier."""
+        if self._deadline is None:
+            return None
+        due = self._deadline + self.tick - self._advance
+        return due if self._last_start is None else max(due, self._last_start + self.catch_up_gap)
 
     def stepped(self, rows: int = 1) -> Lateness:
         """The step that `wait` let start has finished, having stepped `rows` calls: move the
