@@ -240,6 +240,7 @@ async def test_audio_pushed_between_ticks_waits_for_the_next_ticks_batch_and_tha
                 pushed = time.monotonic()
                 call.push_audio(TONE)
                 out = await call.next_output(timeout=2.0)
+                assert out is not None, "no output within 2 s"
                 if out.latency is not None:
                     answered += 1
                     # The engine's age of the frame against the time since the push (which adds the way back).

@@ -167,6 +167,11 @@ def test_the_tick_moves_to_just_after_the_callers_packets_without_costing_anybod
     assert waited[ticks < 1.5].min() > 0.03
     assert waited[ticks > 3.0].max() < 0.012  # the guard (5 ms) and what the move left over
     assert pool.snapshot().underruns == 0
+    # The move came 5 ms a step, and every output's plan said when the next step came: a client that
+    # holds audio until just before the planned step (procs/tick_gather.py) is never late for it.
+    steps = np.array(pool.ticker.engine.step_times)
+    assert np.diff(steps).min() == pytest.approx(0.075) and pool.ticker.pacer.aligner.moved > 0.03
+    assert [o.next_take for o in outputs][:steps.size - 1] == pytest.approx(list(steps[1:]))
 
 
 def test_with_two_callers_the_tick_moves_only_as_far_as_the_later_ones_packets_allow():

@@ -57,7 +57,7 @@ def packet(value: int) -> np.ndarray:
 def test_without_a_plan_each_packet_goes_as_it_comes(gathered):
     gather, loop, sent = gathered
     gather.push(1, packet(1), loop.now)
-    gather.plan(None, loop.now)  # an engine that says nothing of its schedule
+    gather.plan(None, loop.now, 1)  # an engine that says nothing of its schedule
     loop.advance(0.04)
     gather.push(1, packet(2), loop.now)
     assert [(len(batch), batch[0].samples[0], batch[0].held) for _, batch in sent] == [(1, 1, 0.0), (1, 2, 0.0)]
@@ -66,7 +66,7 @@ def test_without_a_plan_each_packet_goes_as_it_comes(gathered):
 def test_packets_of_every_call_leave_together_just_before_the_planned_tick_each_with_its_time_held(gathered):
     gather, loop, sent = gathered
     start = loop.now
-    gather.plan(0.075, start)  # the engine's next tick: 75 ms from now
+    gather.plan(0.075, start, 1)  # the engine's next tick: 75 ms from now
     gather.push(1, packet(1), loop.now)
     loop.advance(0.02)
     gather.push(2, packet(2), loop.now)
@@ -82,7 +82,7 @@ def test_packets_of_every_call_leave_together_just_before_the_planned_tick_each_
 
 def test_a_packet_too_close_to_the_tick_goes_at_once_behind_what_was_held(gathered):
     gather, loop, sent = gathered
-    gather.plan(0.05, loop.now)
+    gather.plan(0.05, loop.now, 1)
     gather.push(1, packet(1), loop.now)
     loop.now += 0.05 - LEAD / 2  # the timer is late (a busy loop) and the next packet comes within the lead
     gather.push(1, packet(2), loop.now)
@@ -95,7 +95,7 @@ def test_a_packet_too_close_to_the_tick_goes_at_once_behind_what_was_held(gather
 def test_after_a_tick_whose_outputs_are_not_here_yet_audio_waits_for_the_tick_after_it(gathered):
     gather, loop, sent = gathered
     start = loop.now
-    gather.plan(0.01, start)
+    gather.plan(0.01, start, 1)
     loop.advance(0.02)  # that tick has come; its outputs (and a fresh plan) are on their way
     gather.push(1, packet(1), loop.now)
     loop.advance(0.2)
@@ -106,10 +106,10 @@ def test_after_a_tick_whose_outputs_are_not_here_yet_audio_waits_for_the_tick_af
 def test_a_tick_brought_forward_sends_what_is_held_earlier(gathered):
     gather, loop, sent = gathered
     start = loop.now
-    gather.plan(0.07, start)
+    gather.plan(0.07, start, 1)
     gather.push(1, packet(1), loop.now)
     loop.advance(0.005)
-    gather.plan(0.04, loop.now)  # the engine moved its tick 25 ms forward
+    gather.plan(0.04, loop.now, 2)  # the engine moved its tick 25 ms forward
     loop.advance(0.2)
     (left, _), = sent
     assert left == pytest.approx(start + 0.045 - LEAD)
@@ -117,7 +117,7 @@ def test_a_tick_brought_forward_sends_what_is_held_earlier(gathered):
 
 def test_a_plan_gone_stale_holds_nothing_and_an_ended_call_s_audio_is_dropped(gathered):
     gather, loop, sent = gathered
-    gather.plan(0.07, loop.now)
+    gather.plan(0.07, loop.now, 1)
     gather.push(1, packet(1), loop.now)
     gather.push(2, packet(2), loop.now)
     gather.forget(1)
@@ -126,3 +126,32 @@ def test_a_plan_gone_stale_holds_nothing_and_an_ended_call_s_audio_is_dropped(ga
     loop.advance(1.0)  # no word from the engine for a second: its old plan says nothing now
     gather.push(2, packet(3), loop.now)
     assert len(sent) == 2 and sent[-1][1][0].held == 0.0
+
+
+def test_an_older_tick_s_plan_or_one_already_due_is_not_gone_by(gathered):
+    gather, loop, sent = gathered
+    start = loop.now
+    gather.plan(0.06, start, 5)
+    gather.plan(0.02, start, 4)  # a call's output of the tick before, relayed late
+    gather.push(1, packet(1), loop.now)
+    loop.advance(0.2)
+    assert sent[0][0] == pytest.approx(start + 0.06 - LEAD)
+    gather.plan(-0.01, loop.now, 6)  # due before it was heard: no plan until the next
+    gather.push(1, packet(2), loop.now)
+    assert len(sent) == 2 and sent[1][1][0].held == 0.0
+
+
+def test_a_late_loop_makes_the_lead_longer_and_a_closed_link_sends_nothing_more(gathered):
+    gather, loop, sent = gathered
+    start = loop.now
+    gather.plan(0.06, start, 1)
+    gather.push(1, packet(1), loop.now)
+    loop.now = start + 0.06 - LEAD + 0.008  # the loop came to the timer 8 ms late
+    loop.advance(0)
+    assert len(sent) == 1 and gather.lead == pytest.approx(LEAD + 0.008)
+    heard = loop.now
+    gather.plan(0.07, heard, 2)
+    gather.push(1, packet(2), loop.now)
+    gather.close()
+    loop.advance(0.2)
+    assert len(sent) == 1  # the held packet went with the link

@@ -218,7 +218,8 @@ class EngineLink:
         for message in messages:
             match message:
                 case msg.Out(rid=rid):
-                    self.gather.plan(message.next_in, heard)
+                    # getattr: an engine of an earlier version sends no plan.
+                    self.gather.plan(getattr(message, "next_in", None), heard, message.tick)
                     if (call := self._calls.get(rid)) is not None:
                         call.deliver(SlotOutput(message.pcm, message.text, message.tick, message.latency,
                                                 message.input_drops))
@@ -229,6 +230,7 @@ class EngineLink:
                         call.update(message)
                         if call.state == CallState.ENDED:
                             self._calls.pop(rid, None)
+                            self.gather.forget(rid)
                 case msg.Refused(rid=rid, kind=kind, message=text, cause=cause):
                     fut = self._pending.get(rid)
                     if fut is not None and not fut.done():

@@ -51,9 +51,9 @@ class _Client:
         """On the channel's reader thread."""
         for message in batch:
             match message:
-                case msg.Push(rid=rid, samples=samples, held=held):
+                case msg.Push(rid=rid, samples=samples):
                     if (call := self.calls.get(rid)) is not None:
-                        self.push(call, samples, held)
+                        self.push(call, samples, getattr(message, "held", 0.0))  # a client of an earlier version
                 case msg.Release(rid=rid, reason=reason):
                     if (call := self.calls.get(rid)) is not None:
                         call.release(reason)

@@ -5,6 +5,7 @@ wake-up happen together; "the pool's side" expects it held. States: docs/serving
 
 from __future__ import annotations
 
+import math
 import threading
 import uuid
 from collections.abc import Callable
@@ -88,6 +89,7 @@ class Call(CallView, WaitingCall):
         from its arrival there."""
         arr = checked_audio(samples)  # copied to float32 either way: the sender may reuse its buffer
         audio = arr.astype(np.float32) / 32768.0 if arr.dtype == np.int16 else arr.astype(np.float32, copy=True)
+        held = min(max(held, 0.0), MAX_HELD_SECONDS) if math.isfinite(held) else 0.0
         with self._ctx.lock:
             now = self._ctx.clock.monotonic()
             if self.state != CallState.LIVE:
@@ -95,7 +97,7 @@ class Call(CallView, WaitingCall):
             self._last_input = now
             self.counters.frames_pushed += 1
             # Beyond the bound the oldest audio goes: the conversation is real time.
-            if self._inbox.push(audio, now - min(max(held, 0.0), MAX_HELD_SECONDS)):
+            if self._inbox.push(audio, now - held):
                 self._count_input_drops()
 
     def release(self, reason: str = EndReason.HANGUP) -> None:

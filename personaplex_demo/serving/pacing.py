@@ -36,20 +36,24 @@ class Lateness(NamedTuple):
 
 class TickPacer:
     def __init__(self, clock: Clock, tick: float, catch_up_gap: float, resync_after: float,
-                 idle_gap: float = 0.02) -> None:
+                 idle_gap: float = 0.02, move_per_step: float = 0.005) -> None:
         self.clock = clock
         self.tick = tick
         self.catch_up_gap = catch_up_gap
         self.resync_after = resync_after
         self.idle_gap = idle_gap
+        # A move of the phase is spread over steps, this much each: a client that times its audio by
+        # the plan of the step before (procs/tick_gather.py) is never later than this.
+        self.move_per_step = move_per_step
         self._deadline: float | None = None
         self._last_start: float | None = None
-        self._advance = 0.0  # seconds to bring the next step forward (`follow`)
+        self._advance = 0.0  # seconds still to bring the schedule forward (`follow`), a share a step
         self.aligner = PhaseAligner()
 
     def stop(self) -> None:
         """Nothing to step: the next step starts a fresh schedule."""
         self._deadline = self._last_start = None
+        self._advance = 0.0
 
     def wait(self) -> None:
         """Sleep until the next step is due."""
@@ -63,16 +67,16 @@ class TickPacer:
         self._last_start = self.clock.monotonic()
 
     def follow(self, ages: dict[str, float]) -> None:
-        """This tick's packet ages (`PhaseAligner.observe`): the next step may come earlier (its phase
-        moves, not its rate), never before the current step has finished: moving the phase is no overrun."""
-        self._advance = max(0.0, self.aligner.observe(ages))
+        """This tick's packet ages (`PhaseAligner.observe`): the next steps may come earlier (the phase
+        moves, not the rate), never before the current step has finished: moving the phase is no overrun."""
+        self._advance += max(0.0, self.aligner.observe(ages))
 
     def planned(self) -> float | None:
         """When the next step is due as `follow` left the schedule, a catch-up step's gap included (None
         before the first `wait`): a step that overruns moves it later, never earlier."""
         if self._deadline is None:
             return None
-        due = self._deadline + self.tick - self._advance
+        due = self._deadline + self.tick - min(self._advance, self.move_per_step)
         return due if self._last_start is None else max(due, self._last_start + self.catch_up_gap)
 
     def stepped(self, rows: int = 1) -> Lateness:
@@ -84,8 +88,9 @@ class TickPacer:
             return Lateness(0.0, False)
         self._deadline += self.tick
         if self._advance:
-            self._deadline = max(self._deadline - self._advance, self.clock.monotonic())
-            self._advance = 0.0
+            share = min(self._advance, self.move_per_step)
+            self._deadline = max(self._deadline - share, self.clock.monotonic())
+            self._advance -= share
         late = self.clock.monotonic() - self._deadline
         resync = late > self.resync_after
         if resync:
