@@ -6,9 +6,10 @@ import asyncio
 import fractions
 
 import numpy as np
+import pytest
 from aiortc.codecs.opus import OpusDecoder
 from aiortc.jitterbuffer import JitterFrame
-from av import AudioFrame
+from av import AudioFrame, AudioResampler
 
 from personaplex_demo.rtc.audio import (
     PACKET_MS,
@@ -435,3 +436,121 @@ def test_agent_packets_are_spaced_40_ms_apart_without_an_anchor_a_late_first_fra
     theirs = asyncio.run(sent_after_produced(AudioCallback))
     assert max(ours) < 0.03, ours  # each frame leaves as it comes (0.03: a loaded host's slack)
     assert min(theirs[4:]) > 0.2, theirs  # fastrtc's: 240 ms behind the first frames, for good
+
+
+def _agent_items() -> list:
+    """What a call handler emits, in the forms fastrtc takes: 80 ms float32 frames (the app's), a
+    page update with one and alone, an odd-sized int16 piece, and the end."""
+    from fastrtc import AdditionalOutputs, CloseStream
+
+    rng = np.random.default_rng(7)
+    tone = [(0.5 * np.sin(2 * np.pi * 300 * (np.arange(1920) + k * 1920) / 24000)).astype(np.float32)
+            for k in range(4)]
+    tone[1][:5] = [1.2, -1.3, 0.99999, -1.0, 0.5 / 32768]  # beyond full scale: clipped; half a step: rounded
+    odd = rng.integers(-20000, 20000, 700).astype(np.int16)
+    return [(24000, tone[0]), ((24000, tone[1]), AdditionalOutputs("hello")), AdditionalOutputs("status"),
+            (24000, odd), (24000, tone[2]), (24000, tone[3]), CloseStream("bye")]
+
+
+async def _worker_output(worker, items: list) -> tuple[list, list, list]:
+    """Run a fastrtc audio worker over `items` as fastrtc's AudioCallback starts it, until they run out:
+    what it queued, the updates it set and the data channel messages."""
+    queue, quit_event, updates, sent = asyncio.Queue(), asyncio.Event(), [], []
+    pending = list(items)
+
+    async def next_frame():
+        if not pending:
+            quit_event.set()  # as the track's stop does
+        return pending.pop(0) if pending else None
+
+    channel = type("Channel", (), {"send": lambda self, message: sent.append(message)})()
+    await asyncio.wait_for(worker(next_frame, queue, quit_event, lambda: channel, updates.append, False,
+                                  24000, 960), 5)
+    return [queue.get_nowait() for _ in range(queue.qsize())], updates, sent
+
+
+async def test_the_agents_audio_leaves_as_fastrtcs_worker_sends_it_in_mono_without_its_resamplers():
+    """`agent_audio_worker` against fastrtc 0.0.34's own `player_worker_decode` on the same items: the
+    same page updates and data channel messages in the same order, the same 40 ms frames with the same
+    times, in mono the audio that the Opus encoder took from fastrtc's stereo, and the end after them."""
+    from fastrtc import CloseStream
+    from fastrtc.utils import player_worker_decode
+
+    from personaplex_demo.rtc.audio import agent_audio_worker
+
+    theirs, their_updates, their_sent = await _worker_output(player_worker_decode, _agent_items())
+    ours, our_updates, our_sent = await _worker_output(agent_audio_worker, _agent_items())
+    assert [u.args for u in our_updates] == [u.args for u in their_updates] == [("hello",), ("status",)]
+    assert our_sent == their_sent and len(our_sent) == 2
+    assert isinstance(ours[-1], CloseStream) and ours[-1].msg == "bye" and isinstance(theirs[-1], CloseStream)
+    ours, theirs = ours[:-1], theirs[:-1]
+    assert len(ours) == len(theirs) == (4 * 1920 + 700) // 960  # what is left over waits for more
+    # fastrtc's two channels are its mono at -3 dB each (libswresample's upmix), which the encoder's
+    # resampler averaged back into one: the agent went out 3 dB below the model's level. Ours is at it.
+    for mine, fastrtcs in zip(ours, theirs):
+        assert (mine.format.name, mine.layout.name, mine.sample_rate, mine.samples) == ("s16", "mono", 24000, 960)
+        assert (mine.pts, mine.time_base) == (fastrtcs.pts, fastrtcs.time_base)
+        left, right = fastrtcs.to_ndarray().reshape(-1, 2).T.astype(np.float64)
+        got = mine.to_ndarray().reshape(-1)
+        clipped = slice(2) if mine.pts == 1920 else slice(0)  # 1.2 and -1.3: beyond full scale here only
+        assert got[clipped].tolist() == ([32767, -32768] if mine.pts == 1920 else [])
+        assert np.array_equal(left, right) and np.abs(np.sqrt(0.5) * got - left)[clipped.stop:].max() <= 1
+    # Float to 16 bits as libswresample converts it (clipped, rounded half to even), to the bit:
+    emitted = _agent_items()[1][0][1]
+    planar = AudioFrame.from_ndarray(emitted.reshape(1, -1), format="fltp", layout="mono")
+    planar.sample_rate = 24000
+    (converted,) = AudioResampler(format="s16", layout="mono", rate=24000).resample(planar)
+    assert np.array_equal(np.concatenate([f.to_ndarray() for f in ours[2:4]], axis=1), converted.to_ndarray())
+
+
+def test_agent_frames_mix_stereo_and_refuse_audio_at_another_rate_or_layout_by_name():
+    from fastrtc.utils import WebRTCError
+
+    from personaplex_demo.rtc.audio import AgentFrames
+
+    frames = AgentFrames(24000, 960)
+    with pytest.raises(WebRTCError, match="emitted 16000 Hz audio; its track sends 24000 Hz"):
+        frames.cut(16000, np.zeros(960, np.int16))
+    with pytest.raises(WebRTCError, match="'5.1'"):
+        frames.cut(24000, np.zeros((6, 960), np.int16), "5.1")
+    assert frames.cut(24000, np.zeros(959, np.int16)) == [] and len(frames.cut(24000, np.zeros(1, np.int16))) == 1
+    # Planar stereo (one row per channel, as fastrtc takes it) is mixed into the one channel sent.
+    left = np.linspace(-0.5, 0.5, 960, dtype=np.float32)
+    (mixed,) = frames.cut(24000, np.stack([left, -0.5 * left]), "stereo")
+    assert np.array_equal(mixed.to_ndarray().reshape(-1), np.rint(0.25 * left * 32768).astype(np.int16))
+
+
+def test_a_packet_sized_mono_frame_is_encoded_as_it_is_into_the_packets_the_fifo_would_cut():
+    """`PacketOpusEncoder`: 40 ms s16 mono frames (AgentFrames') skip the FIFO; the packets and RTP
+    times are those of the same audio in pieces of other sizes, which go through it."""
+    audio = (8000 * np.sin(2 * np.pi * 220 * np.arange(960 * 30) / 24000)).astype(np.int16)
+
+    def encoded(sizes: list[int]) -> tuple[list[bytes], list[int]]:
+        encoder, payloads, stamps, at = PacketOpusEncoder(), [], [], 0
+        for size in sizes:
+            frame = AudioFrame.from_ndarray(audio[at:at + size].reshape(1, -1), format="s16", layout="mono")
+            frame.sample_rate, at = 24000, at + size
+            got, stamp = encoder.encode(frame)
+            payloads += got
+            stamps += [stamp] * len(got)
+        return payloads, stamps
+
+    direct, direct_stamps = encoded([960] * 30)
+    pieces, piece_stamps = encoded([700] + [960] * 29 + [260])  # each ends with 700 samples in the FIFO
+    assert len(direct) == 30 and direct == pieces and direct_stamps == piece_stamps
+    assert direct_stamps == [k * 1920 for k in range(30)]
+
+
+def test_install_gives_fastrtcs_tracks_the_agent_audio_worker():
+    import fastrtc.tracks as tracks
+
+    from personaplex_demo.rtc.audio import agent_audio_worker
+    from personaplex_demo.rtc.patches import install_agent_frames
+
+    before = tracks.player_worker_decode
+    try:
+        install_agent_frames()
+        install_agent_frames()  # idempotent
+        assert tracks.player_worker_decode is agent_audio_worker
+    finally:
+        tracks.player_worker_decode = before

@@ -23,7 +23,7 @@ from aiortc.utils import uint16_add
 from av import AudioFifo, AudioFrame, AudioResampler, CodecContext
 from av.frame import Frame
 from fastrtc.tracks import AudioCallback, CloseStream
-from fastrtc.utils import create_message, current_channel
+from fastrtc.utils import AdditionalOutputs, WebRTCError, create_message, current_channel, split_output
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,11 @@ class PacketOpusEncoder(OpusEncoder):
     def encode(self, frame, force_keyframe: bool = False) -> tuple[list[bytes], int | None]:
         if self._fifo is None:
             self._open(frame)
+        if not self._fifo.samples and frame.samples == self._packet_samples and self.resampler.is_passthrough:
+            frame.pts = None  # one packet's audio as it is (AgentFrames cuts them so): no FIFO on the way
+            payloads = [bytes(p) for p in self.codec.encode(frame)]
+            self._packets += 1
+            return payloads, int((self._packets - 1) * self._packet_samples * self._rtp_per_sample)
         for converted in self.resampler.resample(frame):
             converted.pts = None  # the FIFO cuts packets; their RTP times are counted below
             self._fifo.write(converted)
@@ -235,6 +240,77 @@ class ArrivalJitterBuffer(JitterBuffer):
         return False, JitterFrame(data=packet._data, timestamp=packet.timestamp)
 
 
+class AgentFrames:
+    """A call handler's audio as fastrtc's outgoing track takes it: s16 mono `AudioFrame`s of `frame_size`
+    samples at `rate`, numbered from 0, cut as soon as enough has come. fastrtc 0.0.34 turns each array into
+    planar float and resamples it to stereo (which the Opus encoder then resamples back to mono): two
+    filter graphs a packet for what is, at the handler's own rate, a change of sample format."""
+
+    def __init__(self, rate: int, frame_size: int) -> None:
+        self.rate, self.frame_size = rate, frame_size
+        self._time_base = fractions.Fraction(1, rate)
+        self._pending = np.zeros(0, np.int16)
+        self._samples = 0  # the next frame's pts
+
+    def cut(self, sample_rate: int, audio: np.ndarray, layout: str = "mono") -> list[AudioFrame]:
+        """The frames that `audio` (int16, or float in [-1, 1]; mono, or planar stereo) completes."""
+        if sample_rate != self.rate:
+            raise WebRTCError(f"the handler emitted {sample_rate} Hz audio; its track sends {self.rate} Hz")
+        if layout not in ("mono", "stereo"):
+            raise WebRTCError(f"the handler emitted {layout!r} audio; its track takes mono or stereo")
+        pcm = np.asarray(audio)
+        if layout == "stereo":  # planar, as fastrtc takes it: one row per channel, mixed to the one sent
+            scale = np.float32(1 / 32768 if pcm.dtype == np.int16 else 1)
+            pcm = pcm.reshape(2, -1).mean(axis=0, dtype=np.float32) * scale
+        pcm = pcm.reshape(-1)
+        if pcm.dtype != np.int16:  # as libswresample converts float to s16: rounded, clipped
+            pcm = np.clip(np.rint(pcm.astype(np.float32, copy=False) * 32768.0), -32768, 32767).astype(np.int16)
+        self._pending = np.concatenate((self._pending, pcm)) if self._pending.size else pcm
+        frames = []
+        while self._pending.size >= self.frame_size:
+            chunk, self._pending = self._pending[:self.frame_size], self._pending[self.frame_size:]
+            frame = AudioFrame.from_ndarray(chunk.reshape(1, -1), format="s16", layout="mono")
+            frame.sample_rate, frame.pts, frame.time_base = self.rate, self._samples, self._time_base
+            self._samples += self.frame_size
+            frames.append(frame)
+        return frames
+
+
+async def agent_audio_worker(next_frame, queue: asyncio.Queue, thread_quit: asyncio.Event, channel,
+                             set_additional_outputs, quit_on_none: bool = False, sample_rate: int = OPUS_RATE,
+                             frame_size: int = OPUS_RATE // 50) -> None:
+    """fastrtc 0.0.34's `player_worker_decode`, step for step, except that the audio is cut by
+    `AgentFrames`, and the wait for the handler's next item is a timeout scope, not a task of its own."""
+    frames = AgentFrames(sample_rate, frame_size)
+    while not thread_quit.is_set():
+        try:
+            async with asyncio.timeout(60):
+                item = await next_frame()
+            audio, outputs = split_output(item)
+            if isinstance(outputs, AdditionalOutputs) and set_additional_outputs and channel and channel():
+                set_additional_outputs(outputs)
+                channel().send(create_message("fetch_output", []))
+            if audio is None:
+                if isinstance(outputs, CloseStream):
+                    await queue.put(outputs)
+                if quit_on_none:
+                    await queue.put(None)
+                    break
+                continue
+            if not isinstance(audio, tuple) or not isinstance(audio[1], np.ndarray):
+                raise WebRTCError("The frame must be a tuple containing a sample rate and a numpy array.")
+            for frame in frames.cut(*audio):
+                await queue.put(frame)
+            if isinstance(outputs, CloseStream):
+                await queue.put(outputs)
+        except TimeoutError:
+            log.warning("no agent audio or update from the handler in 60 s; waiting on")
+        except WebRTCError:
+            raise
+        except Exception as exc:  # as fastrtc's worker does: say so, go on with the next item
+            log.error("failed to send the handler's output: %s", exc, exc_info=True)
+
+
 class PacedAudioCallback(AudioCallback):
     """fastrtc's outgoing audio track, paced without an anchor: a packet waits only for the previous
     one's 40 ms, and only while nothing queues behind it."""
@@ -259,7 +335,8 @@ class PacedAudioCallback(AudioCallback):
             now = time.monotonic()
             if self._next_due is not None and now < self._next_due and self.queue.empty():
                 try:  # wait for its turn, unless more audio comes meanwhile: then it is a backlog
-                    self._peeked = await asyncio.wait_for(self.queue.get(), self._next_due - now)
+                    async with asyncio.timeout(self._next_due - now):  # no task per packet, as wait_for makes
+                        self._peeked = await self.queue.get()
                 except TimeoutError:
                     pass
                 now = time.monotonic()

@@ -14,6 +14,7 @@ from .audio import (
     ArrivalJitterBuffer,
     PacedAudioCallback,
     PacketOpusEncoder,
+    agent_audio_worker,
     answering_with_packet_time,
     audio_level_dbov,
     make_loop_decoder_worker,
@@ -102,6 +103,15 @@ def install_output_pacing() -> None:
     import fastrtc.webrtc_connection_mixin as mixin
 
     _replace(mixin, "AudioCallback", "fastrtc", PacedAudioCallback)
+
+
+def install_agent_frames() -> None:
+    """fastrtc's outgoing audio tracks in this process turn a handler's audio into frames with
+    `agent_audio_worker` (by the name `player_worker_decode` in `fastrtc.tracks`): s16 mono, as the
+    Opus encoder takes it, instead of float stereo resampled twice."""
+    import fastrtc.tracks as tracks
+
+    _replace(tracks, "player_worker_decode", "fastrtc", agent_audio_worker)
 
 
 def receive_audio(pc: Any, on: bool) -> bool:
@@ -205,3 +215,4 @@ def apply_media_settings() -> None:
     install_audio_level()  # each packet's RTP audio level, the same value without a Python loop
     install_jitter_buffer()  # the callers' packets released as they arrive, never stuck behind a loss
     install_output_pacing()  # agent packets 40 ms apart, with no anchor that a late first frame sets
+    install_agent_frames()  # the agent's audio cut into s16 mono packets, with no resampler on the way
