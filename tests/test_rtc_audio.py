@@ -513,7 +513,13 @@ def test_agent_frames_mix_stereo_and_refuse_audio_at_another_rate_or_layout_by_n
         frames.cut(16000, np.zeros(960, np.int16))
     with pytest.raises(WebRTCError, match="'5.1'"):
         frames.cut(24000, np.zeros((6, 960), np.int16), "5.1")
-    assert frames.cut(24000, np.zeros(959, np.int16)) == [] and len(frames.cut(24000, np.zeros(1, np.int16))) == 1
+    with pytest.raises(WebRTCError, match=r"shape \(960, 2\); its track takes \(2, samples\)"):
+        frames.cut(24000, np.zeros((960, 2), np.int16), "stereo")  # interleaved: not what fastrtc takes
+    reused = np.arange(959, dtype=np.int16)
+    assert frames.cut(24000, reused) == []
+    reused[:] = 0  # the handler's buffer, filled again: what waits in AgentFrames is a copy
+    (frame,) = frames.cut(24000, np.full(1, 7, np.int16))
+    assert frame.to_ndarray()[0, [0, 958, 959]].tolist() == [0, 958, 7]
     # Planar stereo (one row per channel, as fastrtc takes it) is mixed into the one channel sent.
     left = np.linspace(-0.5, 0.5, 960, dtype=np.float32)
     (mixed,) = frames.cut(24000, np.stack([left, -0.5 * left]), "stereo")
@@ -525,7 +531,8 @@ def test_a_packet_sized_mono_frame_is_encoded_as_it_is_into_the_packets_the_fifo
     times are those of the same audio in pieces of other sizes, which go through it."""
     audio = (8000 * np.sin(2 * np.pi * 220 * np.arange(960 * 30) / 24000)).astype(np.int16)
 
-    def encoded(sizes: list[int]) -> tuple[list[bytes], list[int]]:
+    def encoded(sizes: list[int]) -> tuple[list[bytes], list[int], int]:
+        """The packets, their RTP times, and the samples that went through the FIFO."""
         encoder, payloads, stamps, at = PacketOpusEncoder(), [], [], 0
         for size in sizes:
             frame = AudioFrame.from_ndarray(audio[at:at + size].reshape(1, -1), format="s16", layout="mono")
@@ -533,12 +540,15 @@ def test_a_packet_sized_mono_frame_is_encoded_as_it_is_into_the_packets_the_fifo
             got, stamp = encoder.encode(frame)
             payloads += got
             stamps += [stamp] * len(got)
-        return payloads, stamps
+        return payloads, stamps, encoder._fifo.samples_written
 
-    direct, direct_stamps = encoded([960] * 30)
-    pieces, piece_stamps = encoded([700] + [960] * 29 + [260])  # each ends with 700 samples in the FIFO
-    assert len(direct) == 30 and direct == pieces and direct_stamps == piece_stamps
-    assert direct_stamps == [k * 1920 for k in range(30)]
+    direct, direct_stamps, through_fifo = encoded([960] * 30)
+    assert len(direct) == 30 and direct_stamps == [k * 1920 for k in range(30)]
+    assert through_fifo == 960  # the first frame only, before the resampler knew it has nothing to do
+    pieces = encoded([700] + [960] * 29 + [260])  # each ends with 700 samples in the FIFO
+    assert pieces[:2] == (direct, direct_stamps) and pieces[2] == 960 * 30
+    emptied = encoded([700, 260] + [960] * 29)  # the FIFO empties, and packet-sized frames skip it again
+    assert emptied[:2] == (direct, direct_stamps) and emptied[2] == 960
 
 
 def test_install_gives_fastrtcs_tracks_the_agent_audio_worker():

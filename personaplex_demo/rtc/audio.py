@@ -260,8 +260,10 @@ class AgentFrames:
             raise WebRTCError(f"the handler emitted {layout!r} audio; its track takes mono or stereo")
         pcm = np.asarray(audio)
         if layout == "stereo":  # planar, as fastrtc takes it: one row per channel, mixed to the one sent
+            if pcm.ndim != 2 or pcm.shape[0] != 2:
+                raise WebRTCError(f"the handler emitted stereo audio of shape {pcm.shape}; its track takes (2, samples)")
             scale = np.float32(1 / 32768 if pcm.dtype == np.int16 else 1)
-            pcm = pcm.reshape(2, -1).mean(axis=0, dtype=np.float32) * scale
+            pcm = pcm.mean(axis=0, dtype=np.float32) * scale
         pcm = pcm.reshape(-1)
         if pcm.dtype != np.int16:  # as libswresample converts float to s16: rounded, clipped
             pcm = np.clip(np.rint(pcm.astype(np.float32, copy=False) * 32768.0), -32768, 32767).astype(np.int16)
@@ -273,6 +275,8 @@ class AgentFrames:
             frame.sample_rate, frame.pts, frame.time_base = self.rate, self._samples, self._time_base
             self._samples += self.frame_size
             frames.append(frame)
+        # What waits for the next array is its own: never a view of an array the handler may reuse.
+        self._pending = self._pending.copy() if self._pending.size else np.zeros(0, np.int16)
         return frames
 
 
@@ -280,7 +284,9 @@ async def agent_audio_worker(next_frame, queue: asyncio.Queue, thread_quit: asyn
                              set_additional_outputs, quit_on_none: bool = False, sample_rate: int = OPUS_RATE,
                              frame_size: int = OPUS_RATE // 50) -> None:
     """fastrtc 0.0.34's `player_worker_decode`, step for step, except that the audio is cut by
-    `AgentFrames`, and the wait for the handler's next item is a timeout scope, not a task of its own."""
+    `AgentFrames`, and the wait for the handler's next item is a timeout scope, not a task of its own.
+    Audio that fastrtc would have resampled (another rate than the track's) ends the track with a logged
+    `WebRTCError`: this app's handlers emit at their output rate."""
     frames = AgentFrames(sample_rate, frame_size)
     while not thread_quit.is_set():
         try:
@@ -305,7 +311,8 @@ async def agent_audio_worker(next_frame, queue: asyncio.Queue, thread_quit: asyn
                 await queue.put(outputs)
         except TimeoutError:
             log.warning("no agent audio or update from the handler in 60 s; waiting on")
-        except WebRTCError:
+        except WebRTCError as exc:  # as fastrtc's worker does, said in the log before the track ends
+            log.error("the agent's audio stopped: %s", exc)
             raise
         except Exception as exc:  # as fastrtc's worker does: say so, go on with the next item
             log.error("failed to send the handler's output: %s", exc, exc_info=True)

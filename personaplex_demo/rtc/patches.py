@@ -215,4 +215,4 @@ def apply_media_settings() -> None:
     install_audio_level()  # each packet's RTP audio level, the same value without a Python loop
     install_jitter_buffer()  # the callers' packets released as they arrive, never stuck behind a loss
     install_output_pacing()  # agent packets 40 ms apart, with no anchor that a late first frame sets
-    install_agent_frames()  # the agent's audio cut into s16 mono packets, with no resampler on the way
+    install_agent_frames()  # the agent's audio cut into s16 mono packets, not resampled to stereo and back
